@@ -1,0 +1,1 @@
+"""The ``lockstep`` launcher: argv + env -> LaunchPlan -> supervised worker processes."""
