@@ -1,0 +1,243 @@
+"""``lockstep`` command line: argv + env -> LaunchPlan. Pure: no processes, no sockets, no torch."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from lockstep import __version__
+from lockstep.launcher.plan import FORMAT_FIELDS, LaunchError, LaunchPlan, Mode
+
+_DESCRIPTION = """\
+Start NPROC copies of a training script on this node, each with the torch.distributed environment
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT) set. Flags
+override the environment variables named in their help. If any rank fails, the others are stopped
+and the launcher exits with the failed rank's exit code."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, no usage dump: the message says what to change.
+        if message.startswith("the following arguments are required"):
+            message = "no training script given: lockstep [-n NPROC] [options] script.py [args ...]"
+        raise LaunchError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fields = ", ".join("{%s}" % f for f in FORMAT_FIELDS)
+
+    def fmt_help(stream: str) -> str:
+        return (f"Format string for the file that receives the {stream.upper()} of every rank but "
+                f"local rank 0 (which goes to the console). Fields: {fields}. Default: "
+                f"RUN_DIRECTORY/rank{{rank}}.{stream}.log, kept after the run.")
+
+    p = _Parser(prog="lockstep", description=_DESCRIPTION, allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"lockstep {__version__}")
+    p.add_argument("-n", "--nproc", type=_positive_int, default=None,
+                   help="Processes to start on this node. Default: env LOCAL_WORLD_SIZE, else the "
+                        "number of visible CUDA devices, at least 1.")
+    p.add_argument("--stdout", default=None, help=fmt_help("stdout"))
+    p.add_argument("--stderr", default=None, help=fmt_help("stderr"))
+    p.add_argument("-v", "--verbose", action="store_true", help="Print what the launcher does.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("-m", "--module_mode", action="store_true",
+                      help="Run training_script as a module (python -m).")
+    mode.add_argument("-c", "--command_mode", action="store_true",
+                      help="Run training_script as a command, without python.")
+    p.add_argument("--run_directory", default=None,
+                   help="Folder for run artifacts and rank logs. Default: runs/<timestamp>.")
+    p.add_argument("--max_restarts", type=_non_negative_int, default=None,
+                   help="When a rank fails, stop and restart this node's ranks up to this many "
+                        "times (env LOCKSTEP_MAX_RESTARTS). Default: 0.")
+    p.add_argument("--grace_period", type=_non_negative_float, default=5.0,
+                   help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
+    p.add_argument("training_script", help="Script (or module with -m, command with -c) to run.")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                   help="Arguments passed on to the training script.")
+    multi = p.add_argument_group("multi-node arguments (needed when world_size > nproc)")
+    multi.add_argument("--world_size", type=_positive_int, default=None,
+                       help="Processes over all nodes (env WORLD_SIZE). Default: nproc.")
+    multi.add_argument("--base_rank", type=_non_negative_int, default=None,
+                       help="Global rank of this node's first process (env BASE_RANK).")
+    multi.add_argument("--node_rank", type=_non_negative_int, default=None,
+                       help="Rank of this node (env NODE_RANK). With only one of base_rank and "
+                            "node_rank, nodes are assumed equal: base_rank = node_rank * nproc.")
+    multi.add_argument("--master_addr", default=None,
+                       help="Address of the node that runs rank 0 (env MASTER_ADDR). "
+                            "Default on one node: 127.0.0.1.")
+    multi.add_argument("--master_port", type=_port, default=None,
+                       help="Port of the c10d store on the master (env MASTER_PORT). Default on "
+                            "one node: a free port the launcher holds.")
+    return p
+
+
+def _from_env(env: Mapping[str, str], name: str, parse, flag: str):
+    text = env.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as e:
+        raise LaunchError(f"env {name}: {e} (or pass {flag})") from None
+
+
+def _visible_cuda_devices(env: Mapping[str, str]) -> int:
+    # Counted without importing torch, which would cost the launcher a second or more.
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def _check_format(name: str, fmt: str | None) -> None:
+    if fmt is None:
+        return
+    try:
+        fmt.format(**{f: 0 for f in FORMAT_FIELDS})
+    except (KeyError, IndexError, ValueError) as e:
+        fields = ", ".join("{%s}" % f for f in FORMAT_FIELDS)
+        raise LaunchError(f"--{name} {fmt!r} is not a valid format: {e}; use only {fields}") from None
+
+
+def _check_target(mode: Mode, target: str) -> None:
+    if mode is Mode.SCRIPT and not Path(target).is_file():
+        raise LaunchError(f"training script {target!r} does not exist (use -m for a module, -c for a command)")
+    if mode is Mode.COMMAND and shutil.which(target) is None:
+        raise LaunchError(f"command {target!r} was not found on PATH or is not executable")
+    if mode is Mode.MODULE:
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise LaunchError(f"module {target!r} was not found (run from the folder that contains it)")
+
+
+def _resolve_ranks(nproc: int, world_size: int, base_rank: int | None, node_rank: int | None) -> tuple[int, int]:
+    if world_size < nproc:
+        raise LaunchError(f"world_size {world_size} is smaller than nproc {nproc}: raise --world_size or lower -n")
+    if world_size == nproc:
+        if (base_rank or 0) != 0 or (node_rank or 0) != 0:
+            raise LaunchError(
+                f"world_size {world_size} == nproc {nproc} is a single-node run, so base_rank and "
+                f"node_rank must be 0; for multi-node set --world_size to the total over all nodes")
+        return 0, 0
+    if base_rank is None and node_rank is None:
+        raise LaunchError(
+            f"multi-node run (world_size {world_size} > nproc {nproc}) needs --node_rank or --base_rank")
+    if base_rank is None:
+        base_rank = node_rank * nproc
+    elif node_rank is None:
+        if base_rank % nproc:
+            raise LaunchError(
+                f"base_rank {base_rank} is not a multiple of nproc {nproc}, so node_rank cannot be "
+                f"inferred: pass --node_rank too")
+        node_rank = base_rank // nproc
+    if base_rank + nproc > world_size:
+        raise LaunchError(
+            f"this node's ranks {base_rank}..{base_rank + nproc - 1} do not fit in world_size "
+            f"{world_size}: check --world_size, -n, --node_rank and --base_rank")
+    return base_rank, node_rank
+
+
+def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.datetime | None = None) -> LaunchPlan:
+    """Turn the command line and environment into a LaunchPlan; raise LaunchError on bad input."""
+    args = build_parser().parse_args(list(argv))
+    if args.training_script.startswith("-"):
+        raise LaunchError(f"unknown option {args.training_script!r} (see lockstep --help)")
+    nproc = args.nproc or _from_env(env, "LOCAL_WORLD_SIZE", _positive_int, "-n")
+    nproc = nproc or max(1, _visible_cuda_devices(env))
+    world_size = args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size") or nproc
+    base_rank = args.base_rank if args.base_rank is not None else _from_env(env, "BASE_RANK", _non_negative_int, "--base_rank")
+    node_rank = args.node_rank if args.node_rank is not None else _from_env(env, "NODE_RANK", _non_negative_int, "--node_rank")
+    base_rank, node_rank = _resolve_ranks(nproc, world_size, base_rank, node_rank)
+
+    master_addr = args.master_addr or env.get("MASTER_ADDR") or None
+    master_port = args.master_port or _from_env(env, "MASTER_PORT", _port, "--master_port")
+    if world_size > nproc:
+        if master_addr is None:
+            raise LaunchError("multi-node run needs --master_addr (or env MASTER_ADDR): the address of the node with rank 0")
+        if master_port is None:
+            raise LaunchError("multi-node run needs --master_port (or env MASTER_PORT): a port open on the node with rank 0")
+
+    max_restarts = args.max_restarts
+    if max_restarts is None:
+        max_restarts = _from_env(env, "LOCKSTEP_MAX_RESTARTS", _non_negative_int, "--max_restarts") or 0
+
+    _check_format("stdout", args.stdout)
+    _check_format("stderr", args.stderr)
+    mode = Mode.MODULE if args.module_mode else Mode.COMMAND if args.command_mode else Mode.SCRIPT
+    _check_target(mode, args.training_script)
+
+    stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%dT%H-%M-%S-%f")
+    return LaunchPlan(
+        nproc=nproc, world_size=world_size, base_rank=base_rank, node_rank=node_rank,
+        master_addr=master_addr or "127.0.0.1", master_port=master_port,
+        run_directory=Path(args.run_directory or Path("runs") / stamp),
+        stdout_format=args.stdout, stderr_format=args.stderr,
+        mode=mode, target=args.training_script, target_args=tuple(args.training_script_args),
+        verbose=args.verbose, max_restarts=max_restarts, grace_period=args.grace_period,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lockstep`` command; returns the process exit code."""
+    try:
+        plan = parse_plan(sys.argv[1:] if argv is None else argv, os.environ)
+    except LaunchError as e:
+        print(f"lockstep: error: {e}", file=sys.stderr)
+        return 2
+    from lockstep.launcher.supervisor import Supervisor
+
+    return Supervisor(plan).run()

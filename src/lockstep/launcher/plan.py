@@ -1,0 +1,129 @@
+"""LaunchPlan: what the launcher will start on this node, derived purely from flags and env.
+
+Nothing here starts a process, opens a socket or imports torch, so every rule is unit-testable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+FORMAT_FIELDS = ("rank", "local_rank", "world_size", "node_rank", "local_world_size")
+DEFAULT_STDOUT = "rank{rank}.stdout.log"
+DEFAULT_STDERR = "rank{rank}.stderr.log"
+
+
+class LaunchError(ValueError):
+    """A usage error: the launcher prints its message on one line and exits 2 before starting anything."""
+
+
+class Mode(str, Enum):
+    SCRIPT = "script"
+    MODULE = "module"
+    COMMAND = "command"
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """One process this node will start."""
+
+    rank: int
+    local_rank: int
+    stdout_path: Path | None
+    """None: inherit the launcher's stdout (local rank 0)."""
+    stderr_path: Path | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchPlan:
+    """Everything the supervisor needs to start this node's ranks."""
+
+    nproc: int
+    world_size: int
+    base_rank: int
+    node_rank: int
+    master_addr: str
+    master_port: int | None
+    """None: single node, the supervisor picks a free port and holds it."""
+    run_directory: Path
+    stdout_format: str | None
+    stderr_format: str | None
+    mode: Mode
+    target: str
+    target_args: tuple[str, ...] = ()
+    verbose: bool = False
+    max_restarts: int = 0
+    grace_period: float = 5.0
+    python: str = field(default=sys.executable)
+
+    @property
+    def is_multinode(self) -> bool:
+        return self.world_size > self.nproc
+
+    @property
+    def hosts_store(self) -> bool:
+        """The node holding global rank 0 hosts the c10d store that every rank connects to."""
+        return self.base_rank == 0
+
+    @property
+    def ranks(self) -> list[RankSpec]:
+        return [self._rank_spec(local_rank) for local_rank in range(self.nproc)]
+
+    def _rank_spec(self, local_rank: int) -> RankSpec:
+        if local_rank == 0:
+            return RankSpec(self.base_rank, 0, None, None)
+        fields = self.format_fields(local_rank)
+        stdout = (self.stdout_format or str(self.run_directory / DEFAULT_STDOUT)).format(**fields)
+        stderr = (self.stderr_format or str(self.run_directory / DEFAULT_STDERR)).format(**fields)
+        return RankSpec(self.base_rank + local_rank, local_rank, Path(stdout), Path(stderr))
+
+    def format_fields(self, local_rank: int) -> dict[str, int]:
+        return {
+            "rank": self.base_rank + local_rank,
+            "local_rank": local_rank,
+            "world_size": self.world_size,
+            "node_rank": self.node_rank,
+            "local_world_size": self.nproc,
+        }
+
+    def command(self) -> list[str]:
+        """The argv each worker runs; python targets go through lockstep's small worker bootstrap."""
+        if self.mode is Mode.COMMAND:
+            return [self.target, *self.target_args]
+        bootstrap = [self.python, "-u", "-m", "lockstep.launcher.worker", self.mode.value]
+        return [*bootstrap, self.target, *self.target_args]
+
+    def worker_env(
+        self, local_rank: int, master_port: int, restart_count: int, base_env: dict[str, str]
+    ) -> dict[str, str]:
+        """The environment contract of one worker (DESIGN section 2), torchrun's names included."""
+        rank = self.base_rank + local_rank
+        env = dict(base_env)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(self.nproc),
+            NODE_RANK=str(self.node_rank),
+            BASE_RANK=str(self.base_rank),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(master_port),
+            # torchrun's names, so scripts and libraries written for torchrun run unchanged.
+            GROUP_RANK=str(self.node_rank),
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(self.world_size),
+            TORCHELASTIC_RESTART_COUNT=str(restart_count),
+            TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
+            # Every rank connects to the store the launcher's node hosts, instead of rank 0
+            # binding MASTER_PORT itself (which races with anything else that grabs the port).
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            LOCKSTEP_RESTART_COUNT=str(restart_count),
+            LOCKSTEP_RUN_DIRECTORY=str(self.run_directory),
+            PYTHONUNBUFFERED="1",
+        )
+        if "OMP_NUM_THREADS" not in base_env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
+        return env

@@ -1,0 +1,70 @@
+"""Orphan guard: a forked helper that kills every rank's process group if the launcher dies.
+
+The launcher may be killed with SIGKILL, which it cannot catch. The watchdog holds the read end of
+a pipe whose write end only the launcher has; when the launcher dies, for any reason, the kernel
+closes that end, the watchdog reads EOF and SIGKILLs every process group it was told about. It
+runs in its own session so that killing the launcher's process group does not take it along.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class Watchdog:
+    """Launcher-side handle: register each rank's process group, forget it once it is gone."""
+
+    def __init__(self) -> None:
+        read_fd, self._write_fd = os.pipe()
+        # Forked before any thread exists, so the child is a plain copy with nothing half-locked.
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self._write_fd)
+            _watch(read_fd)
+        os.close(read_fd)
+        os.set_inheritable(self._write_fd, False)
+
+    def guard(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+    def close(self) -> None:
+        """Normal shutdown: the watchdog sees EOF with nothing left to kill and exits."""
+        if self._write_fd >= 0:
+            os.close(self._write_fd)
+            self._write_fd = -1
+            os.waitpid(self.pid, 0)
+
+    def _send(self, line: str) -> None:
+        os.write(self._write_fd, line.encode())
+
+
+def _watch(read_fd: int) -> None:
+    """Child side; never returns."""
+    try:
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.closerange(3, read_fd)
+        os.closerange(read_fd + 1, 65536)
+        groups: set[int] = set()
+        buffer = b""
+        while chunk := os.read(read_fd, 4096):
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                pgid = int(line[1:])
+                (groups.add if line[:1] == b"+" else groups.discard)(pgid)
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+    finally:
+        os._exit(0)

@@ -1,0 +1,54 @@
+"""Helpers for end-to-end launcher tests: run `python -m lockstep` as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def launch(args: list[str], cwd: Path, timeout: float = 90, env: dict[str, str] | None = None,
+           ) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "lockstep", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    """True unless the process is gone or a zombie (a zombie has already been killed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def wait_for_files(paths: list[Path], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and p.stat().st_size > 0 for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not written in time: {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def write_script(tmp_path: Path):
+    def write(name: str, body: str) -> Path:
+        path = tmp_path / name
+        path.write_text(body)
+        return path
+    return write

@@ -1,0 +1,258 @@
+"""The launcher end to end: real worker processes, gloo, a timeout on every run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.conftest import launch, wait_for_files, wait_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+ENV_DUMP = textwrap.dedent("""
+    import json, os, sys
+    keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "LOCKSTEP_RESTART_COUNT"]
+    out = os.path.join(sys.argv[1], "env" + os.environ["RANK"] + ".json")
+    json.dump({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:]}, open(out, "w"))
+""")
+
+ALL_REDUCE = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} node {os.environ['NODE_RANK']} "
+          f"local {os.environ['LOCAL_RANK']} sum {t.item():g}")
+    print(f"err from rank {dist.get_rank()}", file=sys.stderr)
+""")
+
+
+def test_env_contract_for_two_ranks(tmp_path: Path, write_script) -> None:
+    script = write_script("dump.py", ENV_DUMP)
+    result = launch(["-n", "2", str(script), str(tmp_path), "--flag"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(2)]
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["NODE_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["PYTHONUNBUFFERED"] == "1" and env["LOCKSTEP_RESTART_COUNT"] == "0"
+        assert env["argv"] == [str(tmp_path), "--flag"]
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and int(envs[0]["MASTER_PORT"]) > 0
+
+
+def test_plain_torch_script_console_and_rank_files(tmp_path: Path, write_script) -> None:
+    script = write_script("allreduce.py", ALL_REDUCE)
+    fmt = str(tmp_path / "logs" / "{rank}-{local_rank}-{world_size}-{node_rank}-{local_world_size}")
+    result = launch(["-n", "2", "--stdout", fmt + ".out", "--stderr", fmt + ".err", str(script)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    # Only local rank 0 reaches the console; rank 1 goes to its format files.
+    assert result.stdout.strip() == "rank 0 of 2 node 0 local 0 sum 3"
+    assert "err from rank 0" in result.stderr and "rank 1" not in result.stderr
+    assert (tmp_path / "logs" / "1-1-2-0-2.out").read_text().strip() == "rank 1 of 2 node 0 local 1 sum 3"
+    assert "err from rank 1" in (tmp_path / "logs" / "1-1-2-0-2.err").read_text()
+
+
+def test_other_ranks_output_is_kept_under_run_directory(tmp_path: Path, write_script) -> None:
+    script = write_script("allreduce.py", ALL_REDUCE)
+    result = launch(["-n", "2", "--run_directory", "myrun", str(script)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "sum 3" in (tmp_path / "myrun" / "rank1.stdout.log").read_text()
+    assert "err from rank 1" in (tmp_path / "myrun" / "rank1.stderr.log").read_text()
+
+
+def test_module_and_command_modes(tmp_path: Path, write_script) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "dump.py").write_text(ENV_DUMP)
+    result = launch(["-n", "2", "-m", "pkg.dump", str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "env1.json").read_text())["RANK"] == "1"
+
+    result = launch(["-n", "2", "-c", "sh", "-c", 'echo "cmd rank $RANK of $WORLD_SIZE"'], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "cmd rank 0 of 2"
+
+
+def test_command_mode_runs_a_torch_script_through_the_launcher_store(tmp_path: Path, write_script) -> None:
+    # -c runs the command as is, without lockstep's exit hook, so the script tears down itself.
+    script = write_script("allreduce.py", ALL_REDUCE + "dist.destroy_process_group()\n")
+    result = launch(["-n", "2", "-c", sys.executable, str(script)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "sum 3" in result.stdout
+
+
+def test_failing_rank_exit_code_report_and_teardown(tmp_path: Path, write_script) -> None:
+    script = write_script("fail.py", textwrap.dedent("""
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        if os.environ["RANK"] == "1":
+            time.sleep(1)
+            print("rank one is failing on purpose", file=sys.stderr)
+            sys.exit(3)
+        time.sleep(120)
+    """))
+    result = launch(["-n", "2", str(script), str(tmp_path)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert "rank 1 (local rank 1" in result.stderr and "failed first with exit code 3" in result.stderr
+    assert "rank one is failing on purpose" in result.stderr
+    assert "0 (signal SIGTERM)" in result.stderr
+    assert wait_gone([int((tmp_path / f"pid{r}").read_text()) for r in range(2)], timeout=5) == []
+
+
+def test_rank_killed_by_signal_reports_the_signal(tmp_path: Path, write_script) -> None:
+    script = write_script("segv.py", textwrap.dedent("""
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(120)
+    """))
+    result = launch(["-n", "2", str(script)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 128 + signal.SIGSEGV
+    assert "rank 1" in result.stderr and "signal SIGSEGV" in result.stderr
+
+
+SLEEPER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    rank = os.environ["RANK"]
+    path = os.path.join(sys.argv[1], "pids" + rank)
+    open(path + ".tmp", "w").write(f"{os.getpid()} {child.pid}")
+    os.rename(path + ".tmp", path)
+    time.sleep(300)
+""")
+
+
+def _start_sleepers(tmp_path: Path, write_script) -> tuple[subprocess.Popen, list[int]]:
+    script = write_script("sleeper.py", SLEEPER)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "-n", "2", "--grace_period", "2", str(script), str(tmp_path)],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    files = [tmp_path / f"pids{r}" for r in range(2)]
+    wait_for_files(files)
+    pids = [int(p) for f in files for p in f.read_text().split()]
+    return launcher, pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_is_forwarded_and_leaves_nothing(tmp_path: Path, write_script, signum) -> None:
+    launcher, pids = _start_sleepers(tmp_path, write_script)
+    launcher.send_signal(signum)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signum
+    assert f"received {signal.Signals(signum).name}" in err
+    assert wait_gone(pids, timeout=5) == []
+
+
+def test_sigkill_to_launcher_leaves_no_orphans(tmp_path: Path, write_script) -> None:
+    launcher, pids = _start_sleepers(tmp_path, write_script)
+    launcher.kill()
+    launcher.communicate(timeout=30)
+    assert wait_gone(pids, timeout=10) == []
+
+
+def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(tmp_path: Path, write_script) -> None:
+    script = write_script("stubborn.py", textwrap.dedent("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join(sys.argv[1], "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        if os.environ["RANK"] == "1":
+            time.sleep(1)
+            sys.exit(5)
+        time.sleep(300)
+    """))
+    result = launch(["-n", "2", "--grace_period", "1", str(script), str(tmp_path)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 5
+    assert "0 (signal SIGKILL)" in result.stderr
+    assert wait_gone([int((tmp_path / "pid0").read_text())], timeout=5) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launchers_form_one_world_of_four(tmp_path: Path, write_script) -> None:
+    script = write_script("allreduce.py", ALL_REDUCE)
+    port = str(_free_port())
+    common = ["-n", "2", "--world_size", "4", "--master_addr", "127.0.0.1", "--master_port", port]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "lockstep", *common, "--node_rank", str(node),
+         "--stdout", str(tmp_path / "out{rank}"), str(script)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    outs = [n.communicate(timeout=90) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    lines = {outs[0][0].strip(), outs[1][0].strip(),
+             (tmp_path / "out1").read_text().strip(), (tmp_path / "out3").read_text().strip()}
+    assert lines == {f"rank {r} of 4 node {r // 2} local {r % 2} sum 10" for r in range(4)}
+
+
+def test_store_port_is_held_before_rank_zero_starts(tmp_path: Path, write_script) -> None:
+    # Anyone who tries to take MASTER_PORT while the job runs (here: rank 0 itself) cannot.
+    script = write_script("grab.py", textwrap.dedent("""
+        import os, socket
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            print("port was free")
+        except OSError:
+            print("port is held")
+    """))
+    result = launch(["-n", "1", str(script)], cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == "port is held"
+
+
+def test_busy_master_port_is_a_usage_error(tmp_path: Path, write_script) -> None:
+    script = write_script("noop.py", "")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = launch(["--master_port", str(busy.getsockname()[1]), str(script)], cwd=tmp_path)
+    assert result.returncode == 2 and "--master_port" in result.stderr
+
+
+def test_exit_right_after_a_collective_does_not_abort(tmp_path: Path, write_script) -> None:
+    # torch 2.13 + gloo: exiting after a collective without destroy_process_group can SIGABRT;
+    # the worker bootstrap tears the group down at exit. Without it this fails ~1 run in 3.
+    script = write_script("trap.py", textwrap.dedent("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(4)
+        dist.all_reduce(t)
+    """))
+    for _ in range(4):
+        result = launch(["-n", "2", str(script)], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+
+
+def test_max_restarts_starts_the_ranks_again(tmp_path: Path, write_script) -> None:
+    script = write_script("flaky.py", textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        restart = int(os.environ["LOCKSTEP_RESTART_COUNT"])
+        if restart < 2 and dist.get_rank() == 1:
+            sys.exit(7)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print(f"attempt {restart} sum {t.item():g}")
+    """))
+    result = launch(["-n", "2", "--max_restarts", "2", str(script)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "attempt 2 sum 2"
+    assert result.stderr.count("restarting this node's ranks") == 2
+
+    result = launch(["-n", "2", "--max_restarts", "1", str(script)], cwd=tmp_path)
+    assert result.returncode == 7
