@@ -256,3 +256,25 @@ def test_max_restarts_starts_the_ranks_again(tmp_path: Path, write_script) -> No
 
     result = launch(["-n", "2", "--max_restarts", "1", str(script)], cwd=tmp_path)
     assert result.returncode == 7
+
+
+@pytest.mark.parametrize("fast_exit", ["1", "0"])
+def test_unclosed_files_in_globals_are_flushed_at_exit(tmp_path: Path, write_script, fast_exit) -> None:
+    # What `python script.py` guarantees must hold under the bootstrap and its fast exit too.
+    script = write_script("unclosed.py", textwrap.dedent("""
+        import sys, torch
+        class Holder:
+            def __init__(self, path):
+                self.f = open(path, "w")
+                self.me = self  # a reference cycle: only the garbage collector frees it
+        plain = open(sys.argv[1] + "/plain.txt", "w")
+        plain.write("plain data")
+        cyclic = Holder(sys.argv[1] + "/cyclic.txt")
+        cyclic.f.write("cyclic data")
+        print(__name__, __file__ == sys.argv[0], __spec__)
+    """))
+    result = launch(["-n", "1", str(script), str(tmp_path)], cwd=tmp_path, env={"LOCKSTEP_FAST_EXIT": fast_exit})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "__main__ True None"
+    assert (tmp_path / "plain.txt").read_text() == "plain data"
+    assert (tmp_path / "cyclic.txt").read_text() == "cyclic data"

@@ -10,19 +10,28 @@ things that happen when (and only if) the script imports torch:
   collective without ``destroy_process_group`` can abort with SIGABRT while the interpreter shuts
   down (torch 2.13).
 
+Interpreter shutdown with torch loaded spends ~0.5 s in repeated garbage collections over a heap
+of torch objects. After the script ends, the bootstrap collects garbage once (so cyclic garbage is
+finalized as usual), flushes every open file object, then freezes the heap so those final passes
+skip it: shutdown takes about half as long. ``LOCKSTEP_FAST_EXIT=0`` turns this off.
+
 This module imports only the standard library: a script that never imports torch pays nothing.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import datetime
+import gc
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import io
 import os
 import runpy
 import sys
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 _STORE_FD_ENV = "LOCKSTEP_STORE_FD"
@@ -56,6 +65,20 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _prepare_fast_shutdown() -> None:
+    if "torch" not in sys.modules or os.environ.get("LOCKSTEP_FAST_EXIT") == "0":
+        return
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):
+                pass
+    gc.freeze()
+
+
 class _TorchImportHook(importlib.abc.MetaPathFinder):
     """Calls back once the top-level ``torch`` package has finished importing."""
 
@@ -76,6 +99,44 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _exec_as_main(code: CodeType, **attrs: Any) -> None:
+    """Run code in a fresh, real ``__main__`` module, as the interpreter does for a script.
+
+    runpy.run_path would use a temporary module whose globals are not torn down at exit the way
+    ``__main__``'s are, so objects a script leaves in its globals would not be finalized.
+    """
+    main = ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, **attrs)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def _run_script(path: str) -> None:
+    if not os.path.isfile(path):  # a folder or zip with __main__.py
+        runpy.run_path(path, run_name="__main__")
+        return
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    loader = importlib.machinery.SourceFileLoader("__main__", path)
+    _exec_as_main(code, __file__=path, __cached__=None, __spec__=None, __loader__=loader)
+
+
+def _run_module(name: str) -> None:
+    # `python -m` puts the working directory first on sys.path; so does `-m` here.
+    sys.path[0] = os.getcwd()
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise SystemExit(f"lockstep: no module named {name!r}")
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        spec = importlib.util.find_spec(f"{name}.__main__")
+        if spec is None:
+            raise SystemExit(f"lockstep: {name!r} is a package without a __main__ module")
+    code = spec.loader.get_code(spec.name)
+    _exec_as_main(code, __file__=spec.origin, __cached__=spec.cached, __spec__=spec,
+                  __loader__=spec.loader, __package__=spec.parent)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] not in ("script", "module"):
         raise SystemExit("usage: python -m lockstep.launcher.worker {script|module} TARGET [ARGS...]")
@@ -84,14 +145,11 @@ def main(argv: list[str]) -> None:
         _on_torch_imported()
     else:
         sys.meta_path.insert(0, _TorchImportHook())
-    if mode == "module":
-        # `python -m` puts the working directory first on sys.path; so does `-m` here.
-        sys.argv = [target, *args]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    sys.argv = [target, *args]
+    try:
+        (_run_module if mode == "module" else _run_script)(target)
+    finally:
+        _prepare_fast_shutdown()
 
 
 if __name__ == "__main__":

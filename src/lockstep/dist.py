@@ -1,0 +1,419 @@
+"""Rank helpers and collectives that behave the same inside and outside a distributed run.
+
+Outside a run (none of the launcher's environment variables set) the getters report world size 1 and
+rank 0, and every collective is a no-op that returns its input, so user code needs no
+``if distributed:`` branches. Inside a run the getters read the environment contract set by the
+``lockstep`` launcher (and by torchrun): ``RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE NODE_RANK``;
+once a process group exists, torch.distributed's own world size and rank take precedence.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as torch_dist
+from torch.utils.data import Dataset, DistributedSampler
+
+__all__ = [
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "get_global_rank",
+    "get_local_rank",
+    "get_local_world_size",
+    "get_node_rank",
+    "get_sampler",
+    "get_world_size",
+    "initialize_dist",
+    "is_available",
+    "is_initialized",
+    "local_rank_zero_download_and_wait",
+    "run_local_rank_zero_first",
+]
+
+T = TypeVar("T")
+
+_LAUNCH_HINT = "Launch the script with `lockstep -n N script.py`, which sets it, or export it yourself."
+_VAR_MEANING = {
+    "RANK": "the global rank of this process (0 .. WORLD_SIZE-1)",
+    "WORLD_SIZE": "the total number of processes",
+    "LOCAL_RANK": "the rank of this process on its node (0 .. LOCAL_WORLD_SIZE-1)",
+    "LOCAL_WORLD_SIZE": "the number of processes on this node",
+    "NODE_RANK": "the index of this node",
+    "MASTER_ADDR": "the address of the host that runs rank 0",
+    "MASTER_PORT": "a free TCP port on the host that runs rank 0",
+}
+_REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+_atexit_registered = False
+
+
+# ----------------------------------------------------------------------------- environment contract
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name}={os.environ[name]!r} is not an integer; {name} must be "
+            f"{_VAR_MEANING.get(name, 'an integer')}. Unset it or set it to an integer."
+        ) from None
+
+
+def _missing(name: str, world_size: int) -> ValueError:
+    return ValueError(
+        f"WORLD_SIZE={world_size} but environment variable {name} is not set; {name} is "
+        f"{_VAR_MEANING[name]}. {_LAUNCH_HINT}"
+    )
+
+
+def _out_of_range(name: str, value: int, bound_name: str, bound: int) -> ValueError:
+    return ValueError(
+        f"Environment variable {name}={value} is out of range: it must be in [0, {bound}) because "
+        f"{bound_name}={bound}. Fix {name} or {bound_name}."
+    )
+
+
+def _env_world_size() -> int:
+    world_size = _env_int("WORLD_SIZE")
+    if world_size is None:
+        return 1
+    if world_size < 1:
+        raise ValueError(f"Environment variable WORLD_SIZE={world_size} must be at least 1.")
+    return world_size
+
+
+def is_available() -> bool:
+    """Return True if this torch build supports torch.distributed."""
+    return torch_dist.is_available()
+
+
+def is_initialized() -> bool:
+    """Return True if the default torch.distributed process group exists."""
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def get_world_size() -> int:
+    """Return the number of processes in the run (1 outside a distributed run)."""
+    if is_initialized():
+        return torch_dist.get_world_size()
+    return _env_world_size()
+
+
+def get_global_rank() -> int:
+    """Return this process's rank among all processes (0 outside a distributed run)."""
+    if is_initialized():
+        return torch_dist.get_rank()
+    world_size = _env_world_size()
+    rank = _env_int("RANK")
+    if rank is None:
+        if world_size > 1:
+            raise _missing("RANK", world_size)
+        return 0
+    if "WORLD_SIZE" not in os.environ and rank != 0:
+        raise ValueError(
+            f"RANK={rank} is set but WORLD_SIZE is not; WORLD_SIZE is {_VAR_MEANING['WORLD_SIZE']}. "
+            f"{_LAUNCH_HINT}"
+        )
+    if not 0 <= rank < world_size:
+        raise _out_of_range("RANK", rank, "WORLD_SIZE", world_size)
+    return rank
+
+
+def get_local_world_size() -> int:
+    """Return the number of processes on this node (1 outside a distributed run)."""
+    local_world_size = _env_int("LOCAL_WORLD_SIZE")
+    world_size = get_world_size()
+    if local_world_size is None:
+        if world_size > 1:
+            raise _missing("LOCAL_WORLD_SIZE", world_size)
+        return 1
+    if not 1 <= local_world_size <= world_size:
+        raise ValueError(
+            f"Environment variable LOCAL_WORLD_SIZE={local_world_size} must be in [1, WORLD_SIZE] "
+            f"and WORLD_SIZE={world_size}. Fix LOCAL_WORLD_SIZE or WORLD_SIZE."
+        )
+    return local_world_size
+
+
+def get_local_rank() -> int:
+    """Return this process's rank on its node (0 outside a distributed run)."""
+    local_rank = _env_int("LOCAL_RANK")
+    if local_rank is None:
+        world_size = get_world_size()
+        if world_size > 1:
+            raise _missing("LOCAL_RANK", world_size)
+        return 0
+    local_world_size = _env_int("LOCAL_WORLD_SIZE")
+    bound, bound_name = (
+        (local_world_size, "LOCAL_WORLD_SIZE")
+        if local_world_size is not None
+        else (get_world_size(), "WORLD_SIZE")
+    )
+    if not 0 <= local_rank < bound:
+        raise _out_of_range("LOCAL_RANK", local_rank, bound_name, bound)
+    return local_rank
+
+
+def get_node_rank() -> int:
+    """Return the index of this node (0 outside a distributed run).
+
+    Reads ``NODE_RANK``, then torchrun's ``GROUP_RANK``; on a single node (world size equal to the
+    local world size) it is 0 even when neither is set.
+    """
+    for name in ("NODE_RANK", "GROUP_RANK"):
+        node_rank = _env_int(name)
+        if node_rank is not None:
+            if node_rank < 0:
+                raise ValueError(f"Environment variable {name}={node_rank} must be >= 0.")
+            return node_rank
+    world_size = get_world_size()
+    if world_size == 1 or get_local_world_size() == world_size:
+        return 0
+    raise _missing("NODE_RANK", world_size)
+
+
+# ----------------------------------------------------------------------------- process group
+
+
+def _backend_for(device: str | torch.device | None) -> str:
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    device_type = "cuda" if device_type == "gpu" else device_type
+    if device_type not in _BACKENDS:
+        raise ValueError(
+            f"initialize_dist(device={device!r}): unsupported device; use None, 'cpu', 'gpu' or 'cuda'."
+        )
+    return _BACKENDS[device_type]
+
+
+def _destroy_at_exit() -> None:
+    # torch 2.13 + gloo: exiting right after a collective without destroy_process_group can abort
+    # with SIGABRT during interpreter shutdown. No barrier here: if this rank is exiting because of an
+    # exception, its peers may never reach one, and exit must not hang.
+    if is_initialized():
+        with contextlib.suppress(Exception):
+            torch_dist.destroy_process_group()
+
+
+def _check_existing_backend(device: str | torch.device | None, backend: str) -> None:
+    existing = str(torch_dist.get_backend())
+    if device is not None and backend not in existing:
+        raise RuntimeError(
+            f"initialize_dist(device={device!r}) needs the {backend} backend, but the process group is "
+            f"already initialized with {existing!r}. Pass a matching device, or create the group with "
+            f"backend={backend!r}."
+        )
+
+
+def _require_rendezvous_env(world_size: int) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise ValueError(
+                f"initialize_dist(): WORLD_SIZE={world_size} but environment variable {name} is not "
+                f"set; {name} is {_VAR_MEANING[name]}. {_LAUNCH_HINT}"
+            )
+
+
+def initialize_dist(device: str | torch.device | None = None, timeout: float = 300.0) -> None:
+    """Create the default process group from the environment contract, if one is needed.
+
+    ``device`` picks the backend: ``'cpu'`` -> gloo, ``'gpu'``/``'cuda'`` -> nccl; None picks nccl
+    when CUDA is available, else gloo. With world size 1 and no ``MASTER_ADDR`` this is a no-op, and so
+    it is when a process group already exists (whose backend must then suit ``device``). The group is
+    destroyed when the interpreter exits. ``timeout`` (seconds) bounds rendezvous and collectives.
+    """
+    global _atexit_registered
+    if timeout <= 0:
+        raise ValueError(f"initialize_dist(timeout={timeout!r}): timeout must be > 0 seconds.")
+    backend = _backend_for(device)
+    if is_initialized():
+        _check_existing_backend(device, backend)
+        return
+    world_size, rank = get_world_size(), get_global_rank()
+    if world_size == 1 and not os.environ.get("MASTER_ADDR"):
+        return
+    _require_rendezvous_env(world_size)
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"initialize_dist(device={device!r}) needs CUDA, but torch.cuda.is_available() is "
+                "False. Use device='cpu'."
+            )
+        torch.cuda.set_device(get_local_rank())
+    torch_dist.init_process_group(
+        backend, init_method="env://", world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout)
+    )
+    if not _atexit_registered:
+        atexit.register(_destroy_at_exit)
+        _atexit_registered = True
+
+
+def _group_ready(caller: str) -> bool:
+    """True if a collective must really communicate; False at world size 1; raise if misconfigured."""
+    if is_initialized():
+        return True
+    world_size = get_world_size()
+    if world_size > 1:
+        raise RuntimeError(
+            f"lockstep.dist.{caller}() needs a process group: WORLD_SIZE={world_size} but "
+            "torch.distributed is not initialized. Call `lockstep.dist.initialize_dist()` first."
+        )
+    return False
+
+
+def _check_src(src: int, caller: str) -> None:
+    world_size = get_world_size()
+    if not 0 <= src < world_size:
+        raise ValueError(f"lockstep.dist.{caller}(src={src}): src must be in [0, {world_size}).")
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def barrier() -> None:
+    """Wait until every rank reaches this call (no-op at world size 1)."""
+    if _group_ready("barrier"):
+        torch_dist.barrier()
+
+
+def all_reduce(tensor: torch.Tensor, reduce_operation: str = "SUM") -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks in place and return it.
+
+    ``reduce_operation`` is one of SUM, PRODUCT, MIN, MAX, AVG (case-insensitive). AVG needs a
+    floating-point or complex tensor.
+    """
+    if not isinstance(reduce_operation, str):
+        raise TypeError(
+            f"all_reduce(reduce_operation={reduce_operation!r}): pass the name as a string, one of "
+            f"{', '.join(_REDUCE_OPS)}."
+        )
+    op_name = reduce_operation.upper()
+    if op_name not in _REDUCE_OPS:
+        raise ValueError(
+            f"all_reduce(reduce_operation={reduce_operation!r}): unknown operation; valid names are "
+            f"{', '.join(_REDUCE_OPS)}."
+        )
+    if op_name == "AVG" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"all_reduce(reduce_operation='AVG') needs a floating-point tensor, got {tensor.dtype}. "
+            "Convert it first, e.g. `tensor.float()`, or reduce with 'SUM' and divide yourself."
+        )
+    if not _group_ready("all_reduce"):
+        return tensor
+    # gloo has no AVG reduction: sum, then divide by the world size.
+    torch_op = torch_dist.ReduceOp.SUM if op_name == "AVG" else getattr(torch_dist.ReduceOp, op_name)
+    torch_dist.all_reduce(tensor, op=torch_op)
+    if op_name == "AVG":
+        tensor.div_(get_world_size())
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int) -> torch.Tensor:
+    """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank, in place, and return it."""
+    _check_src(src, "broadcast")
+    if _group_ready("broadcast"):
+        torch_dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def broadcast_object_list(objs: list[Any], src: int = 0) -> None:
+    """Replace the items of ``objs`` on every rank with rank ``src``'s items, in place (pickled)."""
+    if not isinstance(objs, list):
+        raise TypeError(f"broadcast_object_list() needs a list, got {type(objs).__name__}.")
+    _check_src(src, "broadcast_object_list")
+    if _group_ready("broadcast_object_list"):
+        torch_dist.broadcast_object_list(objs, src=src)
+
+
+def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Return every rank's ``tensor``, ordered by rank; all ranks must pass the same shape and dtype."""
+    if not _group_ready("all_gather"):
+        return [tensor]
+    tensor = tensor.contiguous()
+    gathered = [torch.empty_like(tensor) for _ in range(get_world_size())]
+    torch_dist.all_gather(gathered, tensor)
+    return gathered
+
+
+def all_gather_object(obj: T) -> list[T]:
+    """Return every rank's ``obj`` (pickled), ordered by rank."""
+    if not _group_ready("all_gather_object"):
+        return [obj]
+    gathered: list[Any] = [None] * get_world_size()
+    torch_dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+# ----------------------------------------------------------------------------- data and files
+
+
+def get_sampler(
+    dataset: Dataset[Any], *, shuffle: bool = True, drop_last: bool = False, seed: int = 0
+) -> DistributedSampler[Any]:
+    """Return a DistributedSampler that gives this rank its share of ``dataset``.
+
+    Works without a process group. Call ``sampler.set_epoch(epoch)`` each epoch to reshuffle.
+    """
+    return DistributedSampler(
+        dataset,
+        num_replicas=get_world_size(),
+        rank=get_global_rank(),
+        shuffle=shuffle,
+        drop_last=drop_last,
+        seed=seed,
+    )
+
+
+@contextlib.contextmanager
+def run_local_rank_zero_first() -> Iterator[None]:
+    """Run the ``with`` body on local rank 0 first; the other ranks run it after every node's local
+    rank 0 has finished (e.g. local rank 0 downloads a data set, the others then read the cache).
+
+    No-op at world size 1. If the body raises on local rank 0 the others are not released; they fail
+    when that rank's process exits.
+    """
+    if not _group_ready("run_local_rank_zero_first"):
+        yield
+        return
+    is_local_zero = get_local_rank() == 0
+    if not is_local_zero:
+        barrier()
+    yield
+    if is_local_zero:
+        barrier()
+
+
+def local_rank_zero_download_and_wait(
+    path: str | os.PathLike[str], *, timeout: float = 300.0, poll_interval: float = 0.1
+) -> None:
+    """On local ranks other than 0, wait until ``path`` exists (local rank 0 is expected to create it).
+
+    Local rank 0 returns at once. Raises TimeoutError after ``timeout`` seconds. No-op at world size 1.
+    """
+    if get_world_size() == 1 or get_local_rank() == 0:
+        return
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"Local rank {get_local_rank()} waited {timeout:g} s for {os.fspath(path)!r}, which "
+                "local rank 0 should create, and it does not exist. Check that local rank 0 writes "
+                "this exact path, or raise the timeout."
+            )
+        time.sleep(poll_interval)

@@ -1,0 +1,229 @@
+"""Helpers for testing distributed code with real processes on one machine.
+
+``run_distributed(fn, world_size=2)`` starts ``world_size`` processes, gives each the launcher's
+environment contract and a process group (rendezvous through a FileStore in a fresh temporary
+directory, so no TCP port can be raced), runs ``fn`` on every rank and returns the results ordered by
+rank. A rank's exception is re-raised in the caller with its rank number and full traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+__all__ = ["run_distributed"]
+
+# After one rank fails, the others get this long to report before they are killed: peers blocked in a
+# collective with the failed rank would otherwise wait for the full timeout.
+_FAILURE_GRACE_S = 5.0
+_EXIT_GRACE_S = 10.0
+
+
+def _rank_env(rank: int, world_size: int, extra: Mapping[str, str]) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "NODE_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+@contextlib.contextmanager
+def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
+    # A spawned child inherits os.environ as it is at start(); setting it here (rather than inside the
+    # child) makes the contract visible before the child imports torch and the test module.
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        store = torch_dist.FileStore(store_path, world_size)
+        torch_dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        result = fn(*args)
+        conn.send(("ok", result))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+        conn.close()
+    # Interpreter shutdown with torch loaded takes ~0.6 s; the result is delivered and the group torn
+    # down, so skip it. (This also skips atexit handlers registered by fn.)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _kill(process: multiprocessing.process.BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    timeout: float = 120.0,
+    args: Sequence[Any] = (),
+    backend: str = "gloo",
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks and return their results ordered by rank.
+
+    ``fn``, ``args`` and the results must be picklable, so ``fn`` is a module-level function. Inside
+    ``fn`` the process group is initialized and ``RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
+    NODE_RANK`` are set; ``env`` adds variables to every rank's environment. Raises RuntimeError with
+    the rank and traceback if a rank raises or dies, and TimeoutError naming the ranks still running
+    after ``timeout`` seconds. No rank outlives the call.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed(world_size={world_size}): world_size must be >= 1.")
+    context = multiprocessing.get_context("spawn")
+    processes: list[multiprocessing.process.BaseProcess] = []
+    readers: list[multiprocessing.connection.Connection] = []
+    with tempfile.TemporaryDirectory(prefix="lockstep-run-distributed-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        try:
+            for rank in range(world_size):
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_worker,
+                    args=(rank, world_size, store_path, backend, timeout, fn, tuple(args), writer),
+                    name=f"lockstep-rank-{rank}",
+                )
+                with _environ(_rank_env(rank, world_size, env or {})):
+                    process.start()
+                # Close the parent's copy so the reader sees EOF if the child dies.
+                writer.close()
+                processes.append(process)
+                readers.append(reader)
+            reports = _collect(processes, readers, timeout)
+        finally:
+            for process in processes:
+                _kill(process)
+            for reader in readers:
+                reader.close()
+    return reports
+
+
+def _collect(
+    processes: list[multiprocessing.process.BaseProcess],
+    readers: list[multiprocessing.connection.Connection],
+    timeout: float,
+) -> list[Any]:
+    """Wait for every rank's report and exit; raise for the first rank that failed."""
+    deadline = time.monotonic() + timeout
+    reports: dict[int, tuple[str, Any]] = {}
+    failures: list[tuple[int, str]] = []  # in the order they were seen
+    pending = set(range(len(processes)))
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        waitables: dict[Any, int] = {}
+        for rank in pending:
+            waitables[readers[rank]] = rank
+            waitables[processes[rank].sentinel] = rank
+        for ready in multiprocessing.connection.wait(list(waitables), timeout=remaining):
+            rank = waitables[ready]
+            if rank not in pending:
+                continue
+            pending.discard(rank)
+            report = _receive(readers[rank], processes[rank])
+            reports[rank] = report
+            kind, payload = report
+            if kind == "error":
+                failures.append((rank, f"raised an exception:\n{payload}"))
+            elif kind != "ok":
+                failures.append((rank, payload))
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    if failures:
+        raise RuntimeError(_failure_message(failures, sorted(pending), len(processes)))
+    if pending:
+        raise TimeoutError(
+            f"run_distributed: rank(s) {sorted(pending)} of {len(processes)} did not finish within "
+            f"{timeout:g} s and were killed (a hang, e.g. a collective that not every rank reached?)."
+        )
+    _await_exits(processes, deadline)
+    return [reports[rank][1] for rank in range(len(processes))]
+
+
+def _receive(
+    reader: multiprocessing.connection.Connection, process: multiprocessing.process.BaseProcess
+) -> tuple[str, Any]:
+    """Read one rank's report, or describe how it died without one."""
+    try:
+        if reader.poll():
+            return reader.recv()
+    except (EOFError, OSError):
+        pass
+    process.join(timeout=_EXIT_GRACE_S)
+    return ("died", f"exited without reporting a result: it {_describe_exit(process.exitcode)}")
+
+
+def _await_exits(processes: list[multiprocessing.process.BaseProcess], deadline: float) -> None:
+    for rank, process in enumerate(processes):
+        process.join(timeout=max(deadline - time.monotonic(), _EXIT_GRACE_S))
+        if process.is_alive():
+            raise TimeoutError(f"run_distributed: rank {rank} returned its result but did not exit.")
+        if process.exitcode != 0:
+            # e.g. SIGABRT at interpreter shutdown: the result arrived, but the process did not exit
+            # cleanly, which a launcher would report as a failed run.
+            raise RuntimeError(
+                f"run_distributed: rank {rank} returned its result but then "
+                f"{_describe_exit(process.exitcode)}."
+            )
+
+
+def _failure_message(failures: list[tuple[int, str]], unfinished: list[int], world_size: int) -> str:
+    first_rank, first_text = failures[0]
+    lines = [f"run_distributed: rank {first_rank} of {world_size} failed: {first_text}"]
+    for rank, text in failures[1:]:
+        lines.append(f"rank {rank} also failed: {text}")
+    if unfinished:
+        lines.append(f"rank(s) {unfinished} had not finished and were killed.")
+    return "\n".join(lines)

@@ -1,0 +1,248 @@
+"""Multi-process tests of lockstep.dist and lockstep.testing.run_distributed (gloo, world size 2).
+
+Each spawned run costs a few seconds on a small machine, so one run checks many things at once. The
+functions run on the ranks must live at module level (they are pickled into spawned processes).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lockstep import dist
+from lockstep.testing import run_distributed
+
+WORLD_SIZE = 2
+
+
+def _getters_and_collectives() -> dict[str, Any]:
+    rank = dist.get_global_rank()
+    out: dict[str, Any] = {
+        "initialized": dist.is_initialized(),
+        "getters": (
+            dist.get_world_size(),
+            rank,
+            dist.get_local_rank(),
+            dist.get_local_world_size(),
+            dist.get_node_rank(),
+        ),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "threads": torch.get_num_threads(),
+    }
+    for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+        tensor = torch.tensor([rank + 1.0, 10.0 * (rank + 1)])
+        returned = dist.all_reduce(tensor, op)
+        out[op] = (returned is tensor, tensor.tolist())
+    out["int_sum"] = dist.all_reduce(torch.tensor([rank + 1]), "SUM").tolist()
+
+    tensor = torch.full((3,), float(rank))
+    out["broadcast"] = dist.broadcast(tensor, src=1).tolist()
+    objs: list[Any] = [f"from rank {rank}", {"rank": rank}] if rank == 0 else [None, None]
+    out["broadcast_object_list"] = (dist.broadcast_object_list(objs, src=0), objs)
+    out["all_gather"] = [t.tolist() for t in dist.all_gather(torch.arange(2) + 10 * rank)]
+    out["all_gather_object"] = dist.all_gather_object({"rank": rank, "name": f"r{rank}"})
+    dist.barrier()
+
+    out["sampler"] = {}
+    for size, shuffle, drop_last in ((10, True, False), (11, True, False), (11, False, True)):
+        sampler = dist.get_sampler(list(range(size)), shuffle=shuffle, drop_last=drop_last, seed=7)
+        sampler.set_epoch(1)
+        out["sampler"][(size, shuffle, drop_last)] = list(sampler)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_getters_collectives_and_sampler() -> None:
+    results = run_distributed(_getters_and_collectives, WORLD_SIZE, timeout=90)
+    for rank, out in enumerate(results):
+        assert out["initialized"] is True
+        assert out["getters"] == (2, rank, rank, 2, 0)
+        assert (out["omp"], out["threads"]) == ("1", 1)
+        assert out["SUM"] == (True, [3.0, 30.0])
+        assert out["AVG"] == (True, [1.5, 15.0])
+        assert out["MAX"] == (True, [2.0, 20.0])
+        assert out["MIN"] == (True, [1.0, 10.0])
+        assert out["PRODUCT"] == (True, [2.0, 200.0])
+        assert out["int_sum"] == [3]
+        assert out["broadcast"] == [1.0, 1.0, 1.0]
+        assert out["broadcast_object_list"] == (None, ["from rank 0", {"rank": 0}])
+        assert out["all_gather"] == [[0, 1], [10, 11]]
+        assert out["all_gather_object"] == [{"rank": 0, "name": "r0"}, {"rank": 1, "name": "r1"}]
+
+    for (size, _shuffle, drop_last), rank0 in results[0]["sampler"].items():
+        rank1 = results[1]["sampler"][(size, _shuffle, drop_last)]
+        assert len(rank0) == len(rank1)
+        if drop_last:
+            assert set(rank0).isdisjoint(rank1)
+            assert len(rank0) + len(rank1) == size - size % WORLD_SIZE
+        elif size % WORLD_SIZE == 0:
+            assert set(rank0).isdisjoint(rank1)
+            assert set(rank0) | set(rank1) == set(range(size))
+        else:
+            # Uneven without drop_last: DistributedSampler pads by repeating indices.
+            assert set(rank0) | set(rank1) == set(range(size))
+            assert len(rank0) + len(rank1) == size + WORLD_SIZE - size % WORLD_SIZE
+
+
+def _local_rank_zero_helpers(folder: str) -> dict[str, Any]:
+    rank = dist.get_local_rank()
+    marker = Path(folder) / "prepared.txt"
+    with dist.run_local_rank_zero_first():
+        if rank == 0:
+            time.sleep(0.3)  # give rank 1 a chance to run first if the helper were broken
+            marker.write_text("written by rank 0")
+        seen_in_body = marker.read_text() if marker.exists() else None
+
+    download = Path(folder) / "download.bin"
+    if rank == 0:
+        time.sleep(0.3)
+        download.write_bytes(b"data")
+    dist.local_rank_zero_download_and_wait(download, timeout=30)
+    return {"seen_in_body": seen_in_body, "download": download.read_bytes()}
+
+
+@pytest.mark.timeout(120)
+def test_local_rank_zero_helpers(tmp_path: Path) -> None:
+    results = run_distributed(_local_rank_zero_helpers, WORLD_SIZE, timeout=90, args=(str(tmp_path),))
+    assert results == [{"seen_in_body": "written by rank 0", "download": b"data"}] * WORLD_SIZE
+
+
+class _Boom(ValueError):
+    pass
+
+
+def _raise_on_rank_one() -> int:
+    if dist.get_global_rank() == 1:
+        raise _Boom("deliberate failure 7f3a")
+    return 0
+
+
+def _exit_on_rank_one() -> int:
+    if dist.get_global_rank() == 1:
+        os._exit(3)
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_run_distributed_reraises_rank_traceback() -> None:
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_raise_on_rank_one, WORLD_SIZE, timeout=90)
+    message = str(info.value)
+    assert "rank 1 of 2 failed" in message
+    assert "Traceback (most recent call last)" in message
+    assert "in _raise_on_rank_one" in message
+    assert "_Boom: deliberate failure 7f3a" in message
+    assert "rank 0" not in message
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.timeout(120)
+def test_run_distributed_reports_rank_that_died() -> None:
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed: exited without reporting.*code 3"):
+        run_distributed(_exit_on_rank_one, WORLD_SIZE, timeout=90)
+    assert not multiprocessing.active_children()
+
+
+def _hang_on_rank_one(folder: str) -> int:
+    rank = dist.get_global_rank()
+    (Path(folder) / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_run_distributed_timeout_kills_every_rank(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 2 did not finish within 6 s"):
+        run_distributed(_hang_on_rank_one, WORLD_SIZE, timeout=6, args=(str(tmp_path),))
+    assert time.monotonic() - start < 20
+    assert not multiprocessing.active_children()
+    for rank in range(WORLD_SIZE):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# --- initialize_dist through env:// in plain subprocesses, as a launched script would use it ---------
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from lockstep import dist
+
+    dist.initialize_dist("cpu", timeout=60)
+    total = dist.all_reduce(torch.tensor([dist.get_global_rank() + 1.0]), "SUM")
+    print(f"rank {dist.get_global_rank()} total {total.item()}")
+    if sys.argv[1] == "fail" and dist.get_global_rank() == 1:
+        raise RuntimeError("rank 1 fails after a collective")
+    if sys.argv[1] == "fail":
+        dist.barrier()  # rank 1 never arrives; rank 0 must error out, not hang
+    # No destroy_process_group here: lockstep's atexit handler must tear the group down.
+    """
+)
+
+
+def _launch_two_ranks(mode: str, timeout: float) -> list[subprocess.CompletedProcess[str]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(WORLD_SIZE):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(WORLD_SIZE),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _SCRIPT, mode],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        results = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        return results
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_initialize_dist_env_rendezvous_and_clean_exit() -> None:
+    results = _launch_two_ranks("ok", timeout=90)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}: {result.returncode}\n{result.stderr}"
+        assert f"rank {rank} total 3.0" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_initialize_dist_exit_after_exception_does_not_hang() -> None:
+    results = _launch_two_ranks("fail", timeout=90)
+    assert results[1].returncode == 1, results[1].stderr
+    assert "rank 1 fails after a collective" in results[1].stderr
+    assert results[0].returncode != 0, results[0].stderr
