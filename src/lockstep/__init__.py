@@ -15,6 +15,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "dist": "lockstep.dist",
     "testing": "lockstep.testing",
+    "Trainer": "lockstep.trainer.trainer",
+    "State": "lockstep.trainer.state",
+    "Model": "lockstep.model",
+    "Callback": "lockstep.callbacks",
+    "Event": "lockstep.callbacks",
     "Time": "lockstep.time",
     "TimeUnit": "lockstep.time",
     "Timestamp": "lockstep.time",

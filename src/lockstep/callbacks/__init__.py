@@ -1,0 +1,63 @@
+"""Callbacks: code that runs at named points of the training loop.
+
+Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
+
+    INIT                                  # end of Trainer.__init__
+    FIT_START
+    while not reached(max_duration):
+        EPOCH_START
+        for batch in train_dataloader:    # every rank stops together if one runs out
+            BATCH_START
+            for microbatch in split(batch):
+                forward, loss * share of global batch, backward   (DDP sync per strategy)
+            optimizer.step(); scheduler.step(); zero_grad()
+            BATCH_END                     # state.timestamp and state.loss are updated
+            if eval due (ba/sp/tok): EVAL_START ... EVAL_END
+            if reached(max_duration): break
+        EPOCH_END
+        if eval due (ep): EVAL_START ... EVAL_END
+    FIT_END
+
+A callback overrides the methods named after the events it cares about; each receives the
+Trainer's :class:`~lockstep.trainer.state.State`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lockstep.trainer.state import State
+
+
+class Event(StrEnum):
+    INIT = "init"
+    FIT_START = "fit_start"
+    EPOCH_START = "epoch_start"
+    BATCH_START = "batch_start"
+    BATCH_END = "batch_end"
+    EPOCH_END = "epoch_end"
+    EVAL_START = "eval_start"
+    EVAL_END = "eval_end"
+    FIT_END = "fit_end"
+
+
+class Callback:
+    """Base class: every event method does nothing unless overridden."""
+
+    def run_event(self, event: Event, state: State) -> None:
+        getattr(self, event.value)(state)
+
+    def init(self, state: State) -> None: ...
+    def fit_start(self, state: State) -> None: ...
+    def epoch_start(self, state: State) -> None: ...
+    def batch_start(self, state: State) -> None: ...
+    def batch_end(self, state: State) -> None: ...
+    def epoch_end(self, state: State) -> None: ...
+    def eval_start(self, state: State) -> None: ...
+    def eval_end(self, state: State) -> None: ...
+    def fit_end(self, state: State) -> None: ...
+
+
+__all__ = ["Callback", "Event"]

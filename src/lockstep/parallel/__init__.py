@@ -1,0 +1,1 @@
+"""Data-parallel wrappers: each changes or wraps a model for the Trainer."""

@@ -1,0 +1,84 @@
+"""DDP: when to wrap, and the three gradient sync strategies of the microbatch loop.
+
+* ``single_auto_sync`` (default): DDP reduces gradients during the backward of the last microbatch
+  only; earlier microbatches run under ``no_sync``. One gradient all-reduce pass per step.
+* ``multi_auto_sync`` (default with ``find_unused_parameters``): DDP reduces during every
+  microbatch's backward, so a parameter used by only some microbatches is still reduced.
+* ``forced_sync``: every microbatch runs under ``no_sync``; after the last, each gradient is
+  all-reduced by hand (SUM then divide: gloo has no AVG).
+
+All three produce the same gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from enum import StrEnum
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lockstep import dist
+
+
+class DDPSyncStrategy(StrEnum):
+    SINGLE_AUTO_SYNC = "single_auto_sync"
+    MULTI_AUTO_SYNC = "multi_auto_sync"
+    FORCED_SYNC = "forced_sync"
+
+
+def resolve_sync_strategy(strategy: str | None, find_unused_parameters: bool) -> DDPSyncStrategy:
+    if strategy is None:
+        return DDPSyncStrategy.MULTI_AUTO_SYNC if find_unused_parameters else DDPSyncStrategy.SINGLE_AUTO_SYNC
+    try:
+        return DDPSyncStrategy(strategy)
+    except ValueError:
+        valid = ", ".join(s.value for s in DDPSyncStrategy)
+        raise ValueError(f"ddp_sync_strategy={strategy!r} is not supported; use one of {valid}") from None
+
+
+def prepare_ddp(model: nn.Module, find_unused_parameters: bool, device: torch.device) -> nn.Module:
+    """Wrap in DDP when the world size is > 1 and some parameter is trainable; else return as is."""
+    if dist.get_world_size() == 1 or not any(p.requires_grad for p in model.parameters()):
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+
+
+@contextlib.contextmanager
+def sync_context(model: nn.Module, strategy: DDPSyncStrategy, is_last_microbatch: bool) -> Iterator[None]:
+    """Wrap one microbatch's forward and backward according to the sync strategy."""
+    if not isinstance(model, DistributedDataParallel):
+        yield
+        return
+    auto_sync = strategy is DDPSyncStrategy.MULTI_AUTO_SYNC or (
+        strategy is DDPSyncStrategy.SINGLE_AUTO_SYNC and is_last_microbatch)
+    with contextlib.nullcontext() if auto_sync else model.no_sync():
+        yield
+
+
+def forced_sync_gradients(params: Iterable[nn.Parameter]) -> None:
+    """All-reduce every gradient by hand and average it (the end of a forced_sync step).
+
+    One flat all-reduce carries the gradients and, per parameter, how many ranks had one: every
+    rank must issue the same collective even when a parameter went unused on some of them, and a
+    parameter no rank used keeps ``grad=None`` as it would under DDP.
+    """
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype,
+                           device=grads[0].device)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [present])
+    dist.all_reduce(flat, "SUM")
+    flat /= dist.get_world_size()
+    counts = flat[-len(params):]
+    offset = 0
+    for p, count in zip(params, counts.tolist()):
+        numel = p.numel()
+        if count > 0:
+            p.grad = flat[offset:offset + numel].view_as(p).clone()
+        offset += numel

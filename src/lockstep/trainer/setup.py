@@ -1,0 +1,124 @@
+"""Trainer setup: argument checks and the objects Trainer.__init__ stores."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lockstep import dist
+from lockstep.callbacks import Callback
+from lockstep.model import Model
+
+DEVICES = ("cpu", "gpu")
+
+
+def check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a lockstep.Model (an nn.Module), got {type(model).__name__}")
+    for name in ("loss", "num_samples", "split_batch", "eval_forward"):
+        if not callable(getattr(model, name, None)):
+            raise TypeError(f"model must define {name}(...): subclass lockstep.Model")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'cpu' | 'gpu' | None (gpu when CUDA is available); gpu means this local rank's CUDA device."""
+    if isinstance(device, torch.device):
+        return device
+    if device is None:
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is not supported; use one of {', '.join(DEVICES)} or None (auto)")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='gpu' but torch.cuda.is_available() is False; use device='cpu'")
+    return torch.device("cuda", dist.get_local_rank())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_positive_int(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+    return value
+
+
+def as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_optimizers(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    params = {id(p) for p in model.parameters()}
+    for i, optimizer in enumerate(optimizers):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizers[{i}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(id(p) in params for p in held):
+            raise ValueError(
+                f"optimizers[{i}] ({type(optimizer).__name__}) holds none of the model's parameters: "
+                f"build it from this model, e.g. torch.optim.AdamW(model.parameters())")
+
+
+def counts_tokens(model: Model) -> bool:
+    return type(model).num_tokens is not Model.num_tokens
+
+
+def safe_len(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def resolve_run_folder(run_folder: str | None) -> Path | None:
+    """The explicit folder, else the launcher's run directory, else none (nothing written)."""
+    folder = run_folder or os.environ.get("LOCKSTEP_RUN_DIRECTORY")
+    return Path(folder) if folder else None
+
+
+def resolve_run_name(run_name: str | None) -> str:
+    """Every rank must use the same name, so rank 0's is broadcast."""
+    if run_name is not None:
+        return run_name
+    names = [datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(names, src=0)
+    return names[0]
+
+
+def default_callbacks(run_folder: Path | None, progress_bar: bool) -> list[Callback]:
+    from lockstep.callbacks.loggers import FileLogger, LossCurve, MetricsJSONL, ProgressBar
+
+    callbacks: list[Callback] = [ProgressBar()] if progress_bar else []
+    if run_folder is not None:
+        callbacks += [FileLogger(run_folder / "trainer-rank{rank}.log"), MetricsJSONL(run_folder),
+                      LossCurve(run_folder)]
+    return callbacks
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch  # dataloaders already yield CPU tensors; skip the tree walk
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

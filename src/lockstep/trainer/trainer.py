@@ -1,0 +1,225 @@
+"""The Trainer: the same training loop on every rank, with DDP and exact microbatching."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep import dist
+from lockstep.callbacks import Callback, Event
+from lockstep.model import Model
+from lockstep.parallel.ddp import (
+    DDPSyncStrategy, forced_sync_gradients, prepare_ddp, resolve_sync_strategy, sync_context)
+from lockstep.time import Time, check_max_duration, is_interval_due, is_reached
+from lockstep.trainer import data, setup
+from lockstep.trainer.microbatch import take_first
+from lockstep.trainer.precision import autocast, check_precision, make_grad_scaler
+from lockstep.trainer.state import State
+
+
+class Trainer:
+    """Train a :class:`~lockstep.Model` data-parallel over every rank of the run.
+
+    The dataloader yields each rank's batch; ``device_train_microbatch_size`` (or ``grad_accum``,
+    a count) splits it into microbatches whose gradients accumulate before one optimizer step.
+    Each microbatch's mean loss is weighted by its share of the global batch, so the parameters
+    after a step do not depend on how the global batch was spread over ranks and microbatches.
+    See :mod:`lockstep.callbacks` for the loop as pseudocode.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Model,
+        train_dataloader: Any = None,
+        max_duration: Time | str | int | None = None,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        eval_dataloader: Any = None,
+        eval_interval: Time | str = "1ep",
+        device: str | torch.device | None = None,
+        precision: str = "fp32",
+        device_train_microbatch_size: int | None = None,
+        grad_accum: int | None = None,
+        ddp_sync_strategy: str | None = None,
+        find_unused_parameters: bool = False,
+        schedulers: Any = None,
+        callbacks: Sequence[Callback] = (),
+        run_name: str | None = None,
+        run_folder: str | None = None,
+        progress_bar: bool = True,
+        seed: int | None = None,
+        fsdp_config: dict | None = None,
+        deepspeed_config: dict | None = None,
+    ) -> None:
+        if fsdp_config is not None or deepspeed_config is not None:
+            raise NotImplementedError("fsdp_config and deepspeed_config are not implemented yet; train with DDP")
+        setup.check_model(model)
+        self.device = setup.resolve_device(device)
+        dist.initialize_dist(self.device)
+        if seed is not None:
+            setup.seed_everything(seed + dist.get_global_rank())
+        self.precision = check_precision(precision)
+        self.microbatch_size = setup.check_positive_int("device_train_microbatch_size", device_train_microbatch_size)
+        self.grad_accum = setup.check_positive_int("grad_accum", grad_accum)
+        if self.microbatch_size is not None and self.grad_accum is not None:
+            raise ValueError("give device_train_microbatch_size or grad_accum, not both")
+        self.sync_strategy = resolve_sync_strategy(ddp_sync_strategy, find_unused_parameters)
+        self.max_duration = None if max_duration is None else check_max_duration(max_duration)
+        self.eval_interval = Time.from_input(eval_interval).require_positive("eval_interval")
+        optimizer_list = setup.as_list(optimizers)
+        setup.check_optimizers(model, optimizer_list)
+        for name, loader in (("train_dataloader", train_dataloader), ("eval_dataloader", eval_dataloader)):
+            if loader is not None:
+                data.check_distributed_sampler(loader, name)
+
+        model.to(self.device)
+        self.train_dataloader = train_dataloader
+        self.eval_dataloader = eval_dataloader
+        self.scaler = make_grad_scaler(self.precision, self.device)
+        self.eval_metrics = {k: m.to(self.device) for k, m in model.get_metrics(is_train=False).items()}
+        self._step_sync = dist.get_world_size() > 1 and not (
+            data.equal_batches_guaranteed(train_dataloader) and not setup.counts_tokens(model))
+        run_folder = setup.resolve_run_folder(run_folder)
+        self.state = State(
+            model=model,
+            wrapped_model=prepare_ddp(model, find_unused_parameters, self.device),
+            optimizers=optimizer_list,
+            schedulers=setup.as_list(schedulers),
+            max_duration=self.max_duration,
+            run_name=setup.resolve_run_name(run_name),
+            device=self.device,
+            precision=self.precision,
+            batches_per_epoch=setup.safe_len(train_dataloader),
+        )
+        self.callbacks = setup.default_callbacks(run_folder, progress_bar) + list(callbacks)
+        self._run_event(Event.INIT)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Train until ``max_duration``, evaluating every ``eval_interval``."""
+        s = self.state
+        if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
+            raise ValueError("fit() needs train_dataloader, max_duration and optimizers passed to Trainer(...)")
+        s.model.train()
+        self._run_event(Event.FIT_START)
+        while not is_reached(s.timestamp, s.max_duration):
+            data.set_epoch(self.train_dataloader, s.timestamp.epoch)
+            self._run_event(Event.EPOCH_START)
+            trained = False
+            for batch, samples, tokens, is_last in data.epoch_batches(
+                    self.train_dataloader, self._count, self._step_sync, self.device):
+                trained = True
+                self._run_event(Event.BATCH_START)
+                s.loss_tensor = self._train_batch(batch, samples)
+                before = s.timestamp
+                s.timestamp = before.to_next_batch(samples, tokens)
+                if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
+                    s.timestamp = s.timestamp.to_next_epoch()
+                self._run_event(Event.BATCH_END)
+                if is_last:
+                    self._run_event(Event.EPOCH_END)
+                if self.eval_dataloader is not None and is_interval_due(
+                        before, s.timestamp, self.eval_interval, s.max_duration):
+                    self.eval()
+                if is_reached(s.timestamp, s.max_duration):
+                    break
+            if not trained:
+                raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
+        self._run_event(Event.FIT_END)
+
+    def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
+        s = self.state
+        batch = setup.to_device(batch, self.device)
+        microbatches = self._split(batch)
+        world_size = dist.get_world_size()
+        local_samples = 0
+        loss_sum = torch.zeros((), device=self.device)
+        for i, micro in enumerate(microbatches):
+            n = s.model.num_samples(micro)
+            with sync_context(s.wrapped_model, self.sync_strategy, i == len(microbatches) - 1):
+                with autocast(self.precision, self.device):
+                    outputs = s.wrapped_model(micro)
+                    loss = s.model.loss(outputs, micro)
+                # DDP averages over ranks, so scale by world_size * this microbatch's share.
+                scaled = loss * (n * world_size / global_samples)
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss_sum += loss.detach().float() * n
+            local_samples += n
+        if self.sync_strategy is DDPSyncStrategy.FORCED_SYNC and world_size > 1:
+            forced_sync_gradients(s.model.parameters())
+        for optimizer in s.optimizers:
+            if self.scaler:
+                self.scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if self.scaler:
+            self.scaler.update()
+        for scheduler in s.schedulers:
+            scheduler.step()
+        for optimizer in s.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return loss_sum / max(local_samples, 1)
+
+    def _split(self, batch: Any) -> list[Any]:
+        model = self.state.model
+        if self.microbatch_size is not None:
+            return model.split_batch(batch, self.microbatch_size)
+        if self.grad_accum is not None:
+            return model.split_batch(batch, math.ceil(model.num_samples(batch) / self.grad_accum))
+        return [batch]
+
+    def _count(self, batch: Any) -> tuple[int, int]:
+        model = self.state.model
+        return model.num_samples(batch), model.num_tokens(batch)
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval(self) -> dict[str, float]:
+        """Evaluate on ``eval_dataloader`` over all ranks; returns and stores ``state.eval_metrics``.
+
+        Samples a DistributedSampler repeats to pad the ranks' shares are left out, so the metrics
+        equal those of one process over the whole dataset.
+        """
+        s = self.state
+        if self.eval_dataloader is None:
+            raise ValueError("eval() needs eval_dataloader passed to Trainer(...)")
+        was_training = s.model.training
+        s.model.eval()
+        self._run_event(Event.EVAL_START)
+        for metric in self.eval_metrics.values():
+            metric.reset()
+        remaining = data.real_eval_samples(self.eval_dataloader)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        for batch in self.eval_dataloader:
+            batch = setup.to_device(batch, self.device)
+            n = s.model.num_samples(batch)
+            if remaining is not None:
+                if remaining <= 0:
+                    continue
+                if n > remaining:
+                    batch, n = take_first(batch, remaining), remaining
+                remaining -= n
+            with autocast(self.precision, self.device):
+                outputs = s.model(batch)  # the bare module: no DDP hooks, nothing to hang on
+                totals[0] += s.model.loss(outputs, batch).double() * n
+                totals[1] += n
+                eval_outputs = s.model.eval_forward(batch, outputs)
+            for metric in self.eval_metrics.values():
+                s.model.update_metric(batch, eval_outputs, metric)
+        dist.all_reduce(totals, "SUM")
+        results = {"loss": float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")}
+        results.update({name: float(m.compute()) for name, m in self.eval_metrics.items()})
+        s.eval_metrics = results
+        self._run_event(Event.EVAL_END)
+        s.model.train(was_training)
+        return results
+
+    def _run_event(self, event: Event) -> None:
+        for callback in self.callbacks:
+            callback.run_event(event, self.state)
