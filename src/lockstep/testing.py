@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -77,9 +78,11 @@ def _worker(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
         result = fn(*args)
-        conn.send(("ok", result))
+        # Plain pickle, not multiprocessing's: that one sends tensors as shared memory, which
+        # vanishes when this process exits before the parent has rebuilt them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
@@ -198,9 +201,11 @@ def _receive(
     """Read one rank's report, or describe how it died without one."""
     try:
         if reader.poll():
-            return reader.recv()
+            return pickle.loads(reader.recv_bytes())
     except (EOFError, OSError):
         pass
+    except pickle.UnpicklingError as e:
+        return ("died", f"sent a result that could not be unpickled: {e}")
     process.join(timeout=_EXIT_GRACE_S)
     return ("died", f"exited without reporting a result: it {_describe_exit(process.exitcode)}")
 

@@ -1,0 +1,61 @@
+"""A tiny model and dataset shared by the Trainer tests; module-level so spawned ranks can import it."""
+
+from __future__ import annotations
+
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader, TensorDataset
+
+from lockstep import Model, dist
+
+
+class MLP(Model):
+    def __init__(self, unused_branch: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        self.unused = torch.nn.Linear(6, 3) if unused_branch else None
+
+    def forward(self, batch):
+        x = batch[0]
+        out = self.net(x)
+        # With unused_branch, samples with x0 > 1 add a branch; a microbatch without any such
+        # sample leaves it out of the graph entirely (unused parameters), yet the math per sample
+        # is the same however the batch is split.
+        mask = x[:, 0] > 1
+        if self.unused is not None and bool(mask.any()):
+            out = out + self.unused(x) * mask[:, None]
+        return out
+
+    def loss(self, outputs, batch):
+        return torch.nn.functional.cross_entropy(outputs, batch[1])
+
+    def get_metrics(self, is_train=False):
+        return {"accuracy": torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")}
+
+    def update_metric(self, batch, outputs, metric):
+        metric.update(outputs.argmax(dim=1), batch[1])
+
+
+def dataset(n: int = 28) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def loader(batch_size: int, n: int = 28, shuffle: bool = False) -> DataLoader:
+    ds = dataset(n)
+    return DataLoader(ds, batch_size=batch_size, sampler=dist.get_sampler(ds, shuffle=shuffle))
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=f"parameter {k} differs")
