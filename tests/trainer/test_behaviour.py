@@ -1,0 +1,168 @@
+"""Durations, data rules, evaluation, logging and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lockstep import Callback, Trainer
+from lockstep.testing import run_distributed
+from tests.trainer.common import MLP, dataset, loader, params, sgd
+
+
+class TokenMLP(MLP):
+    def num_tokens(self, batch):
+        return 10 * batch[0].shape[0]
+
+
+def fit_steps(max_duration: str, model_cls=MLP, **kwargs) -> Trainer:
+    model = model_cls()
+    trainer = Trainer(model=model, train_dataloader=loader(16, n=64), max_duration=max_duration,
+                      optimizers=sgd(model), progress_bar=False, **kwargs)
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize(("duration", "batches", "epochs"), [
+    ("40sp", 3, 0),      # 16, 32, 48 >= 40
+    ("2ba", 2, 0),
+    ("1ep", 4, 1),
+    ("3ep", 12, 3),
+    ("350tok", 3, 0),    # 160 tokens per batch: 480 >= 350
+])
+def test_each_duration_unit_stops_at_the_right_step(duration, batches, epochs) -> None:
+    trainer = fit_steps(duration, model_cls=TokenMLP)
+    assert (trainer.state.timestamp.batch, trainer.state.timestamp.epoch) == (batches, epochs)
+    assert trainer.state.timestamp.sample == 16 * batches
+    assert trainer.state.timestamp.token == 160 * batches
+
+
+def test_epoch_counts_completed_epochs_at_the_last_batch_end() -> None:
+    seen = []
+
+    class Record(Callback):
+        def batch_end(self, state):
+            seen.append((state.timestamp.epoch, state.timestamp.batch))
+
+    fit_steps("2ep", callbacks=[Record()])
+    assert seen == [(0, 1), (0, 2), (0, 3), (1, 4), (1, 5), (1, 6), (1, 7), (2, 8)]
+
+
+def test_set_epoch_is_called_every_epoch() -> None:
+    model = MLP()
+    dl = loader(16, n=64, shuffle=True)
+    epochs = []
+    original = dl.sampler.set_epoch
+    dl.sampler.set_epoch = lambda e: (epochs.append(e), original(e))
+    Trainer(model=model, train_dataloader=dl, max_duration="3ep", optimizers=sgd(model), progress_bar=False).fit()
+    assert epochs == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"precision": "fp64"}, "precision='fp64' is not supported; use one of fp32, amp_bf16, amp_fp16"),
+    ({"device": "tpu"}, "device='tpu' is not supported"),
+    ({"ddp_sync_strategy": "sometimes"}, "ddp_sync_strategy='sometimes' is not supported; use one of single_auto_sync"),
+    ({"max_duration": "2x"}, "'2x'"),
+    ({"max_duration": "-1ep"}, "'-1ep'"),
+    ({"max_duration": "ep"}, "'ep'"),
+    ({"max_duration": "0.5dur"}, "max_duration cannot be in 'dur'"),
+    ({"max_duration": "0ba"}, "max_duration must be positive"),
+    ({"device_train_microbatch_size": 0}, "device_train_microbatch_size must be an integer >= 1"),
+    ({"grad_accum": -2}, "grad_accum must be an integer >= 1"),
+    ({"device_train_microbatch_size": 2, "grad_accum": 2}, "not both"),
+    ({"eval_interval": "0ep"}, "eval_interval must be positive"),
+])
+def test_bad_arguments_are_named(kwargs, message) -> None:
+    model = MLP()
+    args = {"model": model, "train_dataloader": loader(4), "max_duration": "1ep", "optimizers": sgd(model),
+            "progress_bar": False, **kwargs}
+    with pytest.raises(ValueError) as info:
+        Trainer(**args)
+    assert message in str(info.value)
+
+
+def test_optimizer_without_the_models_parameters_is_refused() -> None:
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(SGD\) holds none of the model's parameters"):
+        Trainer(model=MLP(), train_dataloader=loader(4), max_duration="1ep", optimizers=sgd(other))
+
+
+def test_grad_accum_matches_device_microbatch_size() -> None:
+    a = fit_steps("1ep", grad_accum=4)
+    b = fit_steps("1ep", device_train_microbatch_size=4)
+    for k, v in params(a.state.model).items():
+        torch.testing.assert_close(v, params(b.state.model)[k], rtol=0, atol=1e-6)
+
+
+def test_dict_batches_are_split(tmp_path: Path) -> None:
+    class DictMLP(MLP):
+        def forward(self, batch):
+            return super().forward((batch["x"],))
+
+        def loss(self, outputs, batch):
+            return torch.nn.functional.cross_entropy(outputs, batch["y"])
+
+    x, y = dataset(32).tensors
+    batches = [{"x": x[i:i + 8], "y": y[i:i + 8], "name": "kept"} for i in range(0, 32, 8)]
+    ref, micro = DictMLP(), DictMLP()
+    Trainer(model=ref, train_dataloader=batches, max_duration="1ep", optimizers=sgd(ref), progress_bar=False).fit()
+    Trainer(model=micro, train_dataloader=batches, max_duration="1ep", optimizers=sgd(micro), progress_bar=False,
+            device_train_microbatch_size=3).fit()
+    for k, v in params(ref).items():
+        torch.testing.assert_close(v, params(micro)[k], rtol=0, atol=1e-6)
+
+
+def _eval_and_refusal():
+    from lockstep import dist
+    model = MLP()
+    ds = dataset(7)  # 7 samples over 2 ranks: the sampler repeats one to pad
+    eval_dl = DataLoader(ds, batch_size=3, sampler=dist.get_sampler(ds, shuffle=False))
+    trainer = Trainer(model=model, eval_dataloader=eval_dl, progress_bar=False)
+    results = trainer.eval()
+    try:
+        Trainer(model=model, train_dataloader=DataLoader(ds, batch_size=2), max_duration="1ep",
+                optimizers=sgd(model))
+    except ValueError as e:
+        refusal = str(e)
+    else:
+        refusal = None
+    return results, refusal
+
+
+@pytest.mark.timeout(180)
+def test_eval_over_padded_sampler_equals_one_process_and_sampler_refusal() -> None:
+    model = MLP()
+    expected = Trainer(model=model, eval_dataloader=DataLoader(dataset(7), batch_size=7),
+                       progress_bar=False).eval()
+    for results, refusal in run_distributed(_eval_and_refusal, world_size=2, timeout=150):
+        assert results.keys() == {"loss", "accuracy"}
+        assert results["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-7)
+        assert results["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+        assert refusal is not None and "lockstep.dist.get_sampler" in refusal and "train_dataloader" in refusal
+
+
+def test_run_folder_gets_rank_log_metrics_and_loss_curve(tmp_path: Path) -> None:
+    model = MLP()
+    Trainer(model=model, train_dataloader=loader(8), eval_dataloader=loader(8), max_duration="2ep",
+            optimizers=sgd(model), run_folder=str(tmp_path), run_name="demo", progress_bar=True).fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batch"] for r in records if r["kind"] == "train"] == list(range(1, 9))
+    assert [r["epoch"] for r in records if r["kind"] == "eval"] == [1, 2]
+    assert all(r["run_name"] == "demo" for r in records)
+    assert "ep 2 ba 8" in (tmp_path / "trainer-rank0.log").read_text()
+    assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("precision", ["amp_bf16", "amp_fp16"])
+def test_mixed_precision_trains_close_to_fp32(precision) -> None:
+    reference = fit_steps("1ep")
+    trainer = fit_steps("1ep", precision=precision)
+    assert (trainer.scaler is not None) == (precision == "amp_fp16")
+    for k, v in params(trainer.state.model).items():
+        assert v.dtype == torch.float32  # autocast keeps fp32 master weights
+        assert not torch.equal(v, params(reference.state.model)[k]) or "bias" in k
+        torch.testing.assert_close(v, params(reference.state.model)[k], rtol=0, atol=5e-2)
