@@ -6,14 +6,13 @@ export OMP_NUM_THREADS ?= 1
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip install --quiet -e '.[test,examples]'
 	touch $@
 
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/lockstep -n 2 examples/allreduce_demo.py
+	$(VENV)/bin/lockstep -n 2 examples/train_digits.py
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: setup
