@@ -28,7 +28,9 @@ class ProgressBar(Callback):
             return
         from tqdm import tqdm
 
-        self._bar = tqdm(total=1000, file=sys.stderr, dynamic_ncols=True, leave=True,
+        # On a terminal redraw often; in a log file, a line every 30 s is plenty.
+        interval = 0.2 if sys.stderr.isatty() else 30.0
+        self._bar = tqdm(total=1000, file=sys.stderr, dynamic_ncols=True, leave=True, mininterval=interval,
                          bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
         self._start, self._start_samples = time.perf_counter(), state.timestamp.sample
 
@@ -36,12 +38,11 @@ class ProgressBar(Callback):
         if self._bar is None:
             return
         done = fraction_done(state.timestamp, state.max_duration, batches_per_epoch=state.batches_per_epoch)
-        self._bar.n = int(1000 * done)
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         rate = (state.timestamp.sample - self._start_samples) / elapsed
         self._bar.set_description(f"ep {state.timestamp.epoch} ba {state.timestamp.batch}", refresh=False)
         self._bar.set_postfix_str(f"loss {state.loss:.4f}, {rate:.0f} samples/s", refresh=False)
-        self._bar.refresh()
+        self._bar.update(int(1000 * done) - self._bar.n)  # redraws at most every mininterval
 
     def eval_end(self, state: State) -> None:
         if self._bar is not None:

@@ -70,7 +70,9 @@ def _prepare_fast_shutdown() -> None:
         return
     gc.collect()
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # type(), not isinstance(): the ABC check reads obj.__class__, which some torch objects
+        # answer with a deprecation warning.
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()

@@ -1,0 +1,28 @@
+"""The README's main job, end to end through the launcher."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(180)
+def test_train_digits_under_the_launcher(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lockstep", "-n", "2", "--run_directory", str(tmp_path / "run"),
+         str(ROOT / "examples" / "train_digits.py"), "--epochs", "4"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr
+    match = re.search(r"final eval: accuracy (\d\.\d+), loss (\d+\.\d+)", result.stdout + result.stderr)
+    assert match is not None, result.stdout + result.stderr
+    assert float(match.group(1)) > 0.85
+    assert "Warning" not in result.stderr
+    for name in ("metrics.jsonl", "loss_curve.png", "trainer-rank0.log", "trainer-rank1.log", "rank1.stdout.log"):
+        assert (tmp_path / "run" / name).exists(), name
