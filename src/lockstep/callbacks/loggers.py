@@ -46,7 +46,7 @@ class ProgressBar(Callback):
 
     def eval_end(self, state: State) -> None:
         if self._bar is not None:
-            self._bar.write(format_metrics(state))
+            self._bar.write(format_metrics(state), file=sys.stderr)
         elif dist.get_global_rank() == 0:
             print(format_metrics(state), file=sys.stderr)
 
@@ -113,7 +113,8 @@ class MetricsJSONL(Callback):
             self._file.write(json.dumps(record) + "\n")
 
     def batch_end(self, state: State) -> None:
-        self._emit(state, "train", {"loss": state.loss, "lr": state.lr})
+        if self._file is not None:  # state.loss syncs the device: only where it is written
+            self._emit(state, "train", {"loss": state.loss, "lr": state.lr})
 
     def eval_end(self, state: State) -> None:
         self._emit(state, "eval", state.eval_metrics)
@@ -125,7 +126,7 @@ class MetricsJSONL(Callback):
 
 
 class LossCurve(Callback):
-    """Rank 0 draws the training loss (and eval loss/metrics if any) to ``loss_curve.png`` at FIT_END."""
+    """Rank 0 draws the training loss (and the eval loss, if any) to ``loss_curve.png`` at FIT_END."""
 
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder) / "loss_curve.png"
@@ -133,7 +134,8 @@ class LossCurve(Callback):
         self._eval: list[tuple[int, dict[str, float]]] = []
 
     def batch_end(self, state: State) -> None:
-        self._train.append((state.timestamp.batch, state.loss))
+        if dist.get_global_rank() == 0:
+            self._train.append((state.timestamp.batch, state.loss))
 
     def eval_end(self, state: State) -> None:
         self._eval.append((state.timestamp.batch, dict(state.eval_metrics)))
