@@ -5,7 +5,9 @@ Run it with the launcher (2 ranks, gloo, one thread per rank); rank 0 prints the
     OMP_NUM_THREADS=1 .venv/bin/lockstep -n 2 benchmarks/trainer_throughput.py
 
 Options: ``--rounds 5 --warmup 20 --steps 200`` (defaults), ``--with-loggers`` to keep the
-Trainer's default file loggers (see below).
+Trainer's default file loggers (see below). Two ranks on a 2-core machine are noisy (single steps
+vary by +-30%, whole runs by +-10%), so on a busy machine prefer many short interleaved runs, e.g.
+``--rounds 40 --warmup 10 --steps 50``, and read the median-step-time column.
 
 Both sides train the same model on the same data with the same math:
 
@@ -21,8 +23,10 @@ Both sides train the same model on the same data with the same math:
 
 Each round runs every (setting, implementation) pair once, plain and Trainer alternating which goes
 first. A run does ``warmup`` steps, a barrier, then ``steps`` timed steps (``time.perf_counter``),
-and a barrier before the clock stops; rank 0's time is reported. After each pair the two models'
-parameters are compared, as a check that both did the same math.
+and a barrier before the clock stops; rank 0's time is reported. The table gives, per setting, the
+median steps/s of each side and their ratio, the median of the within-round ratios ("pairwise"),
+and the median single-step time (robust to bursts of load from other processes). After each pair
+the two models' parameters are compared (max |difference|, 0 when both did exactly the same math).
 
 The launcher sets ``LOCKSTEP_RUN_DIRECTORY``, which makes the Trainer add its file loggers (a log
 line per rank per step, metrics.jsonl, a loss-curve PNG); a hand-written loop writes none of that,
