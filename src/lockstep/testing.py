@@ -13,7 +13,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import signal
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+
+from lockstep.launcher.supervisor import describe_exit
 
 __all__ = ["run_distributed"]
 
@@ -101,9 +102,7 @@ def _kill(process: multiprocessing.process.BaseProcess) -> None:
 
 
 def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        return f"was killed by {signal.Signals(-exitcode).name}"
-    return f"exited with code {exitcode}"
+    return "is still running" if exitcode is None else f"ended with {describe_exit(exitcode)}"
 
 
 def run_distributed(
