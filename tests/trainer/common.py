@@ -59,3 +59,28 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], a
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=f"parameter {k} differs")
+
+
+class DropoutMLP(MLP):
+    """Draws from the torch RNG every step, so a resume that misses the RNG state diverges."""
+
+    def forward(self, batch):
+        return self.net(torch.nn.functional.dropout(batch[0], 0.3, training=self.training))
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    """Random augmentation on every read (torch, numpy and python RNGs), in whichever process reads."""
+
+    def __init__(self, n: int = 28) -> None:
+        self.base = dataset(n)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+        x, y = self.base[i]
+        noise = torch.randn(6) * 0.1 + float(np.random.uniform(-0.1, 0.1)) + random.uniform(-0.1, 0.1)
+        return x + noise, y

@@ -1,14 +1,19 @@
-"""Dataloader rules: sampler checks, set_epoch, ranks stopping together, eval padding."""
+"""Dataloader rules: sampler checks, set_epoch, ranks stopping together, mid-epoch resume, eval padding."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lockstep import dist
+from lockstep.checkpoint import rng
 
 
 def _sampler(loader: Any) -> Any:
@@ -50,24 +55,88 @@ def equal_batches_guaranteed(loader: Any) -> bool:
             and isinstance(_sampler(loader), DistributedSampler))
 
 
-def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device) -> Iterator[tuple[Any, int, int, bool]]:
+@dataclass(slots=True)
+class DataPosition:
+    """Where this rank's data stream stands inside an epoch, for an exact mid-epoch resume.
+
+    ``epoch_rng`` is the RNG state when the epoch's iterator was created (a sampler without its own
+    generator, and the DataLoader's worker seed, draw from it); ``fetch_rng`` the state before the
+    batch read ahead was fetched (dataset code may draw from it). ``skip`` batches are passed over.
+    """
+
+    epoch_rng: rng.RNGState | None = None
+    fetch_rng: rng.RNGState | None = None
+    skip: int = 0
+    rng_after: rng.RNGState | None = None
+    """On resume: the state to restore once the data is back in place (the state at the save)."""
+
+
+def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
+                  track: DataPosition | None = None,
+                  resume: DataPosition | None = None) -> Iterator[tuple[Any, int, int, bool]]:
     """Yield ``(batch, global_samples, global_tokens, is_last)`` for one epoch.
 
-    It reads one batch ahead to know which batch is the epoch's last. With ``sync``, one small
-    all-reduce per batch makes every rank agree on the global counts and on the end of the epoch,
-    so ranks whose loaders have different lengths stop together instead of hanging in DDP.
-    ``count(batch) -> (samples, tokens)`` counts one rank's batch.
+    When every rank is known to get ``len(loader)`` equal batches, the last batch is known by
+    count. Otherwise it reads one batch ahead, and with ``sync`` one small all-reduce per batch
+    makes every rank agree on the global counts and on the end of the epoch, so ranks whose
+    loaders have different lengths stop together instead of hanging in DDP.
+    ``count(batch) -> (samples, tokens)`` counts one rank's batch. With ``track``, the RNG states
+    a checkpoint needs are recorded in it; ``resume`` puts the stream back where one was saved.
     """
+    length = len(loader) if not sync and equal_batches_guaranteed(loader) else None
+    if resume is not None and resume.epoch_rng is not None:
+        rng.restore(resume.epoch_rng)
+    if track is not None:
+        track.epoch_rng, track.fetch_rng = rng.capture(), None
+    with _skipping_indices(loader, resume.skip if resume else 0) as (replay, skip):
+        it = iter(loader)
+        if skip is not None:
+            skip.start()
+        for _ in range(replay):
+            if next(it, None) is None:
+                raise ValueError(f"cannot resume: train_dataloader ended within the "
+                                 f"{resume.skip} batches this epoch had already trained on")  # type: ignore[union-attr]
+        done = resume.skip if resume else 0
+        if length is not None:
+            yield from _counted(it, length, done, count, resume)
+        else:
+            yield from _read_ahead(it, count, sync, device, track, resume)
+
+
+def _counted(it: Iterator[Any], length: int, done: int, count: Any,
+             resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
     world_size = dist.get_world_size()
-    it = iter(loader)
-    current = next(it, None)
+    if resume is not None:
+        rng.restore(resume.rng_after)
+    for index in range(done, length):
+        batch = next(it, None)
+        if batch is None:
+            raise ValueError(f"train_dataloader has len() == {length} but yielded only {index} batches")
+        samples, tokens = count(batch)
+        yield batch, samples * world_size, tokens * world_size, index == length - 1
+
+
+def _read_ahead(it: Iterator[Any], count: Any, sync: bool, device: torch.device,
+                track: DataPosition | None, resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
+    world_size = dist.get_world_size()
+
+    def fetch() -> Any:
+        if track is not None:
+            track.fetch_rng = rng.capture()
+        return next(it, None)
+
+    if resume is not None and resume.fetch_rng is not None:
+        rng.restore(resume.fetch_rng)
+    current = fetch()
+    if resume is not None:
+        rng.restore(resume.rng_after)
     if sync:
         if _agree([0, 0, current is None], device)[2] > 0:
             return
     elif current is None:
         return
     while True:
-        following = next(it, None)
+        following = fetch()
         samples, tokens = count(current)
         if sync:
             samples, tokens, missing = _agree([samples, tokens, following is None], device)
@@ -78,6 +147,50 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device) -> 
         if is_last:
             return
         current = following
+
+
+@contextlib.contextmanager
+def _skipping_indices(loader: Any, batches: int) -> Iterator[tuple[int, _Skip | None]]:
+    """Pass over ``batches`` batches; yields how many the caller must still read and drop, and
+    the skipping sampler to start right after ``iter(loader)``.
+
+    A single-process DataLoader with a plain BatchSampler skips them as indices, loading nothing.
+    Anything else replays them: workers seed and advance their own RNGs per sample, so only
+    reading the same samples leaves them as an uninterrupted run would.
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if (batches == 0 or not isinstance(loader, DataLoader) or loader.num_workers > 0
+            or type(batch_sampler) is not BatchSampler):
+        yield batches, None
+        return
+    original = batch_sampler.sampler
+    batch_sampler.sampler = skip = _Skip(original, batches * batch_sampler.batch_size)
+    try:
+        yield 0, skip
+    finally:
+        batch_sampler.sampler = original
+
+
+class _Skip(Sampler[Any]):
+    """A sampler without its first ``count`` indices."""
+
+    def __init__(self, sampler: Any, count: int) -> None:
+        self.sampler, self.count = sampler, count
+        self._started: Iterator[Any] | None = None
+
+    def start(self) -> None:
+        # An uninterrupted run's sampler starts at the first fetch, right after iter(loader); a
+        # sampler without a generator of its own draws its seed from the global RNG then. Start
+        # it at that same point, before the RNG is moved on to the fetch of the resumed batch.
+        self._started = iter(self.sampler)
+        collections.deque(itertools.islice(self._started, self.count), maxlen=0)
+
+    def __iter__(self) -> Iterator[Any]:
+        started, self._started = self._started, None
+        return started if started is not None else itertools.islice(iter(self.sampler), self.count, None)
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.count, 0)
 
 
 def _agree(values: list[int], device: torch.device) -> list[int]:

@@ -1,8 +1,10 @@
-"""The Trainer: the same training loop on every rank, with DDP and exact microbatching."""
+"""The Trainer: the same training loop on every rank, with DDP, exact microbatching and checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,12 +13,15 @@ from torch import nn
 
 from lockstep import dist
 from lockstep.callbacks import Callback, Event
+from lockstep.checkpoint import rng
+from lockstep.checkpoint.saver import SaveInterval
 from lockstep.model import Model
 from lockstep.parallel.ddp import (
     DDPSyncStrategy, forced_sync_gradients, prepare_ddp, resolve_sync_strategy, sync_context)
 from lockstep.time import Time, check_max_duration, is_interval_due, is_reached
-from lockstep.trainer import data, setup
+from lockstep.trainer import checkpointing, data, setup
 from lockstep.trainer.microbatch import take_first
+from lockstep.trainer.preemption import Preempted, StopSignal
 from lockstep.trainer.precision import autocast, check_precision, make_grad_scaler
 from lockstep.trainer.state import State
 
@@ -29,6 +34,12 @@ class Trainer:
     Each microbatch's mean loss is weighted by its share of the global batch, so the parameters
     after a step do not depend on how the global batch was spread over ranks and microbatches.
     See :mod:`lockstep.callbacks` for the loop as pseudocode.
+
+    Checkpoints: with ``save_folder``, rank 0 writes ``save_filename`` every ``save_interval`` and
+    at the end, each holding the model, optimizers, schedulers, timestamp and every rank's RNG and
+    data position, so a resumed run continues bit for bit. ``load_path`` loads one at construction;
+    ``autoresume`` (with ``run_name``) continues from the newest checkpoint of the run. While
+    saving is on, SIGTERM makes every rank stop at the same step, save, and exit with 143.
     """
 
     def __init__(
@@ -52,6 +63,16 @@ class Trainer:
         run_folder: str | None = None,
         progress_bar: bool = True,
         seed: int | None = None,
+        save_folder: str | None = None,
+        save_filename: str = "ep{epoch}-ba{batch}-rank{rank}.pt",
+        save_latest_filename: str | None = "latest-rank{rank}.pt",
+        save_interval: SaveInterval = "1ep",
+        save_num_checkpoints_to_keep: int = -1,
+        save_overwrite: bool = False,
+        load_path: str | None = None,
+        load_weights_only: bool = False,
+        load_strict_model_weights: bool = True,
+        autoresume: bool = False,
         fsdp_config: dict | None = None,
         deepspeed_config: dict | None = None,
     ) -> None:
@@ -95,41 +116,65 @@ class Trainer:
             precision=self.precision,
             batches_per_epoch=setup.safe_len(train_dataloader),
         )
+        self.saver = checkpointing.make_saver(
+            save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
+            save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
+            save_overwrite=save_overwrite, run_name=self.state.run_name, max_duration=self.max_duration)
+        loaded = checkpointing.load_at_start(
+            self.state, self.scaler, self.saver, load_path=load_path, autoresume=autoresume,
+            run_name_given=run_name is not None, weights_only=load_weights_only,
+            strict=load_strict_model_weights)
+        self._resume_entry = None if loaded is None else loaded.rank_entry
+        self._position = data.DataPosition()
         self.callbacks = setup.default_callbacks(run_folder, progress_bar) + list(callbacks)
         self._run_event(Event.INIT)
 
     # -- the loop -----------------------------------------------------------------------------
 
     def fit(self) -> None:
-        """Train until ``max_duration``, evaluating every ``eval_interval``."""
+        """Train until ``max_duration``, evaluating every ``eval_interval`` and saving every
+        ``save_interval``. Raises :class:`~lockstep.trainer.preemption.Preempted` (exit code
+        143) after saving, when SIGTERM arrived."""
         s = self.state
         if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
             raise ValueError("fit() needs train_dataloader, max_duration and optimizers passed to Trainer(...)")
         s.model.train()
+        resume = self._take_resume()
         self._run_event(Event.FIT_START)
-        while not is_reached(s.timestamp, s.max_duration):
-            data.set_epoch(self.train_dataloader, s.timestamp.epoch)
-            self._run_event(Event.EPOCH_START)
-            trained = False
-            for batch, samples, tokens, is_last in data.epoch_batches(
-                    self.train_dataloader, self._count, self._step_sync, self.device):
-                trained = True
-                self._run_event(Event.BATCH_START)
-                s.loss_tensor = self._train_batch(batch, samples)
-                before = s.timestamp
-                s.timestamp = before.to_next_batch(samples, tokens)
-                if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
-                    s.timestamp = s.timestamp.to_next_epoch()
-                self._run_event(Event.BATCH_END)
-                if is_last:
-                    self._run_event(Event.EPOCH_END)
-                if self.eval_dataloader is not None and is_interval_due(
-                        before, s.timestamp, self.eval_interval, s.max_duration):
-                    self.eval()
-                if is_reached(s.timestamp, s.max_duration):
-                    break
-            if not trained:
-                raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
+        with StopSignal() if self.saver else contextlib.nullcontext() as stop:
+            while not is_reached(s.timestamp, s.max_duration):
+                data.set_epoch(self.train_dataloader, s.timestamp.epoch)
+                self._run_event(Event.EPOCH_START)
+                batches = data.epoch_batches(
+                    self.train_dataloader, self._count, self._step_sync, self.device,
+                    track=self._position if self.saver else None, resume=resume)
+                trained, resume = resume is not None, None
+                for batch, samples, tokens, is_last in batches:
+                    trained = True
+                    self._run_event(Event.BATCH_START)
+                    s.loss_tensor = self._train_batch(batch, samples)
+                    before = s.timestamp
+                    s.timestamp = before.to_next_batch(samples, tokens)
+                    if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
+                        s.timestamp = s.timestamp.to_next_epoch()
+                    self._run_event(Event.BATCH_END)
+                    if is_last:
+                        self._run_event(Event.EPOCH_END)
+                    if self.eval_dataloader is not None and is_interval_due(
+                            before, s.timestamp, self.eval_interval, s.max_duration):
+                        self.eval()
+                    if self.saver and (self.saver.due(before, s.timestamp, Event.BATCH_END, s) or (
+                            is_last and self.saver.due(before, s.timestamp, Event.EPOCH_END, s))):
+                        self._save(is_last)
+                    if stop and stop.agreed():
+                        self._preempt(is_last)
+                    if is_reached(s.timestamp, s.max_duration):
+                        break
+                batches.close()  # puts back a sampler the resume skipped through
+                if not trained:
+                    raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
+            if self.saver and self.saver.last_saved_batch != s.timestamp.batch:
+                self._save(s.timestamp.batch_in_epoch == 0)
         self._run_event(Event.FIT_END)
 
     def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
@@ -219,6 +264,38 @@ class Trainer:
         self._run_event(Event.EVAL_END)
         s.model.train(was_training)
         return results
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _take_resume(self) -> data.DataPosition | None:
+        """Apply a loaded checkpoint's RNG state, or return the data position to resume mid-epoch."""
+        entry, self._resume_entry = self._resume_entry, None
+        if entry is None:
+            return None
+        skip = self.state.timestamp.batch_in_epoch
+        if skip == 0:
+            rng.restore(entry["rng"])
+            return None
+        return data.DataPosition(epoch_rng=entry["epoch_rng"], fetch_rng=entry["fetch_rng"], skip=skip,
+                                 rng_after=entry["rng"])
+
+    def _save(self, at_epoch_end: bool) -> None:
+        position = self._position
+        entry = {"rng": rng.capture(),
+                 "epoch_rng": None if at_epoch_end else position.epoch_rng,
+                 "fetch_rng": None if at_epoch_end else position.fetch_rng}
+        self.saver.save(self.state, self.scaler, entry)  # type: ignore[union-attr]
+
+    def _preempt(self, at_epoch_end: bool) -> None:
+        s = self.state
+        if self.saver.last_saved_batch != s.timestamp.batch:  # type: ignore[union-attr]
+            self._save(at_epoch_end)
+        self._run_event(Event.FIT_END)
+        message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch}; the checkpoint is in "
+                   f"{self.saver.folder}")  # type: ignore[union-attr]
+        if dist.get_global_rank() == 0:
+            print(message, file=sys.stderr, flush=True)
+        raise Preempted(message)
 
     def _run_event(self, event: Event) -> None:
         for callback in self.callbacks:

@@ -1,0 +1,133 @@
+"""Checkpoint files on disk: atomic writes, the latest pointer, verified loading.
+
+A save writes a temporary file beside the target, fsyncs it, renames it over the target and fsyncs
+the folder, so a crash at any moment leaves either the old file or the complete new one. The latest
+pointer is a relative symlink replaced the same way. Loading checks every record's CRC32 (torch's
+reader does not) and unpickles with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)$")
+
+# Tests set this to kill the process after the temporary file is durable and before it is published.
+_before_publish: Callable[[Path], None] | None = None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged, or does not fit this run; the message names the file."""
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` so that readers only ever see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = _temp_path(path)
+    try:
+        with open(temp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if _before_publish is not None:
+            _before_publish(path)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def point_latest(pointer: Path, target: Path) -> None:
+    """Make ``pointer`` a symlink to ``target`` (relative when they share a folder), atomically."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    link = os.path.relpath(target, pointer.parent)
+    temp = _temp_path(pointer)
+    temp.unlink(missing_ok=True)
+    os.symlink(link, temp)
+    try:
+        os.replace(temp, pointer)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(pointer.parent)
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete temporary files left by writers that died mid-save (their pid is gone)."""
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        match = _TEMP.match(entry.name)
+        if match and not _pid_alive(int(match["pid"])):
+            entry.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours, from an earlier attempt of this process that raised
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def resolve_pointer(path: Path) -> Path:
+    """The file a latest pointer names (or ``path`` itself), with a clear error when it dangles."""
+    if path.is_symlink():
+        target = path.parent / os.readlink(path)
+        if not target.exists():
+            raise CheckpointError(f"latest pointer {path} names {target}, which does not exist")
+        return target
+    return path
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError unless ``path`` is a complete torch zip file whose records match their CRCs."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder, not a checkpoint file")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or not a torch checkpoint ({e}); "
+            f"load an earlier checkpoint") from None
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {path} is corrupt: record {bad} fails its CRC check; "
+                              f"load an earlier checkpoint")
+
+
+def read(path: Path) -> Any:
+    """Verify and load ``path`` on CPU with ``weights_only=True`` (no arbitrary code runs)."""
+    verify(path)
+    try:
+        # mmap: the data was just read for the CRC check, so mapping it copies nothing again
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for foreign content
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load checkpoint {path} with weights_only=True: {first_line}") from None

@@ -1,0 +1,129 @@
+"""When and where checkpoints are written: interval, names, latest pointer, retention, overwrite."""
+
+from __future__ import annotations
+
+import glob
+import os
+import string
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lockstep import dist
+from lockstep.callbacks import Event
+from lockstep.checkpoint import files, payload, templates
+from lockstep.time import Time, TimeUnit, Timestamp, is_interval_due
+
+SaveInterval = Time | str | int | Callable[[Any, Event], bool]
+
+
+class CheckpointSaver:
+    """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
+    and data position; all ranks take part in gathering those, then wait for the file."""
+
+    def __init__(self, *, folder: str, filename: str, latest_filename: str | None,
+                 interval: SaveInterval, num_to_keep: int, overwrite: bool, run_name: str,
+                 max_duration: Time | None) -> None:
+        templates.check_template(folder, "save_folder", time_fields=False)
+        templates.check_template(filename, "save_filename")
+        if latest_filename is not None:
+            templates.check_template(latest_filename, "save_latest_filename", time_fields=False)
+        if isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep == 0 or num_to_keep < -1:
+            raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {num_to_keep!r}")
+        self.interval = _check_interval(interval, max_duration)
+        self.max_duration = max_duration
+        place = templates.place_values(run_name, rank=0)
+        self.place = place
+        self.folder = Path(templates.format_name(folder, place))
+        self.filename = filename
+        self.latest = None if latest_filename is None else self.folder / templates.format_name(latest_filename, place)
+        self.latest_template = None if latest_filename is None else os.path.join(folder, latest_filename)
+        """The pointer as a template, so that each rank can look for its own before rank 0's."""
+        self.num_to_keep = num_to_keep
+        self.overwrite = overwrite
+        self.history: list[str] = []
+        """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
+        self.last_saved_batch: int | None = None
+        self.may_replace_own = False
+        """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
+
+    @property
+    def writes(self) -> bool:
+        return dist.get_global_rank() == 0
+
+    def refuse_existing(self) -> None:
+        """Before training: refuse a folder that already holds checkpoints this run would mix with."""
+        if self.overwrite or not self.writes:
+            return
+        pattern = str(self.folder / _glob(self.filename, self.place))
+        found = sorted(glob.glob(pattern))
+        if self.latest is not None and (self.latest.exists() or self.latest.is_symlink()):
+            found.insert(0, str(self.latest))
+        if found:
+            raise FileExistsError(
+                f"save_folder {self.folder} already holds checkpoints (e.g. {found[0]}): pass "
+                f"save_overwrite=True to replace them, autoresume=True to continue that run, or "
+                f"another save_folder")
+
+    def due(self, before: Timestamp, after: Timestamp, event: Event, state: Any) -> bool:
+        if callable(self.interval):
+            return bool(self.interval(state, event))
+        unit = self.interval.unit
+        if unit is TimeUnit.DURATION:
+            unit = self.max_duration.unit  # type: ignore[union-attr]
+        if (unit is TimeUnit.EPOCH) != (event is Event.EPOCH_END):
+            return False
+        return is_interval_due(before, after, self.interval, self.max_duration)
+
+    def save(self, state: Any, scaler: torch.amp.GradScaler | None, rank_entry: dict[str, Any]) -> Path | None:
+        """Write the checkpoint of ``state`` now (a collective: every rank calls it)."""
+        ranks = dist.all_gather_object(rank_entry)
+        path = None
+        if self.writes:
+            name = templates.format_name(self.filename, self.place, state.timestamp)
+            path = self.folder / name
+            if (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own):
+                raise FileExistsError(f"checkpoint {path} already exists: pass save_overwrite=True to "
+                                      f"replace it, or choose another save_folder or save_filename")
+            if not self.history:
+                files.remove_stale_temps(self.folder)
+            history = [n for n in self.history if n != name] + [name]
+            files.atomic_save(payload.build(state, scaler, ranks, history), path)
+            if self.latest is not None:
+                files.point_latest(self.latest, path)
+            self.history = history
+            self._prune()
+        self.last_saved_batch = state.timestamp.batch
+        dist.barrier()  # every rank returns once the checkpoint is durable
+        return path
+
+    def _prune(self) -> None:
+        if self.num_to_keep == -1:
+            return
+        while len(self.history) > self.num_to_keep:
+            (self.folder / self.history.pop(0)).unlink(missing_ok=True)
+
+
+def _check_interval(interval: SaveInterval, max_duration: Time | None) -> Time | Callable[[Any, Event], bool]:
+    if callable(interval) and not isinstance(interval, (str, Time)):
+        return interval
+    time = Time.from_input(interval).require_positive("save_interval")  # type: ignore[arg-type]
+    if time.unit is TimeUnit.DURATION and max_duration is None:
+        raise ValueError(f"save_interval='{time}' is a fraction of max_duration, so max_duration is needed")
+    return time
+
+
+def _glob(template: str, place: dict[str, Any]) -> str:
+    """The template with its place fields filled in and its time fields as ``*``."""
+    parts = []
+    for literal, field, spec, conversion in string.Formatter().parse(template):
+        parts.append(glob.escape(literal))
+        if field is None:
+            continue
+        if field in place:
+            parts.append(glob.escape(format(place[field], spec or "")))
+        else:
+            parts.append("*")
+    return "".join(parts)

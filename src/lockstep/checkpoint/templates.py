@@ -1,0 +1,57 @@
+"""Checkpoint name templates: ``ep{epoch}-ba{batch}-rank{rank}.pt`` and friends."""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+from lockstep import dist
+from lockstep.time import Timestamp
+
+PLACE_FIELDS = ("run_name", "rank", "local_rank", "world_size", "local_world_size", "node_rank")
+TIME_FIELDS = ("epoch", "batch", "sample", "token")
+
+
+def fields_of(template: str, name: str) -> set[str]:
+    """The fields a template uses; an unknown or positional field is an error naming ``name``."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"{name}={template!r} is not a valid template: {e}") from None
+    used = {field for _, field, _, _ in parsed if field is not None}
+    unknown = used - set(PLACE_FIELDS) - set(TIME_FIELDS)
+    if unknown:
+        raise ValueError(f"{name}={template!r} uses unknown field(s) {sorted(unknown)}; "
+                         f"valid fields: {', '.join('{' + f + '}' for f in PLACE_FIELDS + TIME_FIELDS)}")
+    return used
+
+
+def check_template(template: Any, name: str, *, time_fields: bool = True) -> str:
+    """Validate a template once, at Trainer construction."""
+    if not isinstance(template, str) or not template:
+        raise TypeError(f"{name} must be a non-empty string template, got {template!r}")
+    used = fields_of(template, name)
+    if not time_fields and used & set(TIME_FIELDS):
+        raise ValueError(f"{name}={template!r} cannot use {sorted(used & set(TIME_FIELDS))}: "
+                         f"it is fixed for the whole run; only {PLACE_FIELDS} are allowed there")
+    return template
+
+
+def place_values(run_name: str, rank: int | None = None) -> dict[str, Any]:
+    """The fields that do not change during a run, for ``rank`` (default: this rank)."""
+    return {
+        "run_name": run_name,
+        "rank": dist.get_global_rank() if rank is None else rank,
+        "local_rank": dist.get_local_rank(),
+        "world_size": dist.get_world_size(),
+        "local_world_size": dist.get_local_world_size(),
+        "node_rank": dist.get_node_rank(),
+    }
+
+
+def format_name(template: str, place: dict[str, Any], timestamp: Timestamp | None = None) -> str:
+    values = dict(place)
+    if timestamp is not None:
+        values.update(epoch=timestamp.epoch, batch=timestamp.batch, sample=timestamp.sample,
+                      token=timestamp.token)
+    return template.format(**values)

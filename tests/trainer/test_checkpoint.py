@@ -1,0 +1,284 @@
+"""Trainer checkpoints: names and intervals, exact resume, autoresume, retention, errors, export."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+
+from lockstep import Trainer, dist
+from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict
+from lockstep.testing import run_distributed
+from tests.trainer.common import MLP, DropoutMLP, NoisyDataset, assert_same_params, loader, params
+
+# 28 samples, batch 4 per rank at world size 1: 7 batches per epoch
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def make(max_duration: str, folder: Path | str | None, *, model_cls=DropoutMLP, data=None, batch: int = 4,
+         microbatch: int | None = None, scheduler: bool = True, **kw) -> Trainer:
+    torch.manual_seed(0)
+    model = model_cls()
+    opt = adamw(model)
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)] if scheduler else None
+    return Trainer(model=model, train_dataloader=data if data is not None else loader(batch, shuffle=True),
+                   max_duration=max_duration, optimizers=opt, schedulers=schedulers, progress_bar=False,
+                   save_folder=None if folder is None else str(folder), seed=7,
+                   device_train_microbatch_size=microbatch, **kw)
+
+
+def fit(max_duration: str, folder, **kw) -> dict[str, torch.Tensor]:
+    trainer = make(max_duration, folder, **kw)
+    trainer.fit()
+    return params(trainer.state.model)
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(os.listdir(folder))
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert_same_params(a, b, atol=0)
+
+
+# -- names and intervals ----------------------------------------------------------------------
+
+def test_epoch_field_counts_completed_epochs_and_end_of_training_saves(tmp_path: Path) -> None:
+    fit("10ba", tmp_path, data=loader(7))  # 4 batches per epoch
+    assert names(tmp_path) == sorted(["ep1-ba4-rank0.pt", "ep2-ba8-rank0.pt", "ep2-ba10-rank0.pt", "latest-rank0.pt"])
+    assert os.readlink(tmp_path / "latest-rank0.pt") == "ep2-ba10-rank0.pt"
+
+
+def test_batch_sample_and_callable_intervals(tmp_path: Path) -> None:
+    fit("7ba", tmp_path / "ba", save_interval="3ba", save_filename="b{batch}.pt", save_latest_filename=None)
+    assert names(tmp_path / "ba") == sorted(["b3.pt", "b6.pt", "b7.pt"])
+    fit("7ba", tmp_path / "sp", save_interval="10sp", save_filename="s{sample}.pt")
+    assert names(tmp_path / "sp") == sorted(["latest-rank0.pt", "s12.pt", "s20.pt", "s28.pt"])
+    seen = []
+
+    def every_other_epoch(state, event):
+        seen.append(event.value)
+        return event.value == "epoch_end" and state.timestamp.epoch % 2 == 0
+
+    fit("4ep", tmp_path / "fn", save_interval=every_other_epoch, save_filename="e{epoch}-{run_name}.pt",
+        run_name="r1")
+    assert names(tmp_path / "fn") == sorted(["e2-r1.pt", "e4-r1.pt", "latest-rank0.pt"])
+    assert seen.count("epoch_end") == 4 and seen.count("batch_end") == 28
+
+
+def test_keep_newest_n_across_a_resume(tmp_path: Path) -> None:
+    fit("5ba", tmp_path, save_interval="1ba", save_num_checkpoints_to_keep=2, run_name="k", autoresume=True)
+    assert names(tmp_path) == sorted(["ep0-ba4-rank0.pt", "ep0-ba5-rank0.pt", "latest-rank0.pt"])
+    fit("8ba", tmp_path, save_interval="1ba", save_num_checkpoints_to_keep=2, run_name="k", autoresume=True)
+    assert names(tmp_path) == sorted(["ep1-ba7-rank0.pt", "ep1-ba8-rank0.pt", "latest-rank0.pt"])
+
+
+def test_save_folder_with_run_name(tmp_path: Path) -> None:
+    fit("2ba", str(tmp_path / "{run_name}"), run_name="exp")
+    assert names(tmp_path / "exp") == sorted(["ep0-ba2-rank0.pt", "latest-rank0.pt"])
+
+
+def test_overwrite_is_refused_unless_asked(tmp_path: Path) -> None:
+    fit("2ba", tmp_path)
+    with pytest.raises(FileExistsError, match="already holds checkpoints .* save_overwrite=True"):
+        make("2ba", tmp_path)
+    fit("2ba", tmp_path, save_overwrite=True)
+    # resuming from a checkpoint of the folder is allowed; replacing one of its files is not
+    with pytest.raises(FileExistsError, match=r"ep0-ba2-rank0\.pt already exists: pass save_overwrite=True"):
+        fit("2ba", tmp_path, load_path=str(tmp_path / "ep0-ba2-rank0.pt"), load_weights_only=True)
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="save_num_checkpoints_to_keep must be -1"):
+        make("2ba", tmp_path, save_num_checkpoints_to_keep=0)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['step'\]"):
+        make("2ba", tmp_path, save_filename="{step}.pt")
+    with pytest.raises(ValueError, match="autoresume=True needs run_name"):
+        make("2ba", tmp_path, autoresume=True)
+    with pytest.raises(ValueError, match="autoresume=True needs save_folder"):
+        make("2ba", None, autoresume=True, run_name="x")
+    with pytest.raises(ValueError, match="save_interval must be positive|must be > 0|positive"):
+        make("2ba", tmp_path, save_interval="0ba")
+
+
+# -- exact resume at world size 1 ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    return folder, fit("17ba", folder, save_interval="1ba")
+
+
+@pytest.mark.parametrize("step", ["ep0-ba3", "ep1-ba7", "ep1-ba9", "ep2-ba14"])
+def test_resume_is_bit_identical(uninterrupted, tmp_path: Path, step: str) -> None:
+    """Mid-epoch (ba3, ba9) and at epoch boundaries (ba7, ba14), with shuffling, dropout, AdamW
+    and a scheduler: the resumed run ends with the uninterrupted run's exact parameters."""
+    folder, reference = uninterrupted
+    resumed = fit("17ba", tmp_path, load_path=str(folder / f"{step}-rank{{rank}}.pt"))
+    assert_bitwise(resumed, reference)
+
+
+def test_resume_without_rng_would_differ(uninterrupted, tmp_path: Path) -> None:
+    """The check above can fail: loading only the weights and optimizer (no RNG) diverges."""
+    folder, reference = uninterrupted
+    trainer = make("17ba", tmp_path, load_path=str(folder / "ep1-ba9-rank0.pt"))
+    trainer._resume_entry = None  # drop the RNG and data position
+    trainer.fit()
+    assert any(not torch.equal(reference[k], v) for k, v in params(trainer.state.model).items())
+
+
+def noisy_loader(workers: int = 0) -> DataLoader:
+    ds = NoisyDataset()
+    return DataLoader(ds, batch_size=4, sampler=RandomSampler(ds), num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_with_random_augmentation_and_a_global_rng_sampler(tmp_path: Path, workers: int) -> None:
+    """A RandomSampler seeded from the global RNG and a dataset drawing from torch, numpy and
+    python RNGs in the main process (or in worker processes) still resume exactly."""
+    reference = fit("10ba", tmp_path / "a", data=noisy_loader(workers), save_interval="2ba")
+    resumed = fit("10ba", tmp_path / "b", data=noisy_loader(workers), load_path=str(tmp_path / "a/ep0-ba4-rank0.pt"))
+    assert_bitwise(resumed, reference)
+    resumed = fit("10ba", tmp_path / "c", data=noisy_loader(workers), load_path=str(tmp_path / "a/ep1-ba8-rank0.pt"))
+    assert_bitwise(resumed, reference)
+
+
+def test_autoresume_continues_and_starts_fresh_without_a_checkpoint(uninterrupted, tmp_path: Path) -> None:
+    _, reference = uninterrupted
+    first = make("9ba", tmp_path, run_name="auto", autoresume=True, save_interval="4ba")
+    assert first.state.timestamp.batch == 0  # nothing to resume: fresh start
+    first.fit()
+    second = make("17ba", tmp_path, run_name="auto", autoresume=True, save_interval="4ba")
+    assert second.state.timestamp.batch == 9
+    second.fit()
+    assert_bitwise(params(second.state.model), reference)
+    with pytest.raises(CheckpointError, match="a checkpoint of run 'auto', not of run_name 'other'"):
+        make("17ba", tmp_path, run_name="other", autoresume=True)
+
+
+# -- loading errors ---------------------------------------------------------------------------
+
+def test_load_errors_name_the_file(uninterrupted, tmp_path: Path) -> None:
+    folder, _ = uninterrupted
+    with pytest.raises(CheckpointError, match=r"load_path .*nope-rank0\.pt does not exist"):
+        make("2ba", None, load_path=str(tmp_path / "nope-rank{rank}.pt"))
+    truncated = tmp_path / "truncated.pt"
+    data = (folder / "ep0-ba3-rank0.pt").read_bytes()
+    truncated.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=r"truncated\.pt is truncated or not a torch checkpoint"):
+        make("2ba", None, load_path=str(truncated))
+
+    class Wider(MLP):
+        def __init__(self):
+            super().__init__()
+            self.net[0] = torch.nn.Linear(6, 32)
+            self.net[2] = torch.nn.Linear(32, 3)
+
+    with pytest.raises(CheckpointError, match=r"ep0-ba3-rank0\.pt does not fit the model: .*size mismatch"):
+        make("2ba", None, model_cls=Wider, load_path=str(folder / "ep0-ba3-rank0.pt"))
+    with pytest.raises(CheckpointError, match=r"holds 1 schedulers but the Trainer has 0"):
+        make("2ba", None, scheduler=False, load_path=str(folder / "ep0-ba3-rank0.pt"))
+    plain = tmp_path / "plain.pt"
+    torch.save(MLP().state_dict(), plain)
+    with pytest.raises(CheckpointError, match="plain state_dict.*load_weights_only=True"):
+        make("2ba", None, load_path=str(plain))
+    trainer = make("2ba", None, load_path=str(plain), load_weights_only=True)
+    assert trainer.state.timestamp.batch == 0
+
+
+def test_weights_only_and_non_strict_loading(uninterrupted) -> None:
+    folder, _ = uninterrupted
+    path = str(folder / "ep1-ba9-rank0.pt")
+    trainer = make("2ba", None, load_path=path, load_weights_only=True)
+    assert trainer.state.timestamp.batch == 0
+    saved = export_state_dict(path)
+    assert_bitwise(params(trainer.state.model), saved)
+
+    class Extra(MLP):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3, 3)
+
+    with pytest.raises(CheckpointError, match='Missing key\\(s\\) in state_dict: "head.weight"'):
+        make("2ba", None, model_cls=Extra, load_path=path, load_weights_only=True)
+    trainer = make("2ba", None, model_cls=Extra, load_path=path, load_weights_only=True,
+                   load_strict_model_weights=False)
+    assert torch.equal(trainer.state.model.net[0].weight, saved["net.0.weight"])
+
+
+# -- export -------------------------------------------------------------------------------------
+
+def test_export_to_state_dict_and_safetensors(uninterrupted, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    folder, reference = uninterrupted
+    assert_bitwise(export_state_dict(folder / "latest-rank0.pt"), reference)
+    out = export_safetensors(folder / "ep2-ba17-rank0.pt", tmp_path / "model.safetensors")
+    assert_bitwise(load_file(out), reference)
+    with pytest.raises(ValueError, match="should end with .safetensors"):
+        export_safetensors(folder / "ep2-ba17-rank0.pt", tmp_path / "model.bin")
+
+
+def test_export_command_line(uninterrupted, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    folder, reference = uninterrupted
+    out = tmp_path / "m.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "lockstep.checkpoint", "export",
+                           str(folder / "latest-rank0.pt"), str(out)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert_bitwise(load_file(out), reference)
+    proc = subprocess.run([sys.executable, "-m", "lockstep.checkpoint", "export", str(tmp_path / "x.pt"),
+                           str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "x.pt does not exist" in proc.stderr
+
+
+# -- two ranks ----------------------------------------------------------------------------------
+
+def _two_rank_resume(folder: str) -> dict:
+    """Uninterrupted 2-rank run, then resumes from a mid-epoch and an epoch-boundary checkpoint,
+    with microbatches; every rank loads through a {rank} template that names rank 0's file."""
+    root = Path(folder)
+    out = {"reference": fit("9ba", root / "a", batch=2, microbatch=1, save_interval="1ba")}
+    if dist.get_global_rank() == 0:
+        out["names"] = names(root / "a")
+    out["mid"] = fit("9ba", root / "b", batch=2, microbatch=1, load_path=str(root / "a/ep0-ba5-rank{rank}.pt"))
+    out["boundary"] = fit("9ba", root / "c", batch=2, microbatch=1, load_path=str(root / "a/ep1-ba7-rank{rank}.pt"))
+    out["autoresume"] = []
+    for stop in ("5ba", "9ba"):
+        out["autoresume"].append(fit(stop, root / "d", batch=2, microbatch=1, run_name="two", autoresume=True,
+                                     save_interval="3ba"))
+    return out
+
+
+def _load_at_world_size_one(folder: str) -> str:
+    try:
+        make("2ba", None, load_path=folder)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_resume_exactly(tmp_path: Path) -> None:
+    results = run_distributed(_two_rank_resume, world_size=2, args=(str(tmp_path),), timeout=180)
+    reference = results[0]["reference"]
+    # one file per checkpoint, written by rank 0, holding both ranks' RNG states
+    assert results[0]["names"] == sorted([f"ep{b // 7}-ba{b}-rank0.pt" for b in range(1, 10)] + ["latest-rank0.pt"])
+    for rank in results:
+        assert_bitwise(rank["reference"], reference)
+        for key in ("mid", "boundary"):
+            assert_bitwise(rank[key], reference)
+        assert_bitwise(rank["autoresume"][1], reference)
+    message = _load_at_world_size_one(str(tmp_path / "a/ep0-ba5-rank0.pt"))
+    assert "saved by 2 rank(s) and this run has 1" in message and "load_weights_only=True" in message
