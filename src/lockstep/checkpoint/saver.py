@@ -46,6 +46,7 @@ class CheckpointSaver:
         self.history: list[str] = []
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
         self.last_saved_batch: int | None = None
+        self._swept = False
         self.may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
@@ -87,8 +88,9 @@ class CheckpointSaver:
             if (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own):
                 raise FileExistsError(f"checkpoint {path} already exists: pass save_overwrite=True to "
                                       f"replace it, or choose another save_folder or save_filename")
-            if not self.history:
+            if not self._swept:  # temporary files of a writer that died mid-save
                 files.remove_stale_temps(self.folder)
+                self._swept = True
             history = [n for n in self.history if n != name] + [name]
             files.atomic_save(payload.build(state, scaler, ranks, history), path)
             if self.latest is not None:

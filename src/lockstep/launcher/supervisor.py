@@ -63,6 +63,12 @@ class _Rank:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def signal_leader(self, signum: int) -> None:
+        try:
+            os.kill(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
 
 @dataclass
 class _Failure:
@@ -195,7 +201,13 @@ class Supervisor:
         _say(f"received {signal.Signals(signum).name}, forwarding it to every rank")
         for r in ranks:
             if r.returncode is None:
-                r.signal_group(signum)
+                # SIGTERM asks the rank itself to stop (the Trainer saves a checkpoint), so its
+                # dataloader workers must live on meanwhile; the teardown kills the group after.
+                # SIGINT goes to the whole group, as a terminal's Ctrl-C would.
+                if signum == signal.SIGTERM:
+                    r.signal_leader(signum)
+                else:
+                    r.signal_group(signum)
 
     def _teardown(self, ranks: list[_Rank], wake_r: int, watchdog: Watchdog, first: int | None) -> None:
         """Signal the live ranks (unless already done), give them the grace period, then SIGKILL."""

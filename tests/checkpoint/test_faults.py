@@ -1,0 +1,97 @@
+"""Faults end to end under the launcher: kill -9 of ranks with --max_restarts, kill -9 during a
+save, and SIGTERM preemption; each resumed job must end with the uninterrupted job's parameters."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launcher.conftest import launch
+
+JOB = Path(__file__).with_name("train_job.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job(tmp: Path, name: str, *extra: str, restarts: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    return launch(["-n", "2", "--max_restarts", str(restarts), str(JOB), "--folder", str(tmp / name),
+                   "--out", str(tmp / f"{name}.pt"), *extra], cwd=REPO, timeout=timeout)
+
+
+def final(tmp: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(tmp / f"{name}.pt", weights_only=True)
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    tmp = tmp_path_factory.mktemp("reference")
+    result = job(tmp, "clean")
+    assert result.returncode == 0, result.stderr
+    assert "attempt 0 resumed at batch 0" in result.stdout
+    return tmp, final(tmp, "clean")
+
+
+@pytest.mark.timeout(240)
+def test_ranks_killed_at_random_steps_restart_and_match(reference, tmp_path: Path) -> None:
+    _, expected = reference
+    rng = random.Random(1234)
+    # three kills of alternating ranks, each later than the last checkpoint before it
+    steps = sorted(rng.sample(range(2, 23), 3))
+    kills = [f"{attempt}:{attempt % 2}:{step}" for attempt, step in enumerate(steps)]
+    extra = [arg for k in kills for arg in ("--kill", k)]
+    result = job(tmp_path, "killed", *extra, restarts=3, timeout=200)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("restarting this node's ranks") == 3, result.stderr
+    assert "failed first with signal SIGKILL" in result.stderr
+    assert_bitwise(final(tmp_path, "killed"), expected)
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_in_the_middle_of_a_save_loses_nothing(reference, tmp_path: Path) -> None:
+    _, expected = reference
+    result = job(tmp_path, "torn", "--kill-in-save", "0:12", restarts=1)
+    assert result.returncode == 0, result.stderr
+    # the torn save left the batch-8 checkpoint as the latest, and the job went on from there
+    assert "attempt 1 resumed at batch 8" in result.stdout, result.stdout
+    assert_bitwise(final(tmp_path, "torn"), expected)
+    leftovers = [p.name for p in (tmp_path / "torn").iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # the next save removed the dead writer's temporary file
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_preempts_saves_and_autoresume_matches(reference, tmp_path: Path) -> None:
+    _, expected = reference
+    progress = tmp_path / "progress"
+    cmd = [sys.executable, "-m", "lockstep", "-n", "2", str(JOB), "--folder", str(tmp_path / "pre"),
+           "--out", str(tmp_path / "pre.pt"), "--save-interval", "100ba", "--sleep", "0.05",
+           "--progress", str(progress)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 60
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
+        assert time.monotonic() < deadline and proc.poll() is None, "the job did not get going"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after batch" in err, err
+    saved = sorted(p.name for p in (tmp_path / "pre").glob("ep*.pt"))
+    assert len(saved) == 1 and not (tmp_path / "pre.pt").exists(), (saved, err)
+    stopped_at = int(saved[0].split("-ba")[1].split("-")[0])
+    assert 5 <= stopped_at < 24
+    result = job(tmp_path, "pre", "--save-interval", "100ba")
+    assert result.returncode == 0, result.stderr
+    assert f"attempt 0 resumed at batch {stopped_at}" in result.stdout
+    assert_bitwise(final(tmp_path, "pre"), expected)

@@ -1,0 +1,80 @@
+"""A training job for the fault tests, run under the launcher with autoresume.
+
+Faults come from the command line: ``--kill A:R:B`` makes rank R SIGKILL itself after batch B on
+attempt A (LOCKSTEP_RESTART_COUNT); ``--kill-in-save A:B`` makes rank 0 die on attempt A while
+saving the checkpoint of batch B, after the file is written and before it is renamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lockstep import Callback, Trainer, dist  # noqa: E402
+from lockstep.checkpoint import files  # noqa: E402
+from tests.trainer.common import DropoutMLP, loader, params  # noqa: E402
+
+
+def faults(specs: list[str]) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in spec.split(":")) for spec in specs]
+
+
+class Faults(Callback):
+    def __init__(self, kills: list[tuple[int, ...]], sleep: float, progress: Path | None) -> None:
+        self.attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
+        self.kills = {(r, b) for a, r, b in kills if a == self.attempt}
+        self.sleep, self.progress = sleep, progress
+
+    def batch_end(self, state) -> None:
+        if (dist.get_global_rank(), state.timestamp.batch) in self.kills:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.progress is not None and dist.get_global_rank() == 0:
+            self.progress.write_text(str(state.timestamp.batch))
+        time.sleep(self.sleep)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--folder", required=True)
+    p.add_argument("--batches", type=int, default=24)
+    p.add_argument("--save-interval", default="4ba")
+    p.add_argument("--out", required=True)
+    p.add_argument("--kill", action="append", default=[])
+    p.add_argument("--kill-in-save", action="append", default=[])
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--progress", type=Path)
+    args = p.parse_args()
+
+    attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
+    doomed = {f"-ba{b}-" for a, b in faults(args.kill_in_save) if a == attempt}
+    if doomed and dist.get_global_rank() == 0:
+        def die_in_save(path: Path) -> None:
+            if any(tag in path.name for tag in doomed):
+                os.kill(os.getpid(), signal.SIGKILL)
+        files._before_publish = die_in_save
+
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    trainer = Trainer(model=model, train_dataloader=loader(2, shuffle=True), max_duration=f"{args.batches}ba",
+                      optimizers=opt, schedulers=torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
+                      progress_bar=False, seed=7, save_folder=args.folder, save_interval=args.save_interval,
+                      run_name="job", autoresume=True,
+                      callbacks=[Faults(faults(args.kill), args.sleep, args.progress)])
+    start = trainer.state.timestamp.batch
+    trainer.fit()
+    if dist.get_global_rank() == 0:
+        torch.save(params(model), args.out)
+        print(f"attempt {attempt} resumed at batch {start}")
+
+
+if __name__ == "__main__":
+    main()
