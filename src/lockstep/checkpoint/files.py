@@ -8,6 +8,7 @@ reader does not) and unpickles with ``weights_only=True``.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import zipfile
@@ -39,14 +40,23 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` so that readers only ever see the old file or the whole new one."""
+def write_temp(obj: Any, path: Path) -> Path:
+    """``torch.save`` to a temporary file beside ``path``; :func:`publish` makes it ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = _temp_path(path)
     try:
         with open(temp, "wb") as f:
             torch.save(obj, f)
-            f.flush()
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp
+
+
+def publish(temp: Path, path: Path) -> None:
+    """Make the temporary file durable, then rename it to ``path`` and make the rename durable."""
+    try:
+        with open(temp, "rb+") as f:
             os.fsync(f.fileno())
         if _before_publish is not None:
             _before_publish(path)
@@ -55,6 +65,11 @@ def atomic_save(obj: Any, path: Path) -> None:
         temp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` so that readers only ever see the old file or the whole new one."""
+    publish(write_temp(obj, path), path)
 
 
 def point_latest(pointer: Path, target: Path) -> None:
@@ -83,8 +98,6 @@ def remove_stale_temps(folder: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # ours, from an earlier attempt of this process that raised
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -122,12 +135,17 @@ def verify(path: Path) -> None:
                               f"load an earlier checkpoint")
 
 
-def read(path: Path) -> Any:
+def read(path: Path, check_crc: bool = True) -> Any:
     """Verify and load ``path`` on CPU with ``weights_only=True`` (no arbitrary code runs)."""
-    verify(path)
+    if check_crc:
+        verify(path)
+    elif not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
     try:
-        # mmap: the data was just read for the CRC check, so mapping it copies nothing again
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # mmap: the data was just read for the CRC check, so mapping it copies nothing again.
+        # MAP_PRIVATE whatever the user set: tensors written later must never reach the file.
+        with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for foreign content
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint {path} with weights_only=True: {first_line}") from None

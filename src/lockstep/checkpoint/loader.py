@@ -41,52 +41,66 @@ def _find(template: str, run_name: str) -> Path | None:
     return None
 
 
-def _agree(error: str | None) -> None:
-    """Raise on every rank if any rank failed, with the first failing rank's message."""
+def _agree(error: str | None, batch: int = 0) -> tuple[int, int, int]:
+    """One small all-reduce: (ranks that failed, lowest batch, highest batch). If any rank failed,
+    raise on every rank with the first failing rank's message (gathered only then)."""
+    t = torch.tensor([int(error is not None), -batch, batch], dtype=torch.int64)
+    failed, neg_low, high = (int(v) for v in dist.all_reduce(t, "MAX").tolist())
+    return failed, -neg_low, high
+
+
+def _raise_first(error: str | None) -> None:
     errors = dist.all_gather_object(error)
     for rank, message in enumerate(errors):
         if message is not None:
-            prefix = "" if dist.get_world_size() == 1 else f"rank {rank}: "
+            prefix = "" if len(errors) == 1 else f"rank {rank}: "
             raise CheckpointError(prefix + message)
 
 
 def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, *, run_name: str,
          weights_only: bool, strict: bool, optional: bool = False, what: str = "load_path") -> Loaded | None:
-    """Load the checkpoint ``template`` names into ``state`` on every rank.
+    """Load the checkpoint ``template`` names into ``state`` on every rank (two small all-reduces).
 
     With ``optional`` (autoresume), no file on any rank means a fresh start (None).
     """
     templates.check_template(template, what, time_fields=False)
     path = _find(template, run_name)
-    found = dist.all_gather_object(path is not None)
-    if optional and not any(found):
-        return None
+    missing = None
     if path is None:
         own, zero = candidates(template, run_name)
         tried = str(own) if own == zero else f"{own} (nor rank 0's {zero})"
-        _agree(f"{what} {template!r}: {tried} does not exist")
-    _agree(None)
+        missing = f"{what} {template!r}: {tried} does not exist"
+    t = torch.tensor([int(path is None), int(path is not None)], dtype=torch.int64)
+    missing_ranks, found_ranks = (int(v) for v in dist.all_reduce(t, "SUM").tolist())
+    if optional and found_ranks == 0:
+        return None
+    if missing_ranks:
+        _raise_first(missing)
     assert path is not None
     loaded: Loaded | None = None
     error = None
     try:
+        # A file every rank reads (rank 0's) is CRC-checked by rank 0 alone; its verdict reaches
+        # the others through _agree. A rank's own file is checked by that rank.
+        check_crc = dist.get_global_rank() == 0 or path != candidates(template, run_name)[1]
         loaded = _load_file(path, state, scaler, run_name=run_name, weights_only=weights_only,
-                            strict=strict, check_run_name=optional)
+                            strict=strict, check_run_name=optional, check_crc=check_crc)
     except CheckpointError as e:
         error = str(e)
-    _agree(error)
-    assert loaded is not None
-    batches = dist.all_gather_object(state.timestamp.batch)
-    if len(set(batches)) > 1:
-        raise CheckpointError(f"the ranks loaded checkpoints of different steps (batches {batches}): "
+    failed, low, high = _agree(error, state.timestamp.batch)
+    if failed:
+        _raise_first(error)
+    if low != high:
+        raise CheckpointError(f"the ranks loaded checkpoints of different steps (batches {low} to {high}): "
                               f"the per-rank files of {template!r} are not from one save")
+    assert loaded is not None
     return loaded
 
 
 def _load_file(path: Path, state: Any, scaler: torch.amp.GradScaler | None, *, run_name: str,
-               weights_only: bool, strict: bool, check_run_name: bool) -> Loaded:
+               weights_only: bool, strict: bool, check_run_name: bool, check_crc: bool = True) -> Loaded:
     target = files.resolve_pointer(path)
-    content = files.read(target)
+    content = files.read(target, check_crc)
     meta = payload.metadata(content, target)
     if meta is None:  # a plain state_dict of tensors
         if not weights_only:

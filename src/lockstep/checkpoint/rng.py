@@ -17,7 +17,8 @@ def capture() -> RNGState:
     version, mt, gauss = random.getstate()
     kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     state: RNGState = {
-        "python": [version, list(mt), gauss],
+        # a tensor, not a list of 625 ints: the weights_only unpickler is slow per Python object
+        "python": [version, torch.tensor(mt, dtype=torch.int64), gauss],
         "numpy": [kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
@@ -28,7 +29,7 @@ def capture() -> RNGState:
 
 def restore(state: RNGState) -> None:
     version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
+    random.setstate((version, tuple(mt.tolist()), gauss))
     kind, key, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import string
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,13 @@ SaveInterval = Time | str | int | Callable[[Any, Event], bool]
 
 class CheckpointSaver:
     """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
-    and data position; all ranks take part in gathering those, then wait for the file."""
+    and data position; all ranks take part in gathering those.
+
+    Training waits only for the file to be written; a background thread then fsyncs it, renames
+    it into place, moves the latest pointer and prunes old checkpoints. Until that is done the
+    checkpoint is not visible, so a crash in between leaves the previous one as the latest.
+    :meth:`wait` blocks until the newest checkpoint is durable.
+    """
 
     def __init__(self, *, folder: str, filename: str, latest_filename: str | None,
                  interval: SaveInterval, num_to_keep: int, overwrite: bool, run_name: str,
@@ -47,6 +54,8 @@ class CheckpointSaver:
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
         self.last_saved_batch: int | None = None
         self._swept = False
+        self._publisher: threading.Thread | None = None
+        self._failure: BaseException | None = None
         self.may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
@@ -83,6 +92,7 @@ class CheckpointSaver:
         ranks = dist.all_gather_object(rank_entry)
         path = None
         if self.writes:
+            self._join()
             name = templates.format_name(self.filename, self.place, state.timestamp)
             path = self.folder / name
             if (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own):
@@ -92,14 +102,36 @@ class CheckpointSaver:
                 files.remove_stale_temps(self.folder)
                 self._swept = True
             history = [n for n in self.history if n != name] + [name]
-            files.atomic_save(payload.build(state, scaler, ranks, history), path)
+            temp = files.write_temp(payload.build(state, scaler, ranks, history), path)
+            self._publisher = threading.Thread(target=self._publish, args=(temp, path, history),
+                                               name="lockstep-checkpoint-publisher")
+            self._publisher.start()
+        self.last_saved_batch = state.timestamp.batch
+        return path
+
+    def _publish(self, temp: Path, path: Path, history: list[str]) -> None:
+        try:
+            files.publish(temp, path)
             if self.latest is not None:
                 files.point_latest(self.latest, path)
             self.history = history
             self._prune()
-        self.last_saved_batch = state.timestamp.batch
-        dist.barrier()  # every rank returns once the checkpoint is durable
-        return path
+        except BaseException as e:  # re-raised in the training thread by _join
+            self._failure = e
+
+    def _join(self) -> None:
+        if self._publisher is not None:
+            self._publisher.join()
+            self._publisher = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise RuntimeError(f"writing a checkpoint in {self.folder} failed: {failure}") from failure
+
+    def wait(self) -> None:
+        """Return on every rank once the newest checkpoint is durable and the latest pointer names it."""
+        if self.writes:
+            self._join()
+        dist.barrier()
 
     def _prune(self) -> None:
         if self.num_to_keep == -1:

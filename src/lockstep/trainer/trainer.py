@@ -173,8 +173,10 @@ class Trainer:
                 batches.close()  # puts back a sampler the resume skipped through
                 if not trained:
                     raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
-            if self.saver and self.saver.last_saved_batch != s.timestamp.batch:
-                self._save(s.timestamp.batch_in_epoch == 0)
+            if self.saver:
+                if self.saver.last_saved_batch != s.timestamp.batch:
+                    self._save(s.timestamp.batch_in_epoch == 0)
+                self.saver.wait()
         self._run_event(Event.FIT_END)
 
     def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
@@ -290,6 +292,7 @@ class Trainer:
         s = self.state
         if self.saver.last_saved_batch != s.timestamp.batch:  # type: ignore[union-attr]
             self._save(at_epoch_end)
+        self.saver.wait()  # type: ignore[union-attr]
         self._run_event(Event.FIT_END)
         message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch}; the checkpoint is in "
                    f"{self.saver.folder}")  # type: ignore[union-attr]
