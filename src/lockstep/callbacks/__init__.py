@@ -12,10 +12,11 @@ Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
                 forward, loss * share of global batch, backward   (DDP sync per strategy)
             optimizer.step(); scheduler.step(); zero_grad()
             BATCH_END                     # state.timestamp and state.loss are updated
-            if eval due (ba/sp/tok): EVAL_START ... EVAL_END
+            EPOCH_END                     # after the epoch's last batch
+            if eval due: EVAL_START ... EVAL_END
+            if save due: checkpoint       # with save_folder; also once more at the end
+            if every rank saw SIGTERM: checkpoint, FIT_END, exit 143
             if reached(max_duration): break
-        EPOCH_END
-        if eval due (ep): EVAL_START ... EVAL_END
     FIT_END
 
 A callback overrides the methods named after the events it cares about; each receives the
