@@ -54,18 +54,19 @@ def metadata(payload: Any, path: Path) -> dict[str, Any] | None:
 
 def load_model(model: torch.nn.Module, weights: dict[str, Any], path: Path, strict: bool) -> None:
     try:
-        result = model.load_state_dict(weights, strict=strict)
+        model.load_state_dict(weights, strict=strict)  # strict=False: missing/extra keys by request
     except RuntimeError as e:
         detail = " ".join(str(e).split())
         raise CheckpointError(f"checkpoint {path} does not fit the model: {detail[:600]}") from None
-    del result  # with strict=False, missing/unexpected keys are allowed by request
 
 
 def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | None, path: Path,
           rank: int) -> dict[str, Any]:
     """Load optimizers, schedulers, scaler and timestamp into ``state``; return this rank's entry
     (RNG and data position) for the training loop to apply when it starts."""
-    meta = payload["lockstep"]
+    missing = {"ranks", "optimizers", "schedulers", "scaler", "timestamp"} - payload.keys()
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: it lacks {sorted(missing)}")
     world_size = len(payload["ranks"])
     if rank >= world_size:
         raise CheckpointError(f"checkpoint {path} was saved by {world_size} rank(s) but this run has "
@@ -79,7 +80,6 @@ def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | No
         state.timestamp = Timestamp.from_state_dict(payload["timestamp"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
-    del meta
     return payload["ranks"][rank]
 
 
