@@ -3,6 +3,7 @@ save, and SIGTERM preemption; each resumed job must end with the uninterrupted j
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -78,7 +79,7 @@ def test_sigterm_preempts_saves_and_autoresume_matches(reference, tmp_path: Path
            "--out", str(tmp_path / "pre.pt"), "--save-interval", "100ba", "--sleep", "0.05",
            "--progress", str(progress)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 60
     while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
         assert time.monotonic() < deadline and proc.poll() is None, "the job did not get going"

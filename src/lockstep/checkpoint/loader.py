@@ -34,13 +34,6 @@ def candidates(template: str, run_name: str) -> tuple[Path, Path]:
     return own, zero
 
 
-def _find(template: str, run_name: str) -> Path | None:
-    for path in candidates(template, run_name):
-        if path.exists() or path.is_symlink():
-            return path
-    return None
-
-
 def _agree(error: str | None, batch: int = 0) -> tuple[int, int, int]:
     """One small all-reduce: (ranks that failed, lowest batch, highest batch). If any rank failed,
     raise on every rank with the first failing rank's message (gathered only then)."""
@@ -64,10 +57,10 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, *, run_
     With ``optional`` (autoresume), no file on any rank means a fresh start (None).
     """
     templates.check_template(template, what, time_fields=False)
-    path = _find(template, run_name)
+    own, zero = candidates(template, run_name)
+    path = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
     missing = None
     if path is None:
-        own, zero = candidates(template, run_name)
         tried = str(own) if own == zero else f"{own} (nor rank 0's {zero})"
         missing = f"{what} {template!r}: {tried} does not exist"
     t = torch.tensor([int(path is None), int(path is not None)], dtype=torch.int64)
@@ -82,7 +75,7 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, *, run_
     try:
         # A file every rank reads (rank 0's) is CRC-checked by rank 0 alone; its verdict reaches
         # the others through _agree. A rank's own file is checked by that rank.
-        check_crc = dist.get_global_rank() == 0 or path != candidates(template, run_name)[1]
+        check_crc = dist.get_global_rank() == 0 or path != zero
         loaded = _load_file(path, state, scaler, run_name=run_name, weights_only=weights_only,
                             strict=strict, check_run_name=optional, check_crc=check_crc)
     except CheckpointError as e:

@@ -63,15 +63,11 @@ def load_model(model: torch.nn.Module, weights: dict[str, Any], path: Path, stri
 def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | None, path: Path,
           rank: int) -> dict[str, Any]:
     """Load optimizers, schedulers, scaler and timestamp into ``state``; return this rank's entry
-    (RNG and data position) for the training loop to apply when it starts."""
+    (RNG and data position) for the training loop to apply when it starts. The caller has checked
+    the world size with :func:`check_world_size`."""
     missing = {"ranks", "optimizers", "schedulers", "scaler", "timestamp"} - payload.keys()
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: it lacks {sorted(missing)}")
-    world_size = len(payload["ranks"])
-    if rank >= world_size:
-        raise CheckpointError(f"checkpoint {path} was saved by {world_size} rank(s) but this run has "
-                              f"rank {rank}: resume with the same world size, or pass "
-                              f"load_weights_only=True to start a new run from its weights")
     _load_list("optimizers", state.optimizers, payload["optimizers"], path)
     _load_list("schedulers", state.schedulers, payload["schedulers"], path)
     if scaler is not None and payload["scaler"]:

@@ -39,7 +39,7 @@ def load_at_start(state: Any, scaler: torch.amp.GradScaler | None, saver: Checkp
     if loaded is None and load_path is not None:
         loaded = loader.load(load_path, state, scaler, run_name=state.run_name, weights_only=weights_only,
                              strict=strict)
-    elif loaded is None and saver is not None and not autoresume:
+    elif saver is not None and not autoresume:
         saver.refuse_existing()
     if saver is not None and loaded is not None and loaded.rank_entry is not None:
         saver.last_saved_batch = state.timestamp.batch

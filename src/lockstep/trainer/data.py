@@ -88,15 +88,15 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
         rng.restore(resume.epoch_rng)
     if track is not None:
         track.epoch_rng, track.fetch_rng = rng.capture(), None
-    with _skipping_indices(loader, resume.skip if resume else 0) as (replay, skip):
+    done = resume.skip if resume else 0
+    with _skipping_indices(loader, done) as (replay, skip):
         it = iter(loader)
         if skip is not None:
             skip.start()
         for _ in range(replay):
             if next(it, None) is None:
-                raise ValueError(f"cannot resume: train_dataloader ended within the "
-                                 f"{resume.skip} batches this epoch had already trained on")  # type: ignore[union-attr]
-        done = resume.skip if resume else 0
+                raise ValueError(f"cannot resume: train_dataloader ended within the {done} batches "
+                                 f"this epoch had already trained on")
         if length is not None:
             yield from _counted(it, length, done, count, resume)
         else:
