@@ -84,3 +84,38 @@ class NoisyDataset(torch.utils.data.Dataset):
         x, y = self.base[i]
         noise = torch.randn(6) * 0.1 + float(np.random.uniform(-0.1, 0.1)) + random.uniform(-0.1, 0.1)
         return x + noise, y
+
+
+class Block(torch.nn.Module):
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class BlockMLP(MLP):
+    """Three blocks and a head: FSDP wrap rules have units to choose. ``wrap`` is what
+    ``fsdp_wrap_fn`` answers for a Block (None: no answer, so ``min_params`` decides)."""
+
+    def __init__(self, wrap=True, checkpoint=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(Block(6, 16), Block(16, 16), Block(16, 16), torch.nn.Linear(16, 3))
+        self.wrap, self.checkpoint = wrap, checkpoint
+
+    def fsdp_wrap_fn(self, module):
+        if self.wrap is None:  # no rule: the size rule decides
+            return None
+        return self.wrap if isinstance(module, Block) else False
+
+    def activation_checkpointing_fn(self, module):
+        return self.checkpoint is not None and isinstance(module, Block)
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers as full tensors on every rank (gathers sharded ones: a collective)."""
+    from torch.distributed.tensor import DTensor
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}

@@ -16,6 +16,8 @@ from lockstep.callbacks import Callback, Event
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.saver import SaveInterval
 from lockstep.model import Model
+from lockstep.parallel.fsdp import gradient_sync, prepare_fsdp
+from lockstep.parallel.fsdp_config import parse_config
 from lockstep.parallel.ddp import (
     DDPSyncStrategy, forced_sync_gradients, prepare_ddp, resolve_sync_strategy, sync_context)
 from lockstep.time import Time, check_max_duration, is_interval_due, is_reached
@@ -76,8 +78,11 @@ class Trainer:
         fsdp_config: dict | None = None,
         deepspeed_config: dict | None = None,
     ) -> None:
-        if fsdp_config is not None or deepspeed_config is not None:
-            raise NotImplementedError("fsdp_config and deepspeed_config are not implemented yet; train with DDP")
+        if fsdp_config is not None and deepspeed_config is not None:
+            raise ValueError("fsdp_config and deepspeed_config were both given: pick one way to shard the model")
+        if deepspeed_config is not None:
+            raise NotImplementedError("deepspeed_config is not implemented yet; train with DDP or fsdp_config")
+        self.fsdp_config = None if fsdp_config is None else parse_config(fsdp_config)
         setup.check_model(model)
         self.device = setup.resolve_device(device)
         dist.initialize_dist(self.device)
@@ -98,6 +103,8 @@ class Trainer:
                 data.check_distributed_sampler(loader, name)
 
         model.to(self.device)
+        self.fsdp = None if self.fsdp_config is None else prepare_fsdp(
+            model, self.fsdp_config, self.precision, self.device, optimizer_list)
         self.train_dataloader = train_dataloader
         self.eval_dataloader = eval_dataloader
         self.scaler = make_grad_scaler(self.precision, self.device)
@@ -107,7 +114,7 @@ class Trainer:
         run_folder = setup.resolve_run_folder(run_folder)
         self.state = State(
             model=model,
-            wrapped_model=prepare_ddp(model, find_unused_parameters, self.device),
+            wrapped_model=model if self.fsdp else prepare_ddp(model, find_unused_parameters, self.device),
             optimizers=optimizer_list,
             schedulers=setup.as_list(schedulers),
             max_duration=self.max_duration,
@@ -188,7 +195,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, micro in enumerate(microbatches):
             n = s.model.num_samples(micro)
-            with sync_context(s.wrapped_model, self.sync_strategy, i == len(microbatches) - 1):
+            with self._gradient_sync(i == len(microbatches) - 1):
                 with autocast(self.precision, self.device):
                     outputs = s.wrapped_model(micro)
                     loss = s.model.loss(outputs, micro)
@@ -197,7 +204,7 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float() * n
             local_samples += n
-        if self.sync_strategy is DDPSyncStrategy.FORCED_SYNC and world_size > 1:
+        if self.sync_strategy is DDPSyncStrategy.FORCED_SYNC and world_size > 1 and not self.fsdp:
             forced_sync_gradients(s.model.parameters())
         for optimizer in s.optimizers:
             if self.scaler:
@@ -211,6 +218,11 @@ class Trainer:
         for optimizer in s.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return loss_sum / max(local_samples, 1)
+
+    def _gradient_sync(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[None]:
+        if self.fsdp:
+            return gradient_sync(self.state.model, is_last_microbatch)
+        return sync_context(self.state.wrapped_model, self.sync_strategy, is_last_microbatch)
 
     def _split(self, batch: Any) -> list[Any]:
         model = self.state.model
@@ -248,6 +260,8 @@ class Trainer:
             n = s.model.num_samples(batch)
             if remaining is not None:
                 if remaining <= 0:
+                    if self.fsdp:  # each forward gathers parameters: every rank must take part
+                        s.model(batch)
                     continue
                 if n > remaining:
                     batch, n = take_first(batch, remaining), remaining

@@ -1,0 +1,140 @@
+"""``fsdp_config``: the user's dict -> a checked :class:`FSDPConfig`, and its mixed-precision dtypes.
+
+Every key and value is checked before any process group or module is touched, so a typo fails at
+``Trainer(...)`` with the valid choices listed, not minutes into a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+MIXED_PRECISIONS = ("FULL", "DEFAULT", "PURE")
+BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
+STATE_DICT_TYPES = ("full", "local", "sharded")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_MP_DICT_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+_AUTOCAST_DTYPES = {"fp32": torch.float32, "amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}
+PROCESS_GROUP_HELP = "'self', 'node', 'local_rank_across_nodes', 'setK' or 'modK' (K an integer)"
+_GROUP_PATTERN = re.compile(r"(set|mod)([1-9][0-9]*)")
+
+MixedPrecisionSpec = str | Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """The dtypes FSDP uses: parameters in forward/backward, gradient reduction, buffers."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    buffer_dtype: torch.dtype
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPConfig:
+    """The keys of ``fsdp_config`` (seed 001's spec, with ``cpu_offload`` and ``HYBRID_SHARD`` working)."""
+
+    sharding_strategy: str = "FULL_SHARD"
+    """FULL_SHARD (parameters, gradients and optimizer state sharded; parameters re-gathered for
+    backward), SHARD_GRAD_OP (parameters stay gathered between forward and backward), NO_SHARD
+    (replicated, like DDP), HYBRID_SHARD (sharded within a node, replicated across nodes)."""
+    min_params: float = 1e8
+    """A module holding at least this many parameters not already in a wrapped submodule is wrapped."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory; the step runs on CPU."""
+    mixed_precision: MixedPrecisionSpec = "DEFAULT"
+    """FULL | DEFAULT | PURE (dtypes from the Trainer's precision), or a dict of
+    param_dtype/reduce_dtype/buffer_dtype as 'fp32' | 'fp16' | 'bf16'."""
+    backward_prefetch: str = "BACKWARD_POST"
+    """BACKWARD_PRE / BACKWARD_POST: gather the next module's parameters during backward; NONE: do not."""
+    activation_checkpointing: bool = False
+    """Recompute the activations of the modules the activation-checkpointing rules select."""
+    activation_cpu_offload: bool = False
+    """Keep the saved activations of those modules in CPU memory until backward."""
+    verbose: bool = False
+    """Rank 0 prints each wrapped module and its settings."""
+    state_dict_type: str = "full"
+    """full: rank 0 writes one file; local: each rank writes its shards ({rank} in save_filename);
+    sharded: a torch.distributed.checkpoint folder that loads at any world size."""
+
+    def __post_init__(self) -> None:
+        _check_choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
+        if isinstance(self.min_params, bool) or not isinstance(self.min_params, (int, float)) or self.min_params < 0:
+            raise ValueError(f"fsdp_config['min_params'] must be a number >= 0, got {self.min_params!r}")
+        for name in ("cpu_offload", "activation_checkpointing", "activation_cpu_offload", "verbose"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"fsdp_config[{name!r}] must be True or False, got {getattr(self, name)!r}")
+        check_mixed_precision(self.mixed_precision, "fsdp_config['mixed_precision']")
+        _check_choice("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCHES)
+        _check_choice("state_dict_type", self.state_dict_type, STATE_DICT_TYPES)
+
+
+def parse_config(config: Mapping[str, Any]) -> FSDPConfig:
+    """Check the user's ``fsdp_config`` dict; an unknown key is an error listing the valid ones."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"fsdp_config must be a dict, got {type(config).__name__}")
+    valid = [f.name for f in dataclasses.fields(FSDPConfig)]
+    unknown = sorted(set(config) - set(valid), key=str)
+    if unknown:
+        raise ValueError(f"fsdp_config has unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"valid keys: {', '.join(valid)}")
+    return FSDPConfig(**config)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"fsdp_config[{name!r}]={value!r} is not supported; use one of {', '.join(choices)}")
+
+
+def check_mixed_precision(spec: Any, where: str) -> None:
+    if isinstance(spec, str):
+        if spec.upper() not in MIXED_PRECISIONS:
+            raise ValueError(f"{where}={spec!r} is not supported; use one of {', '.join(MIXED_PRECISIONS)} "
+                             f"or a dict of {', '.join(_MP_DICT_KEYS)}")
+        return
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{where} must be a string or a dict, got {type(spec).__name__}")
+    for key, value in spec.items():
+        if key not in _MP_DICT_KEYS:
+            raise ValueError(f"{where} has unknown key {key!r}; valid keys: {', '.join(_MP_DICT_KEYS)}")
+        if value not in DTYPES:
+            raise ValueError(f"{where}[{key!r}]={value!r} is not supported; use one of {', '.join(DTYPES)}")
+
+
+def resolve_precision(spec: MixedPrecisionSpec, trainer_precision: str) -> Precision:
+    """Seed 001's table: FULL is fp32 throughout; DEFAULT casts parameters and buffers to the
+    autocast dtype and reduces in fp32; PURE also reduces in the autocast dtype. A dict gives the
+    dtypes outright (missing keys are fp32)."""
+    if not isinstance(spec, str):
+        dtypes = {k: DTYPES[spec.get(k, "fp32")] for k in _MP_DICT_KEYS}
+        return Precision(**dtypes)
+    low = _AUTOCAST_DTYPES[trainer_precision]
+    full = torch.float32
+    mode = spec.upper()
+    if mode == "FULL":
+        return Precision(full, full, full)
+    if mode == "DEFAULT":
+        return Precision(low, full, low)
+    return Precision(low, low, low)
+
+
+def check_process_group(spec: Any, world_size: int, local_world_size: int) -> tuple[str, int]:
+    """A per-module ``process_group`` -> ('set', K) or ('mod', K). 'self' is set1, 'node' is
+    set{local_world_size}, 'local_rank_across_nodes' is mod{local_world_size}."""
+    aliases = {"self": "set1", "node": f"set{local_world_size}",
+               "local_rank_across_nodes": f"mod{local_world_size}"}
+    text = aliases.get(spec, spec) if isinstance(spec, str) else None
+    match = _GROUP_PATTERN.fullmatch(text) if text is not None else None
+    if match is None:
+        raise ValueError(f"process_group={spec!r} is not supported; use {PROCESS_GROUP_HELP}")
+    kind, k = match.group(1), int(match.group(2))
+    if world_size % k:
+        raise ValueError(f"process_group={spec!r} needs a world size divisible by {k}, but the world "
+                         f"size is {world_size}")
+    return kind, k
