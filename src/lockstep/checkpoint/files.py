@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +29,9 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged, or does not fit this run; the message names the file."""
 
 
-def _temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+def temp_path(path: Path, pid: int | None = None) -> Path:
+    """The temporary name beside ``path`` of a writer process (this one by default)."""
+    return path.with_name(f".{path.name}.tmp.{os.getpid() if pid is None else pid}")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -43,7 +45,7 @@ def _fsync_dir(folder: Path) -> None:
 def write_temp(obj: Any, path: Path) -> Path:
     """``torch.save`` to a temporary file beside ``path``; :func:`publish` makes it ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = _temp_path(path)
+    temp = temp_path(path)
     try:
         with open(temp, "wb") as f:
             torch.save(obj, f)
@@ -54,17 +56,44 @@ def write_temp(obj: Any, path: Path) -> Path:
 
 
 def publish(temp: Path, path: Path) -> None:
-    """Make the temporary file durable, then rename it to ``path`` and make the rename durable."""
+    """Make the temporary file (or folder, whose files are already synced) durable, then rename it
+    to ``path`` and make the rename durable."""
+    replaced = None
     try:
-        with open(temp, "rb+") as f:
-            os.fsync(f.fileno())
+        if temp.is_dir():
+            _fsync_dir(temp)
+        else:
+            with open(temp, "rb+") as f:
+                os.fsync(f.fileno())
         if _before_publish is not None:
             _before_publish(path)
+        if temp.is_dir() and path.is_dir() and not path.is_symlink():
+            # A folder cannot be renamed over a non-empty one: move the old one aside first.
+            replaced = path.with_name(f".{path.name}-replaced.tmp.{os.getpid()}")
+            os.replace(path, replaced)
         os.replace(temp, path)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        remove(temp)
         raise
     _fsync_dir(path.parent)
+    if replaced is not None:
+        remove(replaced)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint file or folder, if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def save_durably(obj: Any, path: Path) -> None:
+    """``torch.save`` and fsync, in place: for files inside a temporary folder published later."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -76,7 +105,7 @@ def point_latest(pointer: Path, target: Path) -> None:
     """Make ``pointer`` a symlink to ``target`` (relative when they share a folder), atomically."""
     pointer.parent.mkdir(parents=True, exist_ok=True)
     link = os.path.relpath(target, pointer.parent)
-    temp = _temp_path(pointer)
+    temp = temp_path(pointer)
     temp.unlink(missing_ok=True)
     os.symlink(link, temp)
     try:
@@ -94,7 +123,7 @@ def remove_stale_temps(folder: Path) -> None:
     for entry in folder.iterdir():
         match = _TEMP.match(entry.name)
         if match and not _pid_alive(int(match["pid"])):
-            entry.unlink(missing_ok=True)
+            remove(entry)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from lockstep import dist
 from lockstep.checkpoint import files, payload, templates
 from lockstep.checkpoint.files import CheckpointError
+from lockstep.checkpoint.states import (
+    LOCAL, SHARDED, SHARDED_META, SINGLE, FullLayout, Layout, join_tensors, split_tensors)
 
 
 @dataclass(slots=True)
@@ -23,7 +26,9 @@ class Loaded:
 
     path: Path
     rank_entry: dict[str, Any] | None = None
+    """None when the checkpoint is of another world size (a sharded one, resharded)."""
     history: list[str] = field(default_factory=list)
+    weights_only: bool = False
 
 
 def candidates(template: str, run_name: str) -> tuple[Path, Path]:
@@ -50,11 +55,13 @@ def _raise_first(error: str | None) -> None:
             raise CheckpointError(prefix + message)
 
 
-def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, *, run_name: str,
+def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout: Layout, *, run_name: str,
          weights_only: bool, strict: bool, optional: bool = False, what: str = "load_path") -> Loaded | None:
-    """Load the checkpoint ``template`` names into ``state`` on every rank (two small all-reduces).
+    """Load the checkpoint ``template`` names into ``state`` on every rank (three small all-reduces).
 
-    With ``optional`` (autoresume), no file on any rank means a fresh start (None).
+    With ``optional`` (autoresume), no file on any rank means a fresh start (None). Reading and
+    checking comes first and is agreed on; only then is anything loaded, since FSDP's loads are
+    collectives that every rank must reach.
     """
     templates.check_template(template, what, time_fields=False)
     own, zero = candidates(template, run_name)
@@ -70,44 +77,138 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, *, run_
     if missing_ranks:
         _raise_first(missing)
     assert path is not None
-    loaded: Loaded | None = None
-    error = None
+    opened, error = None, None
     try:
         # A file every rank reads (rank 0's) is CRC-checked by rank 0 alone; its verdict reaches
         # the others through _agree. A rank's own file is checked by that rank.
         check_crc = dist.get_global_rank() == 0 or path != zero
-        loaded = _load_file(path, state, scaler, run_name=run_name, weights_only=weights_only,
-                            strict=strict, check_run_name=optional, check_crc=check_crc)
+        opened = _open(path, state, layout, run_name=run_name, weights_only=weights_only,
+                       check_run_name=optional, check_crc=check_crc)
     except CheckpointError as e:
         error = str(e)
-    failed, low, high = _agree(error, state.timestamp.batch)
+    failed, low, high = _agree(error, opened.batch if opened else 0)
     if failed:
         _raise_first(error)
     if low != high:
         raise CheckpointError(f"the ranks loaded checkpoints of different steps (batches {low} to {high}): "
                               f"the per-rank files of {template!r} are not from one save")
+    assert opened is not None
+    loaded = None
+    try:
+        loaded = _apply(opened, state, scaler, layout, weights_only=weights_only, strict=strict)
+    except CheckpointError as e:
+        error = str(e)
+    if _agree(error)[0]:
+        _raise_first(error)
     assert loaded is not None
     return loaded
 
 
-def _load_file(path: Path, state: Any, scaler: torch.amp.GradScaler | None, *, run_name: str,
-               weights_only: bool, strict: bool, check_run_name: bool, check_crc: bool = True) -> Loaded:
+@dataclass(slots=True)
+class _Opened:
+    """A checkpoint read and checked, not yet loaded."""
+
+    path: Path
+    content: dict[str, Any]
+    meta: dict[str, Any] | None
+    """The lockstep header; None for a plain state_dict of tensors."""
+
+    @property
+    def batch(self) -> int:
+        return int(self.content.get("timestamp", {}).get("batch", 0)) if self.meta is not None else 0
+
+    @property
+    def layout(self) -> str:
+        return payload.layout_of(self.meta) if self.meta is not None else SINGLE
+
+
+def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only: bool, check_run_name: bool,
+          check_crc: bool) -> _Opened:
     target = files.resolve_pointer(path)
-    content = files.read(target, check_crc)
-    meta = payload.metadata(content, target)
-    if meta is None:  # a plain state_dict of tensors
+    meta_file = target / SHARDED_META if target.is_dir() else target
+    if target.is_dir() and not meta_file.exists():
+        raise CheckpointError(f"{target} is a folder without {SHARDED_META}: not a lockstep sharded checkpoint")
+    content = files.read(meta_file, check_crc)
+    opened = _Opened(target, content, payload.metadata(content, target))
+    meta = opened.meta
+    if meta is None:
         if not weights_only:
             raise CheckpointError(f"{target} holds only model weights (a plain state_dict): pass "
                                   f"load_weights_only=True to load it")
-        payload.load_model(state.model, content, target, strict)
-        return Loaded(target)
+        return opened
     if check_run_name and meta.get("run_name") != run_name:
         raise CheckpointError(f"autoresume found {target}, a checkpoint of run {meta.get('run_name')!r}, "
                               f"not of run_name {run_name!r}: give each run its own save_folder "
                               f"(e.g. save_folder='checkpoints/{{run_name}}')")
-    payload.load_model(state.model, content["model"], target, strict)
+    _check_layout(opened, layout)
+    if not weights_only:
+        payload.check_world_size(content, target, dist.get_world_size())
+        payload.check_complete(content, target, layout, state)
+    return opened
+
+
+def _check_layout(opened: _Opened, layout: Layout) -> None:
+    saved, meta = opened.layout, opened.meta
+    assert meta is not None
+    if saved == SINGLE and layout.name != SINGLE:
+        return  # full tensors load into any layout
+    if saved != layout.name:
+        hint = "train with fsdp_config={'state_dict_type': %r}" % saved if saved != SINGLE \
+            else "set fsdp_config['state_dict_type'] to 'full'"
+        raise CheckpointError(f"{opened.path} is a {saved!r} checkpoint but this run uses {layout.name!r} "
+                              f"checkpoints: {hint}")
+    if saved == LOCAL:
+        if meta.get("world_size") != dist.get_world_size():
+            raise CheckpointError(f"{opened.path} is one of {meta.get('world_size')} per-rank files, but this "
+                                  f"run has {dist.get_world_size()} ranks: local checkpoints load only at the "
+                                  f"same world size (save with state_dict_type='sharded' to change it)")
+        if meta.get("rank") != dist.get_global_rank():
+            raise CheckpointError(f"{opened.path} holds rank {meta.get('rank')}'s shards, not rank "
+                                  f"{dist.get_global_rank()}'s: give load_path a {{rank}} field")
+
+
+def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, layout: Layout, *,
+           weights_only: bool, strict: bool) -> Loaded:
+    content, meta, path = opened.content, opened.meta, opened.path
+    if meta is None:
+        _reader(layout, SINGLE).load_model(content, path, strict)
+        return Loaded(path, weights_only=True)
+    if opened.layout == SHARDED:
+        load_sharded(path, content, layout, weights_only=weights_only, strict=strict)
+    else:
+        reader = _reader(layout, opened.layout)
+        reader.load_model(content["model"], path, strict)
+        if not weights_only:
+            reader.load_optimizers(content["optimizers"], path)
     if weights_only:
-        return Loaded(target)
-    payload.check_world_size(content, target, dist.get_world_size())
-    entry = payload.apply(content, state, scaler, target, dist.get_global_rank())
-    return Loaded(target, entry, list(meta.get("history", [])))
+        return Loaded(path, weights_only=True)
+    entry = payload.apply(content, state, scaler, path, dist.get_global_rank())
+    return Loaded(path, entry, list(meta.get("history", [])))
+
+
+def _reader(layout: Layout, saved: str) -> Layout:
+    """Full tensors (a single-file checkpoint) load into a sharded model as FSDP 'full' ones do."""
+    if saved == SINGLE and layout.name != SINGLE:
+        return FullLayout(layout.model, layout.optimizers)
+    return layout
+
+
+def load_sharded(folder: Path, rest: dict[str, Any], layout: Layout, *, weights_only: bool, strict: bool) -> None:
+    """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizers = layout.gather()  # the live tensors, which DCP fills in place
+    tensors: dict[str, Any] = {"model": model}
+    if not weights_only:
+        tensors["optimizers"] = {str(i): split_tensors(o)[0] or {} for i, o in enumerate(optimizers)}
+    try:
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder),
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except Exception as e:  # DCP wraps each rank's failure in a CheckpointException
+        first = " ".join(str(e).split())[:600]
+        raise CheckpointError(f"cannot load sharded checkpoint {folder}: {first}") from None
+    set_model_state_dict(layout.model, tensors["model"])
+    if not weights_only:
+        for i, optimizer in enumerate(layout.optimizers):
+            saved = join_tensors(tensors["optimizers"][str(i)], rest["optimizers"][i])
+            set_optimizer_state_dict(layout.model, optimizer, saved)

@@ -1,10 +1,15 @@
 """What a checkpoint file holds, and putting it back into a live Trainer state.
 
-One file (written by rank 0) holds everything, since DDP ranks share the model and optimizer state::
+Under DDP one file (written by rank 0) holds everything, since the ranks share the model and
+optimizer state::
 
-    {"lockstep": {"version", "layout", "world_size", "run_name", "history"},
+    {"lockstep": {"version", "layout", "optimizer_keys", "world_size", "run_name", "history", "rank"},
      "timestamp": {...}, "model": {...}, "optimizers": [...], "schedulers": [...], "scaler": {...},
      "ranks": [{"rng", "epoch_rng", "fetch_rng"}, ...]}     # one entry per rank, by rank
+
+FSDP's ``local`` layout writes one such file per rank (``rank`` says whose, ``shards`` where each
+shard sits in the full tensor); its ``sharded`` layout writes this dict without the tensors as
+``lockstep.pt`` in a DCP folder. See :mod:`lockstep.checkpoint.states`.
 
 Only tensors, numbers, strings, lists and dicts: it loads with ``weights_only=True``.
 """
@@ -16,26 +21,33 @@ from typing import Any
 
 import torch
 
+from lockstep.dist import get_world_size as dist_world_size
 from lockstep.checkpoint.files import CheckpointError
+from lockstep.checkpoint.states import SINGLE, Layout
 from lockstep.time import Timestamp
 
 VERSION = 1
-SINGLE = "single"  # one file for every rank
 
 
-def build(state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str, Any]],
-          history: list[str]) -> dict[str, Any]:
-    """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position."""
+def build(state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str, Any]], history: list[str],
+          layout: Layout, model: dict[str, Any], optimizers: list[Any], rank: int = 0) -> dict[str, Any]:
+    """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position;
+    ``model`` and ``optimizers`` come from ``layout.gather()``."""
     return {
-        "lockstep": {"version": VERSION, "layout": SINGLE, "world_size": len(ranks),
-                     "run_name": state.run_name, "history": list(history)},
+        "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
+                     "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
+                     "rank": rank, **layout.extra_meta()},
         "timestamp": state.timestamp.state_dict(),
-        "model": state.model.state_dict(),
-        "optimizers": [o.state_dict() for o in state.optimizers],
+        "model": model,
+        "optimizers": optimizers,
         "schedulers": [s.state_dict() for s in state.schedulers],
         "scaler": scaler.state_dict() if scaler is not None else {},
         "ranks": ranks,
     }
+
+
+def layout_of(meta: dict[str, Any]) -> str:
+    return meta.get("layout", SINGLE)
 
 
 def metadata(payload: Any, path: Path) -> dict[str, Any] | None:
@@ -52,23 +64,31 @@ def metadata(payload: Any, path: Path) -> dict[str, Any] | None:
     raise CheckpointError(f"{path} is neither a lockstep checkpoint nor a state_dict of tensors")
 
 
-def load_model(model: torch.nn.Module, weights: dict[str, Any], path: Path, strict: bool) -> None:
-    try:
-        model.load_state_dict(weights, strict=strict)  # strict=False: missing/extra keys by request
-    except RuntimeError as e:
-        detail = " ".join(str(e).split())
-        raise CheckpointError(f"checkpoint {path} does not fit the model: {detail[:600]}") from None
-
-
-def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | None, path: Path,
-          rank: int) -> dict[str, Any]:
-    """Load optimizers, schedulers, scaler and timestamp into ``state``; return this rank's entry
-    (RNG and data position) for the training loop to apply when it starts. The caller has checked
-    the world size with :func:`check_world_size`."""
+def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: Any) -> None:
+    """Everything :func:`apply` needs is there and fits in number and kind (before any loading)."""
     missing = {"ranks", "optimizers", "schedulers", "scaler", "timestamp"} - payload.keys()
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: it lacks {sorted(missing)}")
-    _load_list("optimizers", state.optimizers, payload["optimizers"], path)
+    for name in ("optimizers", "schedulers"):
+        live, saved = getattr(state, name), payload[name]
+        if len(live) != len(saved):
+            raise CheckpointError(f"checkpoint {path} holds {len(saved)} {name} but the Trainer has "
+                                  f"{len(live)}: pass the same {name} as the run that saved it")
+    keys = payload["lockstep"].get("optimizer_keys", "index")
+    if state.optimizers and keys != layout.optimizer_keys:
+        raise CheckpointError(
+            f"checkpoint {path} keys its optimizer state by parameter {keys} but this run keys it by "
+            f"{layout.optimizer_keys} (a DDP checkpoint and FSDP differ here): pass load_weights_only=True "
+            f"to start from its weights")
+
+
+def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | None, path: Path,
+          rank: int) -> dict[str, Any] | None:
+    """Load schedulers, scaler and timestamp into ``state`` (the model and optimizers are the
+    layout's to load); return this rank's entry
+    (RNG and data position) for the training loop to apply when it starts, or None when the
+    checkpoint came from another world size. The caller has run :func:`check_complete` and
+    checked the world size with :func:`check_world_size`."""
     _load_list("schedulers", state.schedulers, payload["schedulers"], path)
     if scaler is not None and payload["scaler"]:
         scaler.load_state_dict(payload["scaler"])
@@ -76,13 +96,11 @@ def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | No
         state.timestamp = Timestamp.from_state_dict(payload["timestamp"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
-    return payload["ranks"][rank]
+    ranks = payload["ranks"]
+    return ranks[rank] if len(ranks) == dist_world_size() else None
 
 
 def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None:
-    if len(live) != len(saved):
-        raise CheckpointError(f"checkpoint {path} holds {len(saved)} {name} but the Trainer has "
-                              f"{len(live)}: pass the same {name} as the run that saved it")
     for i, (obj, sd) in enumerate(zip(live, saved)):
         try:
             obj.load_state_dict(sd)
@@ -92,8 +110,9 @@ def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None
 
 
 def check_world_size(payload: dict[str, Any], path: Path, world_size: int) -> None:
+    """Only a sharded (DCP) checkpoint reshards to another world size."""
     saved = payload["lockstep"].get("world_size")
-    if saved != world_size:
+    if saved != world_size and layout_of(payload["lockstep"]) != "sharded":
         raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
                               f"{world_size}: an exact resume needs the same world size; pass "
                               f"load_weights_only=True to start a new run from its weights")

@@ -14,7 +14,8 @@ import torch
 
 from lockstep import dist
 from lockstep.callbacks import Event
-from lockstep.checkpoint import files, payload, templates
+from lockstep.checkpoint import files, payload, states, templates
+from lockstep.checkpoint.states import LOCAL, SHARDED, SINGLE
 from lockstep.time import Time, TimeUnit, Timestamp, is_interval_due
 
 SaveInterval = Time | str | int | Callable[[Any, Event], bool]
@@ -22,7 +23,8 @@ SaveInterval = Time | str | int | Callable[[Any, Event], bool]
 
 class CheckpointSaver:
     """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
-    and data position; all ranks take part in gathering those.
+    and data position; all ranks take part in gathering those. Under FSDP's ``local`` layout each
+    rank writes its own file (and pointer); under ``sharded`` the ranks write one DCP folder.
 
     Training waits only for the file to be written; a background thread then fsyncs it, renames
     it into place, moves the latest pointer and prunes old checkpoints. Until that is done the
@@ -32,17 +34,24 @@ class CheckpointSaver:
 
     def __init__(self, *, folder: str, filename: str, latest_filename: str | None,
                  interval: SaveInterval, num_to_keep: int, overwrite: bool, run_name: str,
-                 max_duration: Time | None) -> None:
+                 max_duration: Time | None, layout: str = SINGLE) -> None:
         templates.check_template(folder, "save_folder", time_fields=False)
         templates.check_template(filename, "save_filename")
         if latest_filename is not None:
             templates.check_template(latest_filename, "save_latest_filename", time_fields=False)
+        if layout == LOCAL:
+            for name, value in (("save_filename", filename), ("save_latest_filename", latest_filename)):
+                if value is not None and "rank" not in templates.fields_of(value):
+                    raise ValueError(f"fsdp_config state_dict_type='local' writes one file per rank, so "
+                                     f"{name}={value!r} must contain {{rank}}")
+        self.layout = layout
         if isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep == 0 or num_to_keep < -1:
             raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {num_to_keep!r}")
         self.interval = _check_interval(interval, max_duration)
         self.max_duration = max_duration
-        place = templates.place_values(run_name, rank=0)
+        place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
         self.place = place
+        """Values of the place fields in names: this rank's for per-rank files, else rank 0's."""
         self.folder = Path(templates.format_name(folder, place))
         self.filename = filename
         self.latest = None if latest_filename is None else self.folder / templates.format_name(latest_filename, place)
@@ -61,7 +70,8 @@ class CheckpointSaver:
 
     @property
     def writes(self) -> bool:
-        return dist.get_global_rank() == 0
+        """Whether this rank writes files (under ``sharded`` every rank also writes its DCP shards)."""
+        return self.layout == LOCAL or dist.get_global_rank() == 0
 
     def refuse_existing(self) -> None:
         """Before training: refuse a folder that already holds checkpoints this run would mix with."""
@@ -87,28 +97,56 @@ class CheckpointSaver:
             return False
         return is_interval_due(before, after, self.interval, self.max_duration)
 
-    def save(self, state: Any, scaler: torch.amp.GradScaler | None, rank_entry: dict[str, Any]) -> Path | None:
+    def save(self, state: Any, scaler: torch.amp.GradScaler | None, rank_entry: dict[str, Any],
+             layout: states.Layout) -> Path | None:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it)."""
         ranks = dist.all_gather_object(rank_entry)
-        path = None
+        model, optimizers = layout.gather()
+        name = templates.format_name(self.filename, self.place, state.timestamp)
+        path = self.folder / name
+        clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
+        # One agreement, so that a refusal raises on every rank rather than leaving the others in
+        # the next collective; it also hands every rank the pid that names a DCP temp folder.
+        flags = torch.tensor([int(clash), os.getpid() if dist.get_global_rank() == 0 else 0], dtype=torch.int64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flags, "MAX")
+        if flags[0]:
+            shown = path if clash else f"{self.folder}/{name} (on another rank)"
+            raise FileExistsError(f"checkpoint {shown} already exists: pass save_overwrite=True to "
+                                  f"replace it, or choose another save_folder or save_filename")
         if self.writes:
-            self._join()
-            name = templates.format_name(self.filename, self.place, state.timestamp)
-            path = self.folder / name
-            if (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own):
-                raise FileExistsError(f"checkpoint {path} already exists: pass save_overwrite=True to "
-                                      f"replace it, or choose another save_folder or save_filename")
+            self._join()  # the previous save's publish updates the history
             if not self._swept:  # temporary files of a writer that died mid-save
                 files.remove_stale_temps(self.folder)
                 self._swept = True
-            history = [n for n in self.history if n != name] + [name]
-            temp = files.write_temp(payload.build(state, scaler, ranks, history), path)
+        history = [n for n in self.history if n != name] + [name]
+        if self.layout == SHARDED:
+            temp = self._write_sharded(state, scaler, ranks, history, layout, model, optimizers, path,
+                                       int(flags[1]))
+        elif self.writes:
+            temp = files.write_temp(payload.build(state, scaler, ranks, history, layout, model, optimizers,
+                                                  rank=dist.get_global_rank()), path)
+        if self.writes:
             self._publisher = threading.Thread(target=self._publish, args=(temp, path, history),
                                                name="lockstep-checkpoint-publisher")
             self._publisher.start()
         self.last_saved_batch = state.timestamp.batch
-        return path
+        return path if self.writes else None
 
+    def _write_sharded(self, state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str, Any]],
+                       history: list[str], layout: states.Layout, model: dict[str, Any],
+                       optimizers: list[Any], path: Path, pid: int) -> Path:
+        """Every rank writes its DCP shards into one temporary folder; rank 0 adds lockstep.pt."""
+        import torch.distributed.checkpoint as dcp
+
+        temp = files.temp_path(path, pid)
+        split = [states.split_tensors(o) for o in optimizers]
+        tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))
+        if dist.get_global_rank() == 0:
+            rest = payload.build(state, scaler, ranks, history, layout, {}, [r or {} for _, r in split])
+            files.save_durably(rest, temp / states.SHARDED_META)
+        return temp
     def _publish(self, temp: Path, path: Path, history: list[str]) -> None:
         try:
             files.publish(temp, path)
@@ -137,7 +175,7 @@ class CheckpointSaver:
         if self.num_to_keep == -1:
             return
         while len(self.history) > self.num_to_keep:
-            (self.folder / self.history.pop(0)).unlink(missing_ok=True)
+            files.remove(self.folder / self.history.pop(0))
 
 
 def _check_interval(interval: SaveInterval, max_duration: Time | None) -> Time | Callable[[Any, Event], bool]:

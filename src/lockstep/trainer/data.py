@@ -106,7 +106,7 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
 def _counted(it: Iterator[Any], length: int, done: int, count: Any,
              resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
     world_size = dist.get_world_size()
-    if resume is not None:
+    if resume is not None and resume.rng_after is not None:
         rng.restore(resume.rng_after)
     for index in range(done, length):
         batch = next(it, None)
@@ -128,7 +128,7 @@ def _read_ahead(it: Iterator[Any], count: Any, sync: bool, device: torch.device,
     if resume is not None and resume.fetch_rng is not None:
         rng.restore(resume.fetch_rng)
     current = fetch()
-    if resume is not None:
+    if resume is not None and resume.rng_after is not None:
         rng.restore(resume.rng_after)
     if sync:
         if _agree([0, 0, current is None], device)[2] > 0:

@@ -15,6 +15,7 @@ from lockstep import dist
 from lockstep.callbacks import Callback, Event
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.saver import SaveInterval
+from lockstep.checkpoint.states import layout_for
 from lockstep.model import Model
 from lockstep.parallel.fsdp import gradient_sync, prepare_fsdp
 from lockstep.parallel.fsdp_config import parse_config
@@ -123,15 +124,17 @@ class Trainer:
             precision=self.precision,
             batches_per_epoch=setup.safe_len(train_dataloader),
         )
+        self.layout = layout_for(model, optimizer_list, self.fsdp_config and self.fsdp_config.state_dict_type)
         self.saver = checkpointing.make_saver(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
-            save_overwrite=save_overwrite, run_name=self.state.run_name, max_duration=self.max_duration)
+            save_overwrite=save_overwrite, run_name=self.state.run_name, max_duration=self.max_duration,
+            layout=self.layout)
         loaded = checkpointing.load_at_start(
-            self.state, self.scaler, self.saver, load_path=load_path, autoresume=autoresume,
+            self.state, self.scaler, self.saver, self.layout, load_path=load_path, autoresume=autoresume,
             run_name_given=run_name is not None, weights_only=load_weights_only,
             strict=load_strict_model_weights)
-        self._resume_entry = None if loaded is None else loaded.rank_entry
+        self._resume_entry = None if loaded is None or loaded.weights_only else loaded.rank_entry or {}
         self._position = data.DataPosition()
         self.callbacks = setup.default_callbacks(run_folder, progress_bar) + list(callbacks)
         self._run_event(Event.INIT)
@@ -288,19 +291,22 @@ class Trainer:
         entry, self._resume_entry = self._resume_entry, None
         if entry is None:
             return None
+        # An empty entry: a sharded checkpoint of another world size, whose RNG streams do not map
+        # onto these ranks. The data position still does when the global batch is the same.
         skip = self.state.timestamp.batch_in_epoch
         if skip == 0:
-            rng.restore(entry["rng"])
+            if entry:
+                rng.restore(entry["rng"])
             return None
-        return data.DataPosition(epoch_rng=entry["epoch_rng"], fetch_rng=entry["fetch_rng"], skip=skip,
-                                 rng_after=entry["rng"])
+        return data.DataPosition(epoch_rng=entry.get("epoch_rng"), fetch_rng=entry.get("fetch_rng"), skip=skip,
+                                 rng_after=entry.get("rng"))
 
     def _save(self, at_epoch_end: bool) -> None:
         position = self._position
         entry = {"rng": rng.capture(),
                  "epoch_rng": None if at_epoch_end else position.epoch_rng,
                  "fetch_rng": None if at_epoch_end else position.fetch_rng}
-        self.saver.save(self.state, self.scaler, entry)  # type: ignore[union-attr]
+        self.saver.save(self.state, self.scaler, entry, self.layout)  # type: ignore[union-attr]
 
     def _preempt(self, at_epoch_end: bool) -> None:
         s = self.state

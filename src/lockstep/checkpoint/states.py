@@ -1,0 +1,205 @@
+"""How the model's and optimizers' state goes into a checkpoint and back, per layout.
+
+* ``single``: one file for every rank. Unsharded models (DDP) save ``state_dict()`` as is; FSDP
+  with ``state_dict_type='full'`` gathers full tensors to rank 0 (optimizer state keyed by name).
+* ``local``: FSDP, each rank saves the shards it holds, with each shard's place in the full tensor.
+* ``sharded``: FSDP, a torch.distributed.checkpoint folder that loads at any world size. Only
+  tensors go through DCP (whose non-tensor path unpickles); the rest travels in ``lockstep.pt``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+
+from lockstep.checkpoint.files import CheckpointError
+
+SINGLE, LOCAL, SHARDED = "single", "local", "sharded"
+SHARDED_META = "lockstep.pt"
+"""In a sharded checkpoint folder: everything but the model and optimizer tensors."""
+INDEX, NAME = "index", "name"
+"""How optimizer state is keyed: by parameter index (``Optimizer.state_dict``) or by parameter name."""
+
+
+class Layout:
+    """Unsharded modules: ``state_dict()`` / ``load_state_dict()`` as they are."""
+
+    name = SINGLE
+    optimizer_keys = INDEX
+
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.model, self.optimizers = model, optimizers
+
+    def extra_meta(self) -> dict[str, Any]:
+        """More header fields for this rank's file."""
+        return {}
+
+    def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Model and optimizer state to save. Every rank calls it (it may be a collective); ranks
+        that do not write may get empty dicts."""
+        return self.model.state_dict(), [o.state_dict() for o in self.optimizers]
+
+    def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
+        try:
+            self.model.load_state_dict(weights, strict=strict)
+        except RuntimeError as e:
+            raise _misfit(path, e) from None
+
+    def load_optimizers(self, saved: list[Any], path: Path) -> None:
+        for i, (optimizer, sd) in enumerate(zip(self.optimizers, saved)):
+            try:
+                optimizer.load_state_dict(sd)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise _optimizer_misfit(path, i, optimizer, e) from None
+
+
+def _misfit(path: Path, e: Exception) -> CheckpointError:
+    detail = " ".join(str(e).split())
+    return CheckpointError(f"checkpoint {path} does not fit the model: {detail[:600]}")
+
+
+def _optimizer_misfit(path: Path, i: int, optimizer: torch.optim.Optimizer, e: Exception) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path}: optimizers[{i}] ({type(optimizer).__name__}) does not "
+                           f"match the saved one: {' '.join(str(e).split())[:400]}")
+
+
+class FullLayout(Layout):
+    """FSDP, ``state_dict_type='full'``: full tensors gathered to rank 0, one file."""
+
+    optimizer_keys = NAME
+    _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        model = get_model_state_dict(self.model, options=self._SAVE)
+        return model, [get_optimizer_state_dict(self.model, o, options=self._SAVE) for o in self.optimizers]
+
+    def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
+        try:  # every rank read the file, so each takes its own shards: nothing is broadcast
+            set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise _misfit(path, e) from None
+
+    def load_optimizers(self, saved: list[Any], path: Path) -> None:
+        options = StateDictOptions(full_state_dict=True)
+        for i, (optimizer, sd) in enumerate(zip(self.optimizers, saved)):
+            try:
+                set_optimizer_state_dict(self.model, optimizer, sd, options=options)
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise _optimizer_misfit(path, i, optimizer, e) from None
+
+
+class LocalLayout(Layout):
+    """FSDP, ``state_dict_type='local'``: this rank's shards as plain tensors, one file per rank.
+
+    ``model`` maps each name to its local shard; ``shards`` maps it to (full shape, offset of the
+    shard in it), which is what export needs to reassemble full tensors from the rank files.
+    """
+
+    name = LOCAL
+    optimizer_keys = NAME
+
+    def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        model = {k: _local(v) for k, v in self.model.state_dict().items()}
+        optimizers = [_to_local(get_optimizer_state_dict(self.model, o)) for o in self.optimizers]
+        return model, optimizers
+
+    def extra_meta(self) -> dict[str, Any]:
+        return {"shards": {k: _placement(v) for k, v in self.model.state_dict().items()
+                           if isinstance(v, torch.Tensor)}}
+
+    def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
+        live = self.model.state_dict()
+        missing, unexpected = sorted(live.keys() - weights.keys()), sorted(weights.keys() - live.keys())
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"checkpoint {path} does not fit the model: missing keys {missing[:5]}, "
+                                  f"unexpected keys {unexpected[:5]}")
+        with torch.no_grad():
+            for key in live.keys() & weights.keys():
+                target = _local(live[key])
+                if target.shape != weights[key].shape:
+                    raise CheckpointError(
+                        f"checkpoint {path}: {key} has shard shape {tuple(weights[key].shape)} but this "
+                        f"rank's shard is {tuple(target.shape)}: a local checkpoint loads only into the "
+                        f"same world size and wrapping")
+                target.copy_(weights[key])
+
+    def load_optimizers(self, saved: list[Any], path: Path) -> None:
+        specs = self.model.state_dict()
+        for i, (optimizer, sd) in enumerate(zip(self.optimizers, saved)):
+            try:
+                state = {name: {k: _like(v, specs[name]) for k, v in values.items()}
+                         for name, values in sd["state"].items()}
+                set_optimizer_state_dict(self.model, optimizer, {"state": state, "param_groups": sd["param_groups"]})
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise _optimizer_misfit(path, i, optimizer, e) from None
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _to_local(sd: Any) -> Any:
+    if isinstance(sd, dict):
+        return {k: _to_local(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_to_local(v) for v in sd]
+    return _local(sd)
+
+
+def _like(value: Any, spec: Any) -> Any:
+    """A saved local shard back as a DTensor placed like the parameter (scalars stay as they are)."""
+    if isinstance(value, torch.Tensor) and isinstance(spec, DTensor) and value.shape != () and value.dim() == spec.dim():
+        return DTensor.from_local(value.to(spec.device), spec.device_mesh, spec.placements,
+                                  shape=spec.shape, stride=spec.stride(), run_check=False)
+    return value
+
+
+def _placement(value: torch.Tensor) -> tuple[list[int], list[int]]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not isinstance(value, DTensor):
+        return list(value.shape), [0] * value.dim()
+    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return list(value.shape), list(offset)
+
+
+class ShardedLayout(Layout):
+    """FSDP, ``state_dict_type='sharded'``: DTensors saved and loaded through DCP."""
+
+    name = SHARDED
+    optimizer_keys = NAME
+
+    def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return get_model_state_dict(self.model), [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
+
+
+def split_tensors(sd: Any) -> tuple[Any, Any]:
+    """(the tensors, the rest) of a nested dict: DCP stores the first, lockstep.pt the second."""
+    if isinstance(sd, dict) and not sd:
+        return None, {}
+    if isinstance(sd, dict):
+        parts = {k: split_tensors(v) for k, v in sd.items()}
+        tensors = {k: t for k, (t, _) in parts.items() if t is not None}
+        rest = {k: r for k, (_, r) in parts.items() if r is not None}
+        return tensors or None, rest or None
+    if isinstance(sd, torch.Tensor):
+        return sd, None
+    return None, sd
+
+
+def join_tensors(tensors: Any, rest: Any) -> Any:
+    if isinstance(tensors, dict) or isinstance(rest, dict):
+        tensors, rest = tensors or {}, rest or {}
+        return {k: join_tensors(tensors.get(k), rest.get(k)) for k in tensors.keys() | rest.keys()}
+    return tensors if tensors is not None else rest
+
+
+def layout_for(model: nn.Module, optimizers: list[torch.optim.Optimizer], state_dict_type: str | None) -> Layout:
+    kinds = {None: Layout, "full": FullLayout, "local": LocalLayout, "sharded": ShardedLayout}
+    return kinds[state_dict_type](model, optimizers)
