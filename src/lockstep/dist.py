@@ -230,15 +230,17 @@ def _require_rendezvous_env(world_size: int) -> None:
             )
 
 
-def initialize_dist(device: str | torch.device | None = None, timeout: float = 300.0) -> None:
+def initialize_dist(device: str | torch.device | None = None, timeout: float = 300.0, *,
+                    single_process_group: bool = False) -> None:
     """Create the default process group from the environment contract, if one is needed.
 
     ``device`` picks the backend: ``'cpu'`` -> gloo, ``'gpu'``/``'cuda'`` -> nccl; None picks nccl
     when CUDA is available, else gloo. With world size 1 and no ``MASTER_ADDR`` this is a no-op, and so
     it is when a process group already exists (whose backend must then suit ``device``). The group is
     destroyed when the interpreter exits. ``timeout`` (seconds) bounds rendezvous and collectives.
+    ``single_process_group`` makes a 1-rank group even then, with an in-memory store (FSDP needs a
+    group at any world size).
     """
-    global _atexit_registered
     if timeout <= 0:
         raise ValueError(f"initialize_dist(timeout={timeout!r}): timeout must be > 0 seconds.")
     backend = _backend_for(device)
@@ -247,6 +249,13 @@ def initialize_dist(device: str | torch.device | None = None, timeout: float = 3
         return
     world_size, rank = get_world_size(), get_global_rank()
     if world_size == 1 and not os.environ.get("MASTER_ADDR"):
+        if not single_process_group:
+            return
+        if backend == "nccl":
+            torch.cuda.set_device(get_local_rank())
+        torch_dist.init_process_group(backend, store=torch_dist.HashStore(), world_size=1, rank=0,
+                                      timeout=timedelta(seconds=timeout))
+        _register_destroy_at_exit()
         return
     _require_rendezvous_env(world_size)
     if backend == "nccl":
@@ -259,6 +268,11 @@ def initialize_dist(device: str | torch.device | None = None, timeout: float = 3
     torch_dist.init_process_group(
         backend, init_method="env://", world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout)
     )
+    _register_destroy_at_exit()
+
+
+def _register_destroy_at_exit() -> None:
+    global _atexit_registered
     if not _atexit_registered:
         atexit.register(_destroy_at_exit)
         _atexit_registered = True

@@ -34,13 +34,13 @@ _FAILURE_GRACE_S = 5.0
 _EXIT_GRACE_S = 10.0
 
 
-def _rank_env(rank: int, world_size: int, extra: Mapping[str, str]) -> dict[str, str]:
+def _rank_env(rank: int, world_size: int, local_world_size: int, extra: Mapping[str, str]) -> dict[str, str]:
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "NODE_RANK": "0",
+        "LOCAL_RANK": str(rank % local_world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "NODE_RANK": str(rank // local_world_size),
         "OMP_NUM_THREADS": "1",
         **extra,
     }
@@ -113,17 +113,23 @@ def run_distributed(
     args: Sequence[Any] = (),
     backend: str = "gloo",
     env: Mapping[str, str] | None = None,
+    local_world_size: int | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks and return their results ordered by rank.
 
     ``fn``, ``args`` and the results must be picklable, so ``fn`` is a module-level function. Inside
     ``fn`` the process group is initialized and ``RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
-    NODE_RANK`` are set; ``env`` adds variables to every rank's environment. Raises RuntimeError with
+    NODE_RANK`` are set; ``env`` adds variables to every rank's environment. ``local_world_size``
+    makes the ranks look like nodes of that many ranks each (all on this machine). Raises RuntimeError with
     the rank and traceback if a rank raises or dies, and TimeoutError naming the ranks still running
     after ``timeout`` seconds. No rank outlives the call.
     """
     if world_size < 1:
         raise ValueError(f"run_distributed(world_size={world_size}): world_size must be >= 1.")
+    local_world_size = local_world_size or world_size
+    if world_size % local_world_size:
+        raise ValueError(f"run_distributed: world_size {world_size} is not a multiple of "
+                         f"local_world_size {local_world_size}.")
     context = multiprocessing.get_context("spawn")
     processes: list[multiprocessing.process.BaseProcess] = []
     readers: list[multiprocessing.connection.Connection] = []
@@ -137,7 +143,7 @@ def run_distributed(
                     args=(rank, world_size, store_path, backend, timeout, fn, tuple(args), writer),
                     name=f"lockstep-rank-{rank}",
                 )
-                with _environ(_rank_env(rank, world_size, env or {})):
+                with _environ(_rank_env(rank, world_size, local_world_size, env or {})):
                     process.start()
                 # Close the parent's copy so the reader sees EOF if the child dies.
                 writer.close()

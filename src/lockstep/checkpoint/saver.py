@@ -41,7 +41,7 @@ class CheckpointSaver:
             templates.check_template(latest_filename, "save_latest_filename", time_fields=False)
         if layout == LOCAL:
             for name, value in (("save_filename", filename), ("save_latest_filename", latest_filename)):
-                if value is not None and "rank" not in templates.fields_of(value):
+                if value is not None and "rank" not in templates.fields_of(value, name):
                     raise ValueError(f"fsdp_config state_dict_type='local' writes one file per rank, so "
                                      f"{name}={value!r} must contain {{rank}}")
         self.layout = layout

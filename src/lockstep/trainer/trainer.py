@@ -86,7 +86,7 @@ class Trainer:
         self.fsdp_config = None if fsdp_config is None else parse_config(fsdp_config)
         setup.check_model(model)
         self.device = setup.resolve_device(device)
-        dist.initialize_dist(self.device)
+        dist.initialize_dist(self.device, single_process_group=self.fsdp_config is not None)
         if seed is not None:
             setup.seed_everything(seed + dist.get_global_rank())
         self.precision = check_precision(precision)
