@@ -9,19 +9,62 @@ import torch
 
 from lockstep.checkpoint import files, payload
 from lockstep.checkpoint.files import CheckpointError
+from lockstep.checkpoint.states import LOCAL, SHARDED_META
 
 
 def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Return the model weights of the checkpoint at ``path`` as full CPU tensors.
 
-    ``path`` may be a checkpoint file, a latest pointer, or a plain ``torch.save``'d state_dict.
-    Nothing in it is executed: it is read with ``weights_only=True``.
+    ``path`` may be a checkpoint file, a latest pointer, or a plain ``torch.save``'d state_dict; for
+    FSDP, any one rank's file of a ``local`` checkpoint (the other ranks' files are found beside it)
+    or a ``sharded`` checkpoint folder. Nothing in it is executed: files are read with
+    ``weights_only=True`` and only tensors are read from a sharded folder.
     """
     target = files.resolve_pointer(Path(path))
+    if target.is_dir():
+        return _from_sharded(target)
     content = files.read(target)
     meta = payload.metadata(content, target)
+    if meta is not None and payload.layout_of(meta) == LOCAL:
+        return _from_local(target, content)
     weights = content if meta is None else content["model"]
     return {name: _full(t) for name, t in weights.items() if isinstance(t, torch.Tensor)}
+
+
+def _from_local(first: Path, content: dict) -> dict[str, torch.Tensor]:
+    """Place every rank's shards at their offsets in full tensors (replicas write equal values;
+    rank 0's win where modules were kept per rank, e.g. process_group='self')."""
+    out: dict[str, torch.Tensor] = {}
+    ranks = content["ranks"]
+    for rank in reversed(range(len(ranks))):
+        path = first.with_name(ranks[rank]["file"])
+        part = content if path == first else files.read(path)
+        for name, (shape, offset) in part["lockstep"]["shards"].items():
+            shard = part["model"][name]
+            if name not in out:
+                out[name] = torch.empty(shape, dtype=shard.dtype)
+            region = out[name]
+            for dim, (start, size) in enumerate(zip(offset, shard.shape)):
+                region = region.narrow(dim, start, size)
+            region.copy_(shard)
+    return out
+
+
+def _from_sharded(folder: Path) -> dict[str, torch.Tensor]:
+    """Read the model tensors of a DCP folder in this one process, at their full sizes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (folder / SHARDED_META).exists():
+        raise CheckpointError(f"{folder} is a folder without {SHARDED_META}: not a lockstep sharded checkpoint")
+    reader = dcp.FileSystemReader(folder)
+    prefix = "model."
+    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    nested = {"model": weights}
+    dcp.load(nested, storage_reader=reader, no_dist=True)
+    return nested["model"]
 
 
 def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:

@@ -100,10 +100,12 @@ class CheckpointSaver:
     def save(self, state: Any, scaler: torch.amp.GradScaler | None, rank_entry: dict[str, Any],
              layout: states.Layout) -> Path | None:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it)."""
-        ranks = dist.all_gather_object(rank_entry)
-        model, optimizers = layout.gather()
         name = templates.format_name(self.filename, self.place, state.timestamp)
         path = self.folder / name
+        if self.layout == LOCAL:  # so that export finds every rank's file from any one of them
+            rank_entry = {**rank_entry, "file": name}
+        ranks = dist.all_gather_object(rank_entry)
+        model, optimizers = layout.gather()
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
         # One agreement, so that a refusal raises on every rank rather than leaving the others in
         # the next collective; it also hands every rank the pid that names a DCP temp folder.

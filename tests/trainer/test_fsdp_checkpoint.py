@@ -1,0 +1,119 @@
+"""FSDP checkpoints: full, local and sharded layouts resume exactly; sharded reshards 2 <-> 4 ranks;
+autoresume; export of each layout to full tensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep import Trainer, dist
+from lockstep.checkpoint import export_state_dict
+from lockstep.testing import run_distributed
+from tests.trainer.common import BlockMLP, assert_same_params, full_params, loader
+
+GLOBAL_BATCH = 8  # 28 samples: 4 batches per epoch
+NAMES = {"full": "ep{epoch}-ba{batch}-rank{rank}.pt", "local": "ep{epoch}-ba{batch}-rank{rank}.pt",
+         "sharded": "ep{epoch}-ba{batch}"}
+
+
+class DropoutBlocks(BlockMLP):
+    """Dropout draws from each rank's RNG every step: an exact resume must restore it."""
+
+    def forward(self, batch):
+        return self.net(torch.nn.functional.dropout(batch[0], 0.2, training=self.training))
+
+
+def fit(kind: str, folder: str | None, duration: str, load: str | None = None, autoresume: bool = False,
+        dropout: bool = True) -> dict[str, torch.Tensor]:
+    model = DropoutBlocks() if dropout else BlockMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    trainer = Trainer(
+        model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size(), shuffle=True),
+        max_duration=duration, optimizers=optimizer,
+        schedulers=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5),
+        progress_bar=False, seed=7, fsdp_config={"state_dict_type": kind},
+        save_folder=folder, save_filename=NAMES[kind], save_interval="3ba",
+        load_path=load, autoresume=autoresume, run_name="fsdp-ck" if autoresume else None)
+    trainer.fit()
+    return full_params(model)
+
+
+def _resume_exactly(kind: str, folder: str) -> tuple[dict, dict, dict]:
+    uninterrupted = fit(kind, None, "2ep")
+    fit(kind, folder, "6ba")  # saves at ba3 (mid-epoch) and ba6
+    ba3 = os.path.join(folder, NAMES[kind].format(epoch=0, batch=3, rank="{rank}"))
+    resumed = fit(kind, None, "2ep", load=ba3)
+    exported = export_state_dict(os.path.join(folder, NAMES[kind].format(epoch=1, batch=6, rank=0)))
+    at_ba6 = fit(kind, None, "6ba", load=ba3)
+    return uninterrupted, resumed, {"exported": exported, "at_ba6": at_ba6}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["full", "local", "sharded"])
+def test_exact_resume_and_export(kind: str, tmp_path: Path) -> None:
+    results = run_distributed(_resume_exactly, world_size=2, args=(kind, str(tmp_path)), timeout=220)
+    for uninterrupted, resumed, extra in results:
+        assert_same_params(resumed, uninterrupted, atol=0)
+        assert_same_params(extra["exported"], extra["at_ba6"], atol=0)
+    files = sorted(os.listdir(tmp_path))
+    if kind == "local":
+        assert "ep0-ba3-rank0.pt" in files and "ep0-ba3-rank1.pt" in files
+        assert "latest-rank1.pt" in files
+    if kind == "sharded":
+        assert (tmp_path / "ep0-ba3").is_dir() and (tmp_path / "ep0-ba3" / "lockstep.pt").is_file()
+    if kind == "full":
+        assert "ep0-ba3-rank1.pt" not in files  # rank 0 writes one file
+
+
+def _save_sharded(folder: str) -> None:
+    fit("sharded", folder, "6ba", dropout=False)
+
+
+def _resume_sharded(folder: str) -> dict[str, torch.Tensor]:
+    return fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3"), dropout=False)
+
+
+def _uninterrupted() -> dict[str, torch.Tensor]:
+    return fit("sharded", None, "2ep", dropout=False)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 4), (4, 2)])
+def test_sharded_checkpoint_reshards(saved_at: int, resumed_at: int, tmp_path: Path) -> None:
+    # same global batch at both world sizes: the DistributedSampler yields the same global batches
+    reference = run_distributed(_uninterrupted, world_size=saved_at, timeout=120)[0]
+    run_distributed(_save_sharded, world_size=saved_at, args=(str(tmp_path),), timeout=120)
+    for resumed in run_distributed(_resume_sharded, world_size=resumed_at, args=(str(tmp_path),), timeout=120):
+        assert_same_params(resumed, reference, atol=1e-5)
+
+
+def _autoresume(folder: str) -> tuple[dict, dict]:
+    uninterrupted = fit("local", None, "2ep")
+    fit("local", folder, "5ba", autoresume=True)  # saves ba3 and the end, ba5
+    resumed = fit("local", folder, "2ep", autoresume=True)
+    return uninterrupted, resumed
+
+
+@pytest.mark.timeout(180)
+def test_autoresume_with_local_files(tmp_path: Path) -> None:
+    for uninterrupted, resumed in run_distributed(_autoresume, world_size=2, args=(str(tmp_path),), timeout=160):
+        assert_same_params(resumed, uninterrupted, atol=0)
+
+
+def _wrong_layout(folder: str) -> str:
+    fit("local", folder, "3ba")
+    try:
+        fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3-rank{rank}.pt"))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_loading_another_layout_names_the_setting(tmp_path: Path) -> None:
+    errors = run_distributed(_wrong_layout, world_size=2, args=(str(tmp_path),), timeout=100)
+    assert "is a 'local' checkpoint but this run uses 'sharded' checkpoints" in errors[0]
+    assert "fsdp_config={'state_dict_type': 'local'}" in errors[0]
