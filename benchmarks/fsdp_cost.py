@@ -1,0 +1,148 @@
+"""FSDP FULL_SHARD against DDP: per-rank memory of the training state, and steps/s.
+
+Run it with the launcher (2 ranks, gloo, one thread per rank); rank 0 prints the results:
+
+    OMP_NUM_THREADS=1 .venv/bin/lockstep -n 2 benchmarks/fsdp_cost.py
+
+Options: ``--rounds 5 --warmup 10 --steps 60`` (speed), ``--layers 12 --width 2048`` (memory).
+
+* Memory: a stack of ``--layers`` ``nn.Linear(width, width)`` (12 x 2048 = 50.4M parameters), AdamW,
+  one training step through the Trainer, each layer its own FSDP unit. Per rank it counts the bytes
+  this rank holds of parameters, gradients and optimizer state (a sharded tensor counts its local
+  shard): what the target ``FULL_SHARD <= 0.55 x DDP`` is about. Parameters gathered for a
+  layer's forward/backward are freed after it, so they are not part of the steady state.
+* Speed: the Trainer benchmark's MLP (4 x ``nn.Linear``, 512 wide), 64 samples per rank per step,
+  AdamW; DDP and FULL_SHARD (each Linear a unit) alternate which goes first in each round; the
+  table gives the median steps/s of each over the rounds and the median of the within-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lockstep
+from lockstep import dist
+
+
+class Stack(lockstep.Model):
+    def __init__(self, layers: int, width: int, classes: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks: list[nn.Module] = []
+        for _ in range(layers):
+            blocks += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*blocks, nn.Linear(width, classes))
+
+    def forward(self, batch):
+        return self.net(batch[0])
+
+    def loss(self, outputs, batch):
+        return nn.functional.cross_entropy(outputs, batch[1])
+
+    def fsdp_wrap_fn(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear)
+
+
+def _loader(width: int, classes: int, batch: int, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    n = batch * steps * dist.get_world_size()
+    data = TensorDataset(torch.randn(n, width, generator=g), torch.randint(0, classes, (n,), generator=g))
+    return DataLoader(data, batch_size=batch, sampler=dist.get_sampler(data, shuffle=False))
+
+
+def _trainer(model: Stack, loader: DataLoader, duration: str, fsdp: bool) -> lockstep.Trainer:
+    return lockstep.Trainer(model=model, train_dataloader=loader, max_duration=duration,
+                            optimizers=torch.optim.AdamW(model.parameters(), lr=1e-4), progress_bar=False,
+                            fsdp_config={"sharding_strategy": "FULL_SHARD"} if fsdp else None)
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def state_bytes(trainer: lockstep.Trainer) -> dict[str, int]:
+    model = trainer.state.model
+    optimizer = trainer.state.optimizers[0]
+    params = [p for p in model.parameters()]
+    return {
+        "parameters": sum(_local_bytes(p) for p in params),
+        "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0),
+    }
+
+
+def memory(layers: int, width: int) -> dict[str, dict[str, int]]:
+    out = {}
+    for name, fsdp in (("DDP", False), ("FULL_SHARD", True)):
+        model = Stack(layers, width, 10)
+        trainer = _trainer(model, _loader(width, 10, 4, 1), "1ba", fsdp)
+        trainer.fit()
+        # the Trainer frees gradients after the step (zero_grad(set_to_none=True)): count them as
+        # the backward leaves them, by running one more backward without a step
+        batch = next(iter(trainer.train_dataloader))
+        model.loss(model(batch), batch).backward()
+        out[name] = state_bytes(trainer)
+        del trainer, model
+    return out
+
+
+def speed(rounds: int, warmup: int, steps: int) -> list[dict[str, float]]:
+    results = []
+    for r in range(rounds):
+        row = {}
+        for name in (("DDP", "FULL_SHARD") if r % 2 == 0 else ("FULL_SHARD", "DDP")):
+            model = Stack(3, 512, 10)
+            loader = _loader(512, 10, 64, warmup + steps)
+            trainer = _trainer(model, loader, f"{warmup}ba", name == "FULL_SHARD")
+            trainer.fit()
+            trainer.state.max_duration = lockstep.Time.from_input(f"{warmup + steps}ba")
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.fit()
+            dist.barrier()
+            row[name] = steps / (time.perf_counter() - start)
+        results.append(row)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=2048)
+    args = parser.parse_args()
+    os.environ.pop("LOCKSTEP_RUN_DIRECTORY", None)  # no file loggers on either side
+    torch.set_num_threads(1)
+    mem = memory(args.layers, args.width)
+    runs = speed(args.rounds, args.warmup, args.steps)
+    if dist.get_global_rank() != 0:
+        return
+    n = sum(p.numel() for p in Stack(args.layers, args.width, 10).parameters())
+    print(f"world size {dist.get_world_size()}, memory model {n / 1e6:.1f}M parameters (AdamW), per rank:")
+    for name, parts in mem.items():
+        total = sum(parts.values())
+        detail = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items())
+        print(f"  {name:<10} {total / 2**20:8.1f} MiB  ({detail})")
+    ratio = sum(mem["FULL_SHARD"].values()) / sum(mem["DDP"].values())
+    print(f"  FULL_SHARD / DDP = {ratio:.3f}")
+    ddp = statistics.median(r["DDP"] for r in runs)
+    fsdp = statistics.median(r["FULL_SHARD"] for r in runs)
+    pairwise = statistics.median(r["FULL_SHARD"] / r["DDP"] for r in runs)
+    print(f"speed, benchmark MLP (4 x 512), 64 samples/rank/step, {args.rounds} rounds x {args.steps} steps:")
+    print(f"  DDP {ddp:.1f} steps/s, FULL_SHARD {fsdp:.1f} steps/s, ratio {fsdp / ddp:.3f} "
+          f"(pairwise median {pairwise:.3f})")
+
+
+if __name__ == "__main__":
+    main()
