@@ -12,8 +12,9 @@ Options: ``--rounds 5 --warmup 10 --steps 60`` (speed), ``--layers 12 --width 20
   shard): what the target ``FULL_SHARD <= 0.55 x DDP`` is about. Parameters gathered for a
   layer's forward/backward are freed after it, so they are not part of the steady state.
 * Speed: the Trainer benchmark's MLP (4 x ``nn.Linear``, 512 wide), 64 samples per rank per step,
-  AdamW; DDP and FULL_SHARD (each Linear a unit) alternate which goes first in each round; the
-  table gives the median steps/s of each over the rounds and the median of the within-round ratios.
+  AdamW; DDP, FULL_SHARD with each Linear a unit, and FULL_SHARD with the whole model one unit
+  take turns going first in each round; it prints the median steps/s of each over the rounds and
+  the median of the within-round ratios to DDP.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ class Stack(lockstep.Model):
     def loss(self, outputs, batch):
         return nn.functional.cross_entropy(outputs, batch[1])
 
+    wrap_layers = True
+
     def fsdp_wrap_fn(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear)
+        return self.wrap_layers and isinstance(module, nn.Linear)
 
 
 def _loader(width: int, classes: int, batch: int, steps: int) -> DataLoader:
@@ -95,14 +98,18 @@ def memory(layers: int, width: int) -> dict[str, dict[str, int]]:
     return out
 
 
+SPEED_SIDES = ("DDP", "FULL_SHARD", "FULL_SHARD, one unit")
+
+
 def speed(rounds: int, warmup: int, steps: int) -> list[dict[str, float]]:
     results = []
     for r in range(rounds):
         row = {}
-        for name in (("DDP", "FULL_SHARD") if r % 2 == 0 else ("FULL_SHARD", "DDP")):
+        for name in SPEED_SIDES[r % 3:] + SPEED_SIDES[:r % 3]:
             model = Stack(3, 512, 10)
+            model.wrap_layers = name == "FULL_SHARD"
             loader = _loader(512, 10, 64, warmup + steps)
-            trainer = _trainer(model, loader, f"{warmup}ba", name == "FULL_SHARD")
+            trainer = _trainer(model, loader, f"{warmup}ba", name != "DDP")
             trainer.fit()
             trainer.state.max_duration = lockstep.Time.from_input(f"{warmup + steps}ba")
             dist.barrier()
@@ -137,11 +144,12 @@ def main() -> None:
     ratio = sum(mem["FULL_SHARD"].values()) / sum(mem["DDP"].values())
     print(f"  FULL_SHARD / DDP = {ratio:.3f}")
     ddp = statistics.median(r["DDP"] for r in runs)
-    fsdp = statistics.median(r["FULL_SHARD"] for r in runs)
-    pairwise = statistics.median(r["FULL_SHARD"] / r["DDP"] for r in runs)
     print(f"speed, benchmark MLP (4 x 512), 64 samples/rank/step, {args.rounds} rounds x {args.steps} steps:")
-    print(f"  DDP {ddp:.1f} steps/s, FULL_SHARD {fsdp:.1f} steps/s, ratio {fsdp / ddp:.3f} "
-          f"(pairwise median {pairwise:.3f})")
+    print(f"  DDP {ddp:.1f} steps/s")
+    for name in SPEED_SIDES[1:]:
+        fsdp = statistics.median(r[name] for r in runs)
+        pairwise = statistics.median(r[name] / r["DDP"] for r in runs)
+        print(f"  {name} {fsdp:.1f} steps/s, ratio {fsdp / ddp:.3f} (pairwise median {pairwise:.3f})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from lockstep.time import Time, Timestamp
 
 @dataclass(kw_only=True, slots=True)
 class State:
-    """The Trainer's live state. ``model`` is the user's module; ``wrapped_model`` may be DDP."""
+    """The Trainer's live state. ``model`` is the user's module (sharded in place under FSDP);
+    ``wrapped_model`` is what the step calls: a DDP wrapper, or ``model`` itself."""
 
     model: nn.Module
     wrapped_model: nn.Module

@@ -17,10 +17,10 @@ from lockstep.checkpoint import rng
 from lockstep.checkpoint.saver import SaveInterval
 from lockstep.checkpoint.states import layout_for
 from lockstep.model import Model
-from lockstep.parallel.fsdp import gradient_sync, prepare_fsdp
-from lockstep.parallel.fsdp_config import parse_config
 from lockstep.parallel.ddp import (
     DDPSyncStrategy, forced_sync_gradients, prepare_ddp, resolve_sync_strategy, sync_context)
+from lockstep.parallel.fsdp import gradient_sync, prepare_fsdp
+from lockstep.parallel.fsdp_config import parse_config
 from lockstep.time import Time, check_max_duration, is_interval_due, is_reached
 from lockstep.trainer import checkpointing, data, setup
 from lockstep.trainer.microbatch import take_first
@@ -43,6 +43,9 @@ class Trainer:
     data position, so a resumed run continues bit for bit. ``load_path`` loads one at construction;
     ``autoresume`` (with ``run_name``) continues from the newest checkpoint of the run. While
     saving is on, SIGTERM makes every rank stop at the same step, save, and exit with 143.
+
+    ``fsdp_config`` shards the model with FSDP instead of DDP (see :mod:`lockstep.parallel.fsdp`);
+    the optimizers given are pointed at the sharded parameters.
     """
 
     def __init__(
