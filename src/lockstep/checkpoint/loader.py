@@ -39,10 +39,11 @@ def candidates(template: str, run_name: str) -> tuple[Path, Path]:
     return own, zero
 
 
-def _agree(error: str | None, batch: int = 0) -> tuple[int, int, int]:
+def _agree(error: str | None, device: torch.device, batch: int = 0) -> tuple[int, int, int]:
     """One small all-reduce: (ranks that failed, lowest batch, highest batch). If any rank failed,
-    raise on every rank with the first failing rank's message (gathered only then)."""
-    t = torch.tensor([int(error is not None), -batch, batch], dtype=torch.int64)
+    raise on every rank with the first failing rank's message (gathered only then). On the
+    training device: NCCL reduces only CUDA tensors."""
+    t = torch.tensor([int(error is not None), -batch, batch], dtype=torch.int64, device=device)
     failed, neg_low, high = (int(v) for v in dist.all_reduce(t, "MAX").tolist())
     return failed, -neg_low, high
 
@@ -70,7 +71,7 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
     if path is None:
         tried = str(own) if own == zero else f"{own} (nor rank 0's {zero})"
         missing = f"{what} {template!r}: {tried} does not exist"
-    t = torch.tensor([int(path is None), int(path is not None)], dtype=torch.int64)
+    t = torch.tensor([int(path is None), int(path is not None)], dtype=torch.int64, device=state.device)
     missing_ranks, found_ranks = (int(v) for v in dist.all_reduce(t, "SUM").tolist())
     if optional and found_ranks == 0:
         return None
@@ -86,7 +87,7 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
                        check_run_name=optional, check_crc=check_crc)
     except CheckpointError as e:
         error = str(e)
-    failed, low, high = _agree(error, opened.batch if opened else 0)
+    failed, low, high = _agree(error, state.device, opened.batch if opened else 0)
     if failed:
         _raise_first(error)
     if low != high:
@@ -98,7 +99,7 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
         loaded = _apply(opened, state, scaler, layout, weights_only=weights_only, strict=strict)
     except CheckpointError as e:
         error = str(e)
-    if _agree(error)[0]:
+    if _agree(error, state.device)[0]:
         _raise_first(error)
     assert loaded is not None
     return loaded

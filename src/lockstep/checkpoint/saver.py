@@ -109,7 +109,8 @@ class CheckpointSaver:
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
         # One agreement, so that a refusal raises on every rank rather than leaving the others in
         # the next collective; it also hands every rank the pid that names a DCP temp folder.
-        flags = torch.tensor([int(clash), os.getpid() if dist.get_global_rank() == 0 else 0], dtype=torch.int64)
+        flags = torch.tensor([int(clash), os.getpid() if dist.get_global_rank() == 0 else 0], dtype=torch.int64,
+                             device=state.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flags, "MAX")
         if flags[0]:
