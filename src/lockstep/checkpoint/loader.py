@@ -175,7 +175,7 @@ def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, lay
         _reader(layout, SINGLE).load_model(content, path, strict)
         return Loaded(path, weights_only=True)
     if opened.layout == SHARDED:
-        load_sharded(path, content, layout, weights_only=weights_only, strict=strict)
+        _load_sharded(path, content, layout, weights_only=weights_only, strict=strict)
     else:
         reader = _reader(layout, opened.layout)
         reader.load_model(content["model"], path, strict)
@@ -183,7 +183,7 @@ def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, lay
             reader.load_optimizers(content["optimizers"], path)
     if weights_only:
         return Loaded(path, weights_only=True)
-    entry = payload.apply(content, state, scaler, path, dist.get_global_rank())
+    entry = payload.apply(content, state, scaler, path, dist.get_global_rank(), dist.get_world_size())
     return Loaded(path, entry, list(meta.get("history", [])))
 
 
@@ -194,7 +194,7 @@ def _reader(layout: Layout, saved: str) -> Layout:
     return layout
 
 
-def load_sharded(folder: Path, rest: dict[str, Any], layout: Layout, *, weights_only: bool, strict: bool) -> None:
+def _load_sharded(folder: Path, rest: dict[str, Any], layout: Layout, *, weights_only: bool, strict: bool) -> None:
     """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
     import torch.distributed.checkpoint as dcp
 

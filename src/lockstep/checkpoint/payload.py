@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from lockstep.dist import get_world_size as dist_world_size
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.states import SINGLE, Layout
 from lockstep.time import Timestamp
@@ -83,7 +82,7 @@ def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: A
 
 
 def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | None, path: Path,
-          rank: int) -> dict[str, Any] | None:
+          rank: int, world_size: int) -> dict[str, Any] | None:
     """Load schedulers, scaler and timestamp into ``state`` (the model and optimizers are the
     layout's to load); return this rank's entry
     (RNG and data position) for the training loop to apply when it starts, or None when the
@@ -97,7 +96,7 @@ def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | No
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     ranks = payload["ranks"]
-    return ranks[rank] if len(ranks) == dist_world_size() else None
+    return ranks[rank] if len(ranks) == world_size else None
 
 
 def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None:

@@ -16,7 +16,7 @@ from lockstep import dist
 from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, states, templates
 from lockstep.checkpoint.states import LOCAL, SHARDED, SINGLE
-from lockstep.time import Time, TimeUnit, Timestamp, is_interval_due
+from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 SaveInterval = Time | str | int | Callable[[Any, Event], bool]
 
@@ -105,7 +105,7 @@ class CheckpointSaver:
         if self.layout == LOCAL:  # so that export finds every rank's file from any one of them
             rank_entry = {**rank_entry, "file": name}
         ranks = dist.all_gather_object(rank_entry)
-        model, optimizers = layout.gather()
+        model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
         # One agreement, so that a refusal raises on every rank rather than leaving the others in
         # the next collective; it also hands every rank the pid that names a DCP temp folder.

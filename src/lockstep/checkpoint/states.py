@@ -33,6 +33,8 @@ class Layout:
 
     name = SINGLE
     optimizer_keys = INDEX
+    collective = False
+    """Whether :meth:`gather` is a collective (then every rank calls it, not only writers)."""
 
     def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         self.model, self.optimizers = model, optimizers
@@ -42,8 +44,8 @@ class Layout:
         return {}
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Model and optimizer state to save. Every rank calls it (it may be a collective); ranks
-        that do not write may get empty dicts."""
+        """Model and optimizer state to save; when :attr:`collective`, every rank calls it and
+        ranks that do not write may get empty dicts."""
         return self.model.state_dict(), [o.state_dict() for o in self.optimizers]
 
     def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
@@ -74,6 +76,7 @@ class FullLayout(Layout):
     """FSDP, ``state_dict_type='full'``: full tensors gathered to rank 0, one file."""
 
     optimizer_keys = NAME
+    collective = True
     _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -174,6 +177,7 @@ class ShardedLayout(Layout):
 
     name = SHARDED
     optimizer_keys = NAME
+    collective = True
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         return get_model_state_dict(self.model), [get_optimizer_state_dict(self.model, o) for o in self.optimizers]

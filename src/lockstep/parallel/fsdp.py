@@ -42,6 +42,9 @@ class Unit:
 
     name: str
     module: nn.Module
+    kind: str
+    """The module's class name (``fully_shard`` swaps in a subclass)."""
+    params: int
     strategy: str
     precision: Precision
     cpu_offload: bool
@@ -56,16 +59,11 @@ class FSDPSetup:
     units: list[Unit] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
 
-    @property
-    def root(self) -> nn.Module:
-        return self.units[-1].module
-
     def describe(self) -> list[str]:
         lines = []
         for u in self.units:
             group = "" if u.group is None else f", process_group {u.group[0]}{u.group[1]}"
-            n = sum(p.numel() for p in u.module.parameters())
-            lines.append(f"lockstep fsdp: {u.name or '(root)'} ({type(u.module).__name__}, {n:,} params "
+            lines.append(f"lockstep fsdp: {u.name or '(root)'} ({u.kind}, {u.params:,} params "
                          f"in scope): {u.strategy}, param/reduce/buffer dtype {_short(u.precision)}"
                          f"{', cpu_offload' if u.cpu_offload else ''}{group}")
         lines += [f"lockstep fsdp: activation checkpointing {name}" for name in self.checkpointed]
@@ -103,7 +101,8 @@ def prepare_fsdp(model: nn.Module, config: FSDPConfig, precision: str, device: t
         unit_precision = default_precision if mp is None else resolve_precision(mp, precision)
         group = check_process_group(settings["process_group"], world_size, local_world_size) \
             if "process_group" in settings else None
-        unit = Unit(name, module, strategy, unit_precision, settings.get("cpu_offload", config.cpu_offload), group)
+        unit = Unit(name, module, type(_unwrapped(module)).__name__, sum(p.numel() for p in module.parameters()),
+                    strategy, unit_precision, settings.get("cpu_offload", config.cpu_offload), group)
         _shard(unit, meshes, device)
         setup.units.append(unit)
     _cast_buffers(model, setup)
@@ -306,8 +305,3 @@ def gradient_sync(model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
     assert isinstance(model, FSDPModule)
     model.set_requires_gradient_sync(is_last_microbatch)
     yield
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-

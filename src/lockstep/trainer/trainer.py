@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from lockstep import dist
 from lockstep.callbacks import Callback, Event
@@ -24,8 +23,8 @@ from lockstep.parallel.fsdp_config import parse_config
 from lockstep.time import Time, check_max_duration, is_interval_due, is_reached
 from lockstep.trainer import checkpointing, data, setup
 from lockstep.trainer.microbatch import take_first
-from lockstep.trainer.preemption import Preempted, StopSignal
 from lockstep.trainer.precision import autocast, check_precision, make_grad_scaler
+from lockstep.trainer.preemption import Preempted, StopSignal
 from lockstep.trainer.state import State
 
 
