@@ -16,6 +16,7 @@ from lockstep.checkpoint import rng
 from lockstep.checkpoint.saver import SaveInterval
 from lockstep.checkpoint.states import layout_for
 from lockstep.model import Model
+from lockstep.parallel import deepspeed as ds
 from lockstep.parallel.ddp import (
     DDPSyncStrategy, forced_sync_gradients, prepare_ddp, resolve_sync_strategy, sync_context)
 from lockstep.parallel.fsdp import gradient_sync, prepare_fsdp
@@ -44,7 +45,9 @@ class Trainer:
     saving is on, SIGTERM makes every rank stop at the same step, save, and exit with 143.
 
     ``fsdp_config`` shards the model with FSDP instead of DDP (see :mod:`lockstep.parallel.fsdp`);
-    the optimizers given are pointed at the sharded parameters.
+    the optimizers given are pointed at the sharded parameters. ``deepspeed_config`` trains with a
+    DeepSpeed engine (ZeRO stages 1-3) around the model and its one optimizer instead (see
+    :mod:`lockstep.parallel.deepspeed`); batch sizes and precision in it are filled in from the Trainer.
     """
 
     def __init__(
@@ -83,14 +86,9 @@ class Trainer:
     ) -> None:
         if fsdp_config is not None and deepspeed_config is not None:
             raise ValueError("fsdp_config and deepspeed_config were both given: pick one way to shard the model")
-        if deepspeed_config is not None:
-            raise NotImplementedError("deepspeed_config is not implemented yet; train with DDP or fsdp_config")
         self.fsdp_config = None if fsdp_config is None else parse_config(fsdp_config)
         setup.check_model(model)
         self.device = setup.resolve_device(device)
-        dist.initialize_dist(self.device, single_process_group=self.fsdp_config is not None)
-        if seed is not None:
-            setup.seed_everything(seed + dist.get_global_rank())
         self.precision = check_precision(precision)
         self.microbatch_size = setup.check_positive_int("device_train_microbatch_size", device_train_microbatch_size)
         self.grad_accum = setup.check_positive_int("grad_accum", grad_accum)
@@ -104,20 +102,35 @@ class Trainer:
         for name, loader in (("train_dataloader", train_dataloader), ("eval_dataloader", eval_dataloader)):
             if loader is not None:
                 data.check_distributed_sampler(loader, name)
+        self.deepspeed_config = None if deepspeed_config is None else ds.fill_config(
+            deepspeed_config, batch_size=ds.batch_size_of(train_dataloader), microbatch_size=self.microbatch_size,
+            grad_accum=self.grad_accum, world_size=dist.get_world_size(), precision=self.precision,
+            optimizers=len(optimizer_list))
+        if self.deepspeed_config is not None:
+            ds.import_deepspeed(self.device)  # not installed: say how, before any process group exists
 
+        sharding = self.fsdp_config is not None or self.deepspeed_config is not None
+        dist.initialize_dist(self.device, single_process_group=sharding)
+        if seed is not None:
+            setup.seed_everything(seed + dist.get_global_rank())
         model.to(self.device)
         self.fsdp = None if self.fsdp_config is None else prepare_fsdp(
             model, self.fsdp_config, self.precision, self.device, optimizer_list)
+        self.deepspeed = None if self.deepspeed_config is None else ds.prepare_deepspeed(
+            model, optimizer_list, self.deepspeed_config, self.device)
+        self._engine = self.deepspeed.engine if self.deepspeed else None
+        # Under FSDP and ZeRO-3 each forward gathers parameters: every rank must run every one.
+        self._gathering_forward = bool(self.fsdp) or bool(self.deepspeed and self.deepspeed.stage == 3)
         self.train_dataloader = train_dataloader
         self.eval_dataloader = eval_dataloader
-        self.scaler = make_grad_scaler(self.precision, self.device)
+        self.scaler = None if self.deepspeed else make_grad_scaler(self.precision, self.device)
         self.eval_metrics = {k: m.to(self.device) for k, m in model.get_metrics(is_train=False).items()}
         self._step_sync = dist.get_world_size() > 1 and not (
             data.equal_batches_guaranteed(train_dataloader) and not setup.counts_tokens(model))
         run_folder = setup.resolve_run_folder(run_folder)
         self.state = State(
             model=model,
-            wrapped_model=model if self.fsdp else prepare_ddp(model, find_unused_parameters, self.device),
+            wrapped_model=self._wrap(model, find_unused_parameters),
             optimizers=optimizer_list,
             schedulers=setup.as_list(schedulers),
             max_duration=self.max_duration,
@@ -140,6 +153,12 @@ class Trainer:
         self._position = data.DataPosition()
         self.callbacks = setup.default_callbacks(run_folder, progress_bar) + list(callbacks)
         self._run_event(Event.INIT)
+
+    def _wrap(self, model: Model, find_unused_parameters: bool) -> torch.nn.Module:
+        """What the step calls: the DeepSpeed engine, the FSDP-sharded model itself, or DDP."""
+        if self._engine is not None:
+            return self._engine
+        return model if self.fsdp else prepare_ddp(model, find_unused_parameters, self.device)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -194,6 +213,8 @@ class Trainer:
     def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
         s = self.state
         batch = setup.to_device(batch, self.device)
+        if self.deepspeed:
+            batch = ds.cast_batch(batch, self.deepspeed.dtype)
         microbatches = self._split(batch)
         world_size = dist.get_world_size()
         local_samples = 0
@@ -206,9 +227,17 @@ class Trainer:
                     loss = s.model.loss(outputs, micro)
                 # DDP averages over ranks, so scale by world_size * this microbatch's share.
                 scaled = loss * (n * world_size / global_samples)
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                if self._engine is not None:  # it scales an fp16 loss itself; the share is ours
+                    self._engine.backward(scaled, scale_wrt_gas=False)
+                else:
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float() * n
             local_samples += n
+        if self._engine is not None:
+            self._engine.step()  # the optimizer step and zero_grad
+            for scheduler in s.schedulers:
+                scheduler.step()
+            return loss_sum / max(local_samples, 1)
         if self.sync_strategy is DDPSyncStrategy.FORCED_SYNC and world_size > 1 and not self.fsdp:
             forced_sync_gradients(s.model.parameters())
         for optimizer in s.optimizers:
@@ -227,6 +256,8 @@ class Trainer:
     def _gradient_sync(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[None]:
         if self.fsdp:
             return gradient_sync(self.state.model, is_last_microbatch)
+        if self._engine is not None:
+            return ds.accumulation_boundary(self._engine, is_last_microbatch)
         return sync_context(self.state.wrapped_model, self.sync_strategy, is_last_microbatch)
 
     def _split(self, batch: Any) -> list[Any]:
@@ -262,10 +293,12 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
         for batch in self.eval_dataloader:
             batch = setup.to_device(batch, self.device)
+            if self.deepspeed:
+                batch = ds.cast_batch(batch, self.deepspeed.dtype)
             n = s.model.num_samples(batch)
             if remaining is not None:
                 if remaining <= 0:
-                    if self.fsdp:  # each forward gathers parameters: every rank must take part
+                    if self._gathering_forward:  # every rank must take part in each gather
                         s.model(batch)
                     continue
                 if n > remaining:

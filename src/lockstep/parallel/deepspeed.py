@@ -1,0 +1,208 @@
+"""DeepSpeed ZeRO: ``deepspeed_config`` -> a DeepSpeed engine around the Trainer's model and optimizer.
+
+The user's config is passed to DeepSpeed as given, with the fields the Trainer already decides
+filled in from it: the batch sizes from the dataloader, microbatching and world size, and the
+fp16/bf16 sections from ``precision``. A field the user set to something else is an error that
+names both; ``"auto"`` means "fill it in". Two DeepSpeed defaults would change the Trainer's math
+or output, so they are set unless the user gives them: ``gradient_clipping`` 0 (DeepSpeed clips at
+1.0) and ``steps_per_print`` (DeepSpeed prints every 10 steps). Any torch optimizer may be used
+(``zero_allow_untested_optimizer``).
+
+The Trainer drives the engine with an explicit accumulation boundary: every microbatch but the last
+runs with the boundary off, so the number of microbatches may change from step to step (a short
+last batch) and ``engine.step()`` runs once per optimizer step. The loss is scaled by the Trainer,
+never by DeepSpeed's gradient accumulation count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that pins "
+                "torch==2.13.0 (DeepSpeed builds against the installed torch)")
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_OWN_KEYS = {"optimizer": "optimizers=", "scheduler": "schedulers="}
+_HALF = {"amp_fp16": "fp16", "amp_bf16": "bf16"}
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class DeepSpeedSetup:
+    """The engine the Trainer steps, the config it was built with, and the dtype its parameters
+    hold (float batches are cast to it; None in fp32)."""
+
+    engine: Any
+    config: dict[str, Any]
+    dtype: torch.dtype | None
+
+    @property
+    def stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+
+def import_deepspeed(device: torch.device) -> Any:
+    """Import DeepSpeed for ``device``: its CPU accelerator when training on the CPU."""
+    if "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(f"deepspeed_config needs DeepSpeed, which is not installed ({e}): "
+                          f"{INSTALL_HINT}") from None
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator().device_name()
+    if accelerator != device.type:
+        raise ValueError(f"DeepSpeed runs on its {accelerator!r} accelerator but the Trainer trains on "
+                         f"{device.type!r}: set DS_ACCELERATOR={device.type} before DeepSpeed is imported")
+    return deepspeed
+
+
+def batch_size_of(loader: Any) -> int | None:
+    """The per-rank batch size a dataloader yields, when it says."""
+    for owner in (loader, getattr(loader, "batch_sampler", None)):
+        size = getattr(owner, "batch_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
+def fill_config(config: Mapping[str, Any], *, batch_size: int | None, microbatch_size: int | None,
+                grad_accum: int | None, world_size: int, precision: str,
+                optimizers: int) -> dict[str, Any]:
+    """The config to give DeepSpeed: the user's, with what the Trainer decides filled in and
+    checked. ``batch_size`` is the dataloader's per-rank batch (None when unknown)."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"deepspeed_config must be a dict (DeepSpeed's JSON config), got {type(config).__name__}")
+    config = copy.deepcopy(dict(config))
+    for key, argument in _OWN_KEYS.items():
+        if key in config:
+            raise ValueError(f"deepspeed_config[{key!r}] is set, but the Trainer hands DeepSpeed its own "
+                             f"{argument}: remove {key!r} from deepspeed_config and pass {argument} to Trainer")
+    if optimizers > 1:
+        raise ValueError(f"DeepSpeed trains with one optimizer, but {optimizers} were given: combine them "
+                         f"into one with parameter groups")
+    _fill_batch(config, batch_size, microbatch_size, grad_accum, world_size)
+    _fill_precision(config, precision)
+    config.setdefault("gradient_clipping", 0.0)
+    config.setdefault("zero_allow_untested_optimizer", True)
+    config.setdefault("steps_per_print", 2**31 - 1)
+    return config
+
+
+def _fill_batch(config: dict[str, Any], batch_size: int | None, microbatch_size: int | None,
+                grad_accum: int | None, world_size: int) -> None:
+    if batch_size is None:
+        # No dataloader to read it from (e.g. evaluation only): DeepSpeed still wants a batch size.
+        if all(_unset(config.get(k)) for k in _BATCH_KEYS):
+            config["train_micro_batch_size_per_gpu"] = 1
+        for key in _BATCH_KEYS:
+            if _unset(config.get(key)):
+                config.pop(key, None)
+        return
+    if microbatch_size is None:
+        microbatch_size = batch_size if grad_accum is None else math.ceil(batch_size / grad_accum)
+    microbatch_size = min(microbatch_size, batch_size)
+    if batch_size % microbatch_size:
+        raise ValueError(f"under DeepSpeed the dataloader's batch_size ({batch_size}) must be a multiple of "
+                         f"the microbatch size ({microbatch_size}): DeepSpeed's config needs train_batch_size = "
+                         f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size")
+    ours = {
+        "train_batch_size": (batch_size * world_size,
+                             f"the global batch {batch_size * world_size} (dataloader batch_size {batch_size} x "
+                             f"{world_size} ranks)"),
+        "train_micro_batch_size_per_gpu": (microbatch_size, f"the Trainer's microbatch size {microbatch_size} "
+                                                            f"(device_train_microbatch_size / grad_accum)"),
+        "gradient_accumulation_steps": (batch_size // microbatch_size,
+                                        f"the Trainer's {batch_size // microbatch_size} microbatch(es) per batch"),
+    }
+    for key, (value, what) in ours.items():
+        given = config.get(key)
+        if not _unset(given) and given != value:
+            raise ValueError(f"deepspeed_config[{key!r}]={given!r} conflicts with {what}: remove it from "
+                             f"deepspeed_config (lockstep fills it in) or change the Trainer's setting")
+        config[key] = value
+
+
+def _fill_precision(config: dict[str, Any], precision: str) -> None:
+    if "bfloat16" in config:  # DeepSpeed's other name for the bf16 section
+        if "bf16" in config:
+            raise ValueError("deepspeed_config has both 'bf16' and 'bfloat16' sections: keep one")
+        config["bf16"] = config.pop("bfloat16")
+    wanted = _HALF.get(precision)
+    for section in ("fp16", "bf16"):
+        value = config.get(section)
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(f"deepspeed_config[{section!r}] must be a dict such as {{'enabled': True}}, got {value!r}")
+        value = dict(value or {})
+        enabled = value.get("enabled")
+        if not _unset(enabled) and bool(enabled) != (section == wanted):
+            raise ValueError(f"deepspeed_config[{section!r}]['enabled']={enabled!r} conflicts with the "
+                             f"Trainer's precision={precision!r}: lockstep fills the {section} section from "
+                             f"precision ({'amp_fp16' if section == 'fp16' else 'amp_bf16'} enables it), so "
+                             f"remove the section or change precision")
+        if section == wanted or value:
+            config[section] = {**value, "enabled": section == wanted}
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+def prepare_deepspeed(model: nn.Module, optimizers: list[torch.optim.Optimizer], config: dict[str, Any],
+                      device: torch.device) -> DeepSpeedSetup:
+    """Build the engine (a collective). ``config`` comes from :func:`fill_config`."""
+    deepspeed = import_deepspeed(device)
+    half = next((s for s in ("fp16", "bf16") if config.get(s, {}).get("enabled")), None)
+    if half == "fp16":
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().is_fp16_supported():
+            raise ValueError(f"precision='amp_fp16' under DeepSpeed needs fp16 support, which DeepSpeed's "
+                             f"{device.type} accelerator lacks on this machine: use precision='amp_bf16'")
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizers[0] if optimizers else None,
+                                           config=copy.deepcopy(config), dist_init_required=False)
+    return DeepSpeedSetup(engine=engine, config=config, dtype=_DTYPES.get(half) if half else None)
+
+
+@contextlib.contextmanager
+def accumulation_boundary(engine: Any, is_last_microbatch: bool) -> Iterator[None]:
+    """DeepSpeed reduces (stage 1) or finishes reducing (stages 2, 3) gradients in the backward of
+    the microbatch marked as the boundary, and steps only then."""
+    engine.set_gradient_accumulation_boundary(is_last_microbatch)
+    yield
+
+
+def cast_batch(batch: Any, dtype: torch.dtype | None) -> Any:
+    """Float tensors of a batch in the engine's half dtype (its parameters are in it)."""
+    if dtype is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: cast_batch(v, dtype) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(cast_batch(v, dtype) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cast_batch(v, dtype) for v in batch)
+    return batch
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers as full tensors on every rank; under ZeRO-3 they are
+    gathered first (a collective)."""
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(params):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,172 @@
+"""DeepSpeed ZeRO: equality with DDP per stage, the config lockstep fills in, and its errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from lockstep import Trainer, dist
+from lockstep.parallel.deepspeed import fill_config
+from lockstep.testing import run_distributed
+from tests.trainer.common import MLP, assert_same_params, loader, sgd
+
+GLOBAL_BATCH = 8
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# `make test` (and so CI) installs the extra and sets this: there the DeepSpeed tests must run.
+needs_deepspeed = pytest.mark.skipif(
+    not HAVE_DEEPSPEED and not os.environ.get("LOCKSTEP_REQUIRE_DEEPSPEED"),
+    reason="DeepSpeed is not installed (pip install 'lockstep[deepspeed]')")
+
+
+def train(deepspeed_config: dict | None, microbatch_size: int | None = None, adamw: bool = False,
+          precision: str = "fp32") -> dict[str, torch.Tensor]:
+    from lockstep.parallel.deepspeed import full_state_dict
+
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01) if adamw else sgd(model)
+    trainer = Trainer(model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size()),
+                      max_duration="2ep", optimizers=optimizer, progress_bar=False, precision=precision,
+                      deepspeed_config=deepspeed_config, device_train_microbatch_size=microbatch_size)
+    trainer.fit()
+    return full_state_dict(model)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    """One process, no DeepSpeed: the plain global-batch math that DDP matches."""
+    return train(None)
+
+
+@pytest.fixture(scope="module")
+def reference_adamw() -> dict[str, torch.Tensor]:
+    return train(None, adamw=True)
+
+
+def _every_stage() -> list[dict[str, torch.Tensor]]:
+    # 28 samples, 14 per rank in batches of 4: the last batch of each epoch has 2 samples, so
+    # with microbatches of 2 the steps have 2, 2, 2 and 1 microbatches.
+    results = [train({})]  # DeepSpeed's defaults: no ZeRO
+    results += [train({"zero_optimization": {"stage": stage}}) for stage in (1, 2, 3)]
+    results += [train({"zero_optimization": {"stage": stage}}, microbatch_size=2) for stage in (1, 2, 3)]
+    return results
+
+
+@needs_deepspeed
+@pytest.mark.timeout(400)
+def test_every_stage_matches_ddp(reference) -> None:
+    # The first DeepSpeed run on a machine compiles its shared-memory op (about a minute).
+    for rank_results in run_distributed(_every_stage, world_size=2, timeout=380):
+        for result in rank_results:
+            assert_same_params(result, reference, atol=1e-5)
+
+
+def _adamw_stages() -> list[dict[str, torch.Tensor]]:
+    return [train({"zero_optimization": {"stage": stage}}, microbatch_size=2, adamw=True) for stage in (2, 3)]
+
+
+@needs_deepspeed
+@pytest.mark.timeout(300)
+def test_adamw_with_microbatches_matches_ddp(reference_adamw) -> None:
+    for rank_results in run_distributed(_adamw_stages, world_size=2, timeout=280):
+        for result in rank_results:
+            assert_same_params(result, reference_adamw, atol=1e-5)
+
+
+def _bf16() -> tuple[dict, torch.dtype, list[float]]:
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
+                      progress_bar=False, precision="amp_bf16", deepspeed_config={"zero_optimization": {"stage": 2}})
+    before = next(iter(model.parameters())).detach().float().clone()
+    trainer.fit()
+    after = next(iter(model.parameters())).detach().float()
+    return trainer.deepspeed_config, next(iter(model.parameters())).dtype, [float((after - before).abs().max())]
+
+
+@needs_deepspeed
+@pytest.mark.timeout(180)
+def test_bf16_fills_the_section_and_trains() -> None:
+    for config, dtype, (moved,) in run_distributed(_bf16, world_size=2, timeout=160):
+        assert config["bf16"] == {"enabled": True} and "fp16" not in config
+        assert dtype == torch.bfloat16  # DeepSpeed keeps bf16 weights and fp32 masters
+        assert moved > 0
+
+
+# -- the config lockstep fills in -------------------------------------------------------------
+
+def _fill(config: dict, **kwargs) -> dict:
+    args = {"batch_size": 8, "microbatch_size": None, "grad_accum": None, "world_size": 2,
+            "precision": "fp32", "optimizers": 1, **kwargs}
+    return fill_config(config, **args)
+
+
+def test_empty_config_is_filled_from_the_trainer() -> None:
+    filled = _fill({}, microbatch_size=2)
+    assert filled == {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                      "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
+                      "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
+    assert _fill({}, grad_accum=2)["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_user_values_that_agree_or_say_auto_are_kept() -> None:
+    given = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0,
+             "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    filled = _fill(given, precision="amp_bf16")
+    assert filled["train_micro_batch_size_per_gpu"] == 8 and filled["gradient_accumulation_steps"] == 1
+    assert filled["gradient_clipping"] == 1.0 and filled["zero_optimization"] == {"stage": 3}
+    assert filled["bf16"] == {"enabled": True}
+    assert given["train_micro_batch_size_per_gpu"] == "auto"  # the user's dict is not changed
+
+
+@pytest.mark.parametrize(("precision", "sections"), [
+    ("fp32", {}), ("amp_bf16", {"bf16": {"enabled": True}}), ("amp_fp16", {"fp16": {"enabled": True}}),
+])
+def test_precision_fills_the_half_sections(precision, sections) -> None:
+    filled = _fill({}, precision=precision)
+    assert {k: filled[k] for k in ("fp16", "bf16") if k in filled} == sections
+    # options without 'enabled' are kept and the section is enabled from precision
+    with_options = _fill({"fp16": {"initial_scale_power": 8}}, precision=precision)
+    assert with_options["fp16"] == {"initial_scale_power": 8, "enabled": precision == "amp_fp16"}
+
+
+@pytest.mark.parametrize(("config", "kwargs", "message"), [
+    ({"train_batch_size": 32}, {}, r"\['train_batch_size'\]=32 conflicts with the global batch 16"),
+    ({"train_micro_batch_size_per_gpu": 4}, {}, r"=4 conflicts with the Trainer's microbatch size 8"),
+    ({"gradient_accumulation_steps": 2}, {"microbatch_size": 2}, r"=2 conflicts with the Trainer's 4 microbatch"),
+    ({"bf16": {"enabled": True}}, {}, r"\['bf16'\]\['enabled'\]=True conflicts with the Trainer's precision='fp32'"),
+    ({"fp16": {"enabled": False}}, {"precision": "amp_fp16"}, r"conflicts with the Trainer's precision='amp_fp16'"),
+    ({"bfloat16": {"enabled": True}, "bf16": {}}, {}, "both 'bf16' and 'bfloat16'"),
+    ({"optimizer": {"type": "Adam"}}, {}, r"remove 'optimizer' from deepspeed_config and pass optimizers="),
+    ({"scheduler": {"type": "WarmupLR"}}, {}, "pass schedulers= to Trainer"),
+    ({}, {"optimizers": 2}, "one optimizer, but 2 were given"),
+    ({}, {"batch_size": 10, "microbatch_size": 4}, r"batch_size \(10\) must be a multiple of the microbatch size"),
+    ({"fp16": True}, {}, "must be a dict such as"),
+])
+def test_config_conflicts_name_both_sides(config, kwargs, message) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        _fill(config, **kwargs)
+
+
+def test_config_errors_come_before_any_process_group() -> None:
+    model = MLP()
+    with pytest.raises(ValueError, match="conflicts with the global batch 4"):
+        Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model),
+                deepspeed_config={"train_batch_size": 8})
+    assert not dist.is_initialized()
+
+
+def test_missing_deepspeed_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
+    model = MLP()
+    with pytest.raises(ImportError, match=r"pip install 'lockstep\[deepspeed\]'"):
+        Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model), deepspeed_config={})
+    assert not dist.is_initialized()
+
+
+def test_deepspeed_with_fsdp_is_an_error() -> None:
+    model = MLP()
+    with pytest.raises(ValueError, match="fsdp_config and deepspeed_config were both given"):
+        Trainer(model=model, deepspeed_config={}, fsdp_config={})
