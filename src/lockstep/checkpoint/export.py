@@ -9,7 +9,8 @@ import torch
 
 from lockstep.checkpoint import files, payload
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.states import LOCAL, SHARDED_META
+from lockstep.checkpoint.deepspeed import check_folder, export_weights
+from lockstep.checkpoint.states import DEEPSPEED, LOCAL, SHARDED_META
 
 
 def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -17,11 +18,18 @@ def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     ``path`` may be a checkpoint file, a latest pointer, or a plain ``torch.save``'d state_dict; for
     FSDP, any one rank's file of a ``local`` checkpoint (the other ranks' files are found beside it)
-    or a ``sharded`` checkpoint folder. Nothing in it is executed: files are read with
-    ``weights_only=True`` and only tensors are read from a sharded folder.
+    or a ``sharded`` checkpoint folder; for DeepSpeed, its checkpoint folder at any ZeRO stage (fp32
+    weights rebuilt from the master partitions; needs DeepSpeed installed). Nothing in it is
+    executed: files are read with ``weights_only=True``, only tensors are read from a sharded
+    folder, and DeepSpeed's files are checked to unpickle nothing but tensors, containers and
+    three plain DeepSpeed classes.
     """
     target = files.resolve_pointer(Path(path))
     if target.is_dir():
+        meta = _folder_meta(target)
+        if payload.layout_of(meta) == DEEPSPEED:
+            check_folder(target, meta)
+            return export_weights(target)
         return _from_sharded(target)
     content = files.read(target)
     meta = payload.metadata(content, target)
@@ -50,13 +58,20 @@ def _from_local(first: Path, content: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _folder_meta(folder: Path) -> dict:
+    if not (folder / SHARDED_META).exists():
+        raise CheckpointError(f"{folder} is a folder without {SHARDED_META}: not a lockstep checkpoint folder")
+    meta = payload.metadata(files.read(folder / SHARDED_META), folder)
+    if meta is None:
+        raise CheckpointError(f"{folder / SHARDED_META} is not a lockstep checkpoint header")
+    return meta
+
+
 def _from_sharded(folder: Path) -> dict[str, torch.Tensor]:
     """Read the model tensors of a DCP folder in this one process, at their full sizes."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if not (folder / SHARDED_META).exists():
-        raise CheckpointError(f"{folder} is a folder without {SHARDED_META}: not a lockstep sharded checkpoint")
     reader = dcp.FileSystemReader(folder)
     prefix = "model."
     weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)

@@ -34,7 +34,7 @@ def temp_path(path: Path, pid: int | None = None) -> Path:
     return path.with_name(f".{path.name}.tmp.{os.getpid() if pid is None else pid}")
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -61,7 +61,7 @@ def publish(temp: Path, path: Path) -> None:
     replaced = None
     try:
         if temp.is_dir():
-            _fsync_dir(temp)
+            fsync_dir(temp)
         else:
             with open(temp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -75,7 +75,7 @@ def publish(temp: Path, path: Path) -> None:
     except BaseException:
         remove(temp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if replaced is not None:
         remove(replaced)
 
@@ -113,7 +113,7 @@ def point_latest(pointer: Path, target: Path) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    _fsync_dir(pointer.parent)
+    fsync_dir(pointer.parent)
 
 
 def remove_stale_temps(folder: Path) -> None:

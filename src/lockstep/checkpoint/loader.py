@@ -11,13 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from lockstep import dist
 from lockstep.checkpoint import files, payload, templates
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.states import (
-    LOCAL, SHARDED, SHARDED_META, SINGLE, FullLayout, Layout, join_tensors, split_tensors)
+from lockstep.checkpoint.states import DEEPSPEED, FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout
 
 
 @dataclass(slots=True)
@@ -128,10 +126,13 @@ def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only
     target = files.resolve_pointer(path)
     meta_file = target / SHARDED_META if target.is_dir() else target
     if target.is_dir() and not meta_file.exists():
-        raise CheckpointError(f"{target} is a folder without {SHARDED_META}: not a lockstep sharded checkpoint")
+        raise CheckpointError(f"{target} is a folder without {SHARDED_META}: not a lockstep checkpoint folder")
     content = files.read(meta_file, check_crc)
     opened = _Opened(target, content, payload.metadata(content, target))
     meta = opened.meta
+    if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
+        from lockstep.checkpoint.deepspeed import check_folder
+        check_folder(target, meta or {}, check_crc=check_crc)
     if meta is None:
         if not weights_only:
             raise CheckpointError(f"{target} holds only model weights (a plain state_dict): pass "
@@ -141,21 +142,33 @@ def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only
         raise CheckpointError(f"autoresume found {target}, a checkpoint of run {meta.get('run_name')!r}, "
                               f"not of run_name {run_name!r}: give each run its own save_folder "
                               f"(e.g. save_folder='checkpoints/{{run_name}}')")
-    _check_layout(opened, layout)
+    _check_layout(opened, layout, weights_only)
     if not weights_only:
         payload.check_world_size(content, target, dist.get_world_size())
         payload.check_complete(content, target, layout, state)
     return opened
 
 
-def _check_layout(opened: _Opened, layout: Layout) -> None:
+def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
     saved, meta = opened.layout, opened.meta
     assert meta is not None
     if saved == SINGLE and layout.name != SINGLE:
         return  # full tensors load into any layout
+    if saved == DEEPSPEED and weights_only:
+        return  # its weights are rebuilt in full, which load into any layout
+    if saved == DEEPSPEED and layout.name != DEEPSPEED:
+        raise CheckpointError(f"{opened.path} is a DeepSpeed checkpoint: resume it with deepspeed_config, or "
+                              f"pass load_weights_only=True to start from its weights")
+    if saved == DEEPSPEED and meta.get("zero_stage") != getattr(layout, "stage", None):
+        raise CheckpointError(f"{opened.path} was saved with ZeRO stage {meta.get('zero_stage')} and this run "
+                              f"uses stage {getattr(layout, 'stage', None)}: resume with the same "
+                              f"zero_optimization stage, or pass load_weights_only=True")
     if saved != layout.name:
         hint = "train with fsdp_config={'state_dict_type': %r}" % saved if saved != SINGLE \
             else "set fsdp_config['state_dict_type'] to 'full'"
+        if layout.name == DEEPSPEED:
+            hint = ("a DeepSpeed run loads single-file checkpoints' weights too: torch.save "
+                    "lockstep.checkpoint.export_state_dict(path) and load that with load_weights_only=True")
         raise CheckpointError(f"{opened.path} is a {saved!r} checkpoint but this run uses {layout.name!r} "
                               f"checkpoints: {hint}")
     if saved == LOCAL:
@@ -172,12 +185,15 @@ def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, lay
            weights_only: bool, strict: bool) -> Loaded:
     content, meta, path = opened.content, opened.meta, opened.path
     if meta is None:
-        _reader(layout, SINGLE).load_model(content, path, strict)
+        layout.full_reader().load_model(content, path, strict)
         return Loaded(path, weights_only=True)
-    if opened.layout == SHARDED:
-        _load_sharded(path, content, layout, weights_only=weights_only, strict=strict)
+    if opened.layout == DEEPSPEED and weights_only:
+        from lockstep.checkpoint.deepspeed import export_weights
+        layout.full_reader().load_model(export_weights(path), path, strict)
+    elif opened.layout in FOLDER_LAYOUTS:
+        layout.load_folder(path, content, weights_only=weights_only, strict=strict)  # type: ignore[attr-defined]
     else:
-        reader = _reader(layout, opened.layout)
+        reader = layout.full_reader() if opened.layout == SINGLE else layout
         reader.load_model(content["model"], path, strict)
         if not weights_only:
             reader.load_optimizers(content["optimizers"], path)
@@ -185,31 +201,3 @@ def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, lay
         return Loaded(path, weights_only=True)
     entry = payload.apply(content, state, scaler, path, dist.get_global_rank(), dist.get_world_size())
     return Loaded(path, entry, list(meta.get("history", [])))
-
-
-def _reader(layout: Layout, saved: str) -> Layout:
-    """Full tensors (a single-file checkpoint) load into a sharded model as FSDP 'full' ones do."""
-    if saved == SINGLE and layout.name != SINGLE:
-        return FullLayout(layout.model, layout.optimizers)
-    return layout
-
-
-def _load_sharded(folder: Path, rest: dict[str, Any], layout: Layout, *, weights_only: bool, strict: bool) -> None:
-    """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
-    import torch.distributed.checkpoint as dcp
-
-    model, optimizers = layout.gather()  # the live tensors, which DCP fills in place
-    tensors: dict[str, Any] = {"model": model}
-    if not weights_only:
-        tensors["optimizers"] = {str(i): split_tensors(o)[0] or {} for i, o in enumerate(optimizers)}
-    try:
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder),
-                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
-    except Exception as e:  # DCP wraps each rank's failure in a CheckpointException
-        first = " ".join(str(e).split())[:600]
-        raise CheckpointError(f"cannot load sharded checkpoint {folder}: {first}") from None
-    set_model_state_dict(layout.model, tensors["model"])
-    if not weights_only:
-        for i, optimizer in enumerate(layout.optimizers):
-            saved = join_tensors(tensors["optimizers"][str(i)], rest["optimizers"][i])
-            set_optimizer_state_dict(layout.model, optimizer, saved)

@@ -15,7 +15,7 @@ import torch
 from lockstep import dist
 from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, states, templates
-from lockstep.checkpoint.states import LOCAL, SHARDED, SINGLE
+from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 SaveInterval = Time | str | int | Callable[[Any, Event], bool]
@@ -24,7 +24,8 @@ SaveInterval = Time | str | int | Callable[[Any, Event], bool]
 class CheckpointSaver:
     """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
     and data position; all ranks take part in gathering those. Under FSDP's ``local`` layout each
-    rank writes its own file (and pointer); under ``sharded`` the ranks write one DCP folder.
+    rank writes its own file (and pointer); under ``sharded`` the ranks write one DCP folder, and
+    under DeepSpeed one folder of the engine's files.
 
     Training waits only for the file to be written; a background thread then fsyncs it, renames
     it into place, moves the latest pointer and prunes old checkpoints. Until that is done the
@@ -70,7 +71,7 @@ class CheckpointSaver:
 
     @property
     def writes(self) -> bool:
-        """Whether this rank writes files (under ``sharded`` every rank also writes its DCP shards)."""
+        """Whether this rank publishes files (in folder layouts every rank also writes into the folder)."""
         return self.layout == LOCAL or dist.get_global_rank() == 0
 
     def refuse_existing(self) -> None:
@@ -108,7 +109,7 @@ class CheckpointSaver:
         model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
         # One agreement, so that a refusal raises on every rank rather than leaving the others in
-        # the next collective; it also hands every rank the pid that names a DCP temp folder.
+        # the next collective; it also hands every rank the pid that names a temporary folder.
         flags = torch.tensor([int(clash), os.getpid() if dist.get_global_rank() == 0 else 0], dtype=torch.int64,
                              device=state.device)
         if dist.get_world_size() > 1:
@@ -123,9 +124,9 @@ class CheckpointSaver:
                 files.remove_stale_temps(self.folder)
                 self._swept = True
         history = [n for n in self.history if n != name] + [name]
-        if self.layout == SHARDED:
-            temp = self._write_sharded(state, scaler, ranks, history, layout, model, optimizers, path,
-                                       int(flags[1]))
+        if self.layout in FOLDER_LAYOUTS:
+            temp = self._write_folder(state, scaler, ranks, history, layout, model, optimizers, path,
+                                      int(flags[1]))
         elif self.writes:
             temp = files.write_temp(payload.build(state, scaler, ranks, history, layout, model, optimizers,
                                                   rank=dist.get_global_rank()), path)
@@ -136,20 +137,17 @@ class CheckpointSaver:
         self.last_saved_batch = state.timestamp.batch
         return path if self.writes else None
 
-    def _write_sharded(self, state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str, Any]],
-                       history: list[str], layout: states.Layout, model: dict[str, Any],
-                       optimizers: list[Any], path: Path, pid: int) -> Path:
-        """Every rank writes its DCP shards into one temporary folder; rank 0 adds lockstep.pt."""
-        import torch.distributed.checkpoint as dcp
-
+    def _write_folder(self, state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str, Any]],
+                      history: list[str], layout: states.Layout, model: dict[str, Any],
+                      optimizers: list[Any], path: Path, pid: int) -> Path:
+        """Every rank writes its part into one temporary folder; rank 0 adds lockstep.pt."""
         temp = files.temp_path(path, pid)
-        split = [states.split_tensors(o) for o in optimizers]
-        tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))
+        rests = layout.write_folder(temp, model, optimizers)  # type: ignore[attr-defined]
         if dist.get_global_rank() == 0:
-            rest = payload.build(state, scaler, ranks, history, layout, {}, [r or {} for _, r in split])
+            rest = payload.build(state, scaler, ranks, history, layout, {}, rests)
             files.save_durably(rest, temp / states.SHARDED_META)
         return temp
+
     def _publish(self, temp: Path, path: Path, history: list[str]) -> None:
         try:
             files.publish(temp, path)

@@ -5,6 +5,8 @@
 * ``local``: FSDP, each rank saves the shards it holds, with each shard's place in the full tensor.
 * ``sharded``: FSDP, a torch.distributed.checkpoint folder that loads at any world size. Only
   tensors go through DCP (whose non-tensor path unpickles); the rest travels in ``lockstep.pt``.
+* ``deepspeed``: a folder with the DeepSpeed engine's own files and ``lockstep.pt``
+  (:mod:`lockstep.checkpoint.deepspeed`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint.files import CheckpointError
 
-SINGLE, LOCAL, SHARDED = "single", "local", "sharded"
+SINGLE, LOCAL, SHARDED, DEEPSPEED = "single", "local", "sharded", "deepspeed"
+FOLDER_LAYOUTS = (SHARDED, DEEPSPEED)
+"""Layouts whose checkpoint is a folder that every rank writes into."""
 SHARDED_META = "lockstep.pt"
-"""In a sharded checkpoint folder: everything but the model and optimizer tensors."""
+"""In a checkpoint folder: everything but the model and optimizer tensors."""
 INDEX, NAME = "index", "name"
 """How optimizer state is keyed: by parameter index (``Optimizer.state_dict``) or by parameter name."""
 
@@ -48,26 +52,30 @@ class Layout:
         ranks that do not write may get empty dicts."""
         return self.model.state_dict(), [o.state_dict() for o in self.optimizers]
 
+    def full_reader(self) -> Layout:
+        """The layout that loads a single-file checkpoint's full tensors into this run."""
+        return self
+
     def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
         try:
             self.model.load_state_dict(weights, strict=strict)
         except RuntimeError as e:
-            raise _misfit(path, e) from None
+            raise misfit(path, e) from None
 
     def load_optimizers(self, saved: list[Any], path: Path) -> None:
         for i, (optimizer, sd) in enumerate(zip(self.optimizers, saved)):
             try:
                 optimizer.load_state_dict(sd)
             except (ValueError, KeyError, RuntimeError) as e:
-                raise _optimizer_misfit(path, i, optimizer, e) from None
+                raise _optimizermisfit(path, i, optimizer, e) from None
 
 
-def _misfit(path: Path, e: Exception) -> CheckpointError:
+def misfit(path: Path, e: Exception) -> CheckpointError:
     detail = " ".join(str(e).split())
     return CheckpointError(f"checkpoint {path} does not fit the model: {detail[:600]}")
 
 
-def _optimizer_misfit(path: Path, i: int, optimizer: torch.optim.Optimizer, e: Exception) -> CheckpointError:
+def _optimizermisfit(path: Path, i: int, optimizer: torch.optim.Optimizer, e: Exception) -> CheckpointError:
     return CheckpointError(f"checkpoint {path}: optimizers[{i}] ({type(optimizer).__name__}) does not "
                            f"match the saved one: {' '.join(str(e).split())[:400]}")
 
@@ -77,6 +85,9 @@ class FullLayout(Layout):
 
     optimizer_keys = NAME
     collective = True
+
+    def full_reader(self) -> Layout:
+        return self
     _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -87,7 +98,7 @@ class FullLayout(Layout):
         try:  # every rank read the file, so each takes its own shards: nothing is broadcast
             set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
         except (RuntimeError, KeyError, ValueError) as e:
-            raise _misfit(path, e) from None
+            raise misfit(path, e) from None
 
     def load_optimizers(self, saved: list[Any], path: Path) -> None:
         options = StateDictOptions(full_state_dict=True)
@@ -95,7 +106,7 @@ class FullLayout(Layout):
             try:
                 set_optimizer_state_dict(self.model, optimizer, sd, options=options)
             except (RuntimeError, KeyError, ValueError) as e:
-                raise _optimizer_misfit(path, i, optimizer, e) from None
+                raise _optimizermisfit(path, i, optimizer, e) from None
 
 
 class LocalLayout(Layout):
@@ -107,6 +118,9 @@ class LocalLayout(Layout):
 
     name = LOCAL
     optimizer_keys = NAME
+
+    def full_reader(self) -> Layout:
+        return FullLayout(self.model, self.optimizers)
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = {k: _local(v) for k, v in self.model.state_dict().items()}
@@ -141,7 +155,7 @@ class LocalLayout(Layout):
                          for name, values in sd["state"].items()}
                 set_optimizer_state_dict(self.model, optimizer, {"state": state, "param_groups": sd["param_groups"]})
             except (RuntimeError, KeyError, ValueError) as e:
-                raise _optimizer_misfit(path, i, optimizer, e) from None
+                raise _optimizermisfit(path, i, optimizer, e) from None
 
 
 def _local(value: Any) -> Any:
@@ -179,8 +193,40 @@ class ShardedLayout(Layout):
     optimizer_keys = NAME
     collective = True
 
+    def full_reader(self) -> Layout:
+        return FullLayout(self.model, self.optimizers)
+
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         return get_model_state_dict(self.model), [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
+
+    def write_folder(self, temp: Path, model: dict[str, Any], optimizers: list[Any]) -> list[Any]:
+        """Every rank writes its shards into ``temp``; returns the optimizers' non-tensor parts."""
+        import torch.distributed.checkpoint as dcp
+
+        split = [split_tensors(o) for o in optimizers]
+        tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))
+        return [r or {} for _, r in split]
+
+    def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
+        """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
+        import torch.distributed.checkpoint as dcp
+
+        model, optimizers = self.gather()  # the live tensors, which DCP fills in place
+        tensors: dict[str, Any] = {"model": model}
+        if not weights_only:
+            tensors["optimizers"] = {str(i): split_tensors(o)[0] or {} for i, o in enumerate(optimizers)}
+        try:
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder),
+                     planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+        except Exception as e:  # DCP wraps each rank's failure in a CheckpointException
+            first = " ".join(str(e).split())[:600]
+            raise CheckpointError(f"cannot load sharded checkpoint {folder}: {first}") from None
+        set_model_state_dict(self.model, tensors["model"])
+        if not weights_only:
+            for i, optimizer in enumerate(self.optimizers):
+                saved = join_tensors(tensors["optimizers"][str(i)], content["optimizers"][i])
+                set_optimizer_state_dict(self.model, optimizer, saved)
 
 
 def split_tensors(sd: Any) -> tuple[Any, Any]:
@@ -204,6 +250,11 @@ def join_tensors(tensors: Any, rest: Any) -> Any:
     return tensors if tensors is not None else rest
 
 
-def layout_for(model: nn.Module, optimizers: list[torch.optim.Optimizer], state_dict_type: str | None) -> Layout:
+def layout_for(model: nn.Module, optimizers: list[torch.optim.Optimizer], state_dict_type: str | None,
+               deepspeed: Any = None) -> Layout:
+    """The run's layout: from FSDP's ``state_dict_type``, or DeepSpeed's (a DeepSpeedSetup)."""
+    if deepspeed is not None:
+        from lockstep.checkpoint.deepspeed import DeepSpeedLayout
+        return DeepSpeedLayout(model, optimizers, deepspeed.engine, deepspeed.stage)
     kinds = {None: Layout, "full": FullLayout, "local": LocalLayout, "sharded": ShardedLayout}
     return kinds[state_dict_type](model, optimizers)

@@ -139,7 +139,8 @@ class Trainer:
             precision=self.precision,
             batches_per_epoch=setup.safe_len(train_dataloader),
         )
-        self.layout = layout_for(model, optimizer_list, self.fsdp_config and self.fsdp_config.state_dict_type)
+        self.layout = layout_for(model, optimizer_list, self.fsdp_config and self.fsdp_config.state_dict_type,
+                                 self.deepspeed)
         self.saver = checkpointing.make_saver(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,

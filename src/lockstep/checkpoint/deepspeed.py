@@ -1,0 +1,143 @@
+"""DeepSpeed checkpoints: the engine's own files inside a lockstep checkpoint folder.
+
+The folder that ``save_filename`` names holds::
+
+    deepspeed/         engine.save_checkpoint's files: model states, each rank's optimizer partition
+    zero_to_fp32.py    DeepSpeed's recovery scripts, which it copies beside them
+    lockstep.pt        timestamp, schedulers, every rank's RNG and data position, the ZeRO stage and
+                       the size of every file above (lockstep.payload's format, without tensors)
+
+DeepSpeed reads its files with ``torch.load(weights_only=False)``. Before it does, every one is
+checked: its size against lockstep.pt, its zip records against their CRCs, and its pickle for
+globals beyond the tensors and containers ``weights_only=True`` allows and three plain DeepSpeed
+classes. So a damaged or foreign file is an error naming it, and no arbitrary code is unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.checkpoint import files
+from lockstep.checkpoint.files import CheckpointError
+from lockstep.checkpoint.states import DEEPSPEED, SHARDED_META, Layout, misfit
+
+TAG = "deepspeed"
+"""The engine's checkpoint tag: the subfolder its files go in."""
+_ALLOWED_GLOBALS = frozenset({
+    "deepspeed.runtime.zero.config.ZeroStageEnum",  # an IntEnum
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",  # plain attributes
+    "deepspeed.utils.tensor_fragment.fragment_address",  # a dataclass of two ints
+})
+
+
+class DeepSpeedLayout(Layout):
+    """The engine saves and loads the model and optimizer; lockstep keeps the rest in lockstep.pt."""
+
+    name = DEEPSPEED
+    optimizer_keys = DEEPSPEED
+    collective = True
+
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], engine: Any, stage: int) -> None:
+        super().__init__(model, optimizers)
+        self.engine, self.stage = engine, stage
+        self._sizes: dict[str, int] = {}
+
+    def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return {}, [{} for _ in self.optimizers]  # the engine writes them
+
+    def extra_meta(self) -> dict[str, Any]:
+        return {"zero_stage": self.stage, "files": self._sizes}
+
+    def write_folder(self, temp: Path, model: dict[str, Any], optimizers: list[Any]) -> list[Any]:
+        """Every rank: the engine writes into ``temp``; rank 0 then fsyncs and sizes every file."""
+        self.engine.save_checkpoint(str(temp), tag=TAG, client_state={}, save_latest=False)  # ends in a barrier
+        if self.engine.global_rank == 0:
+            self._sizes = _sync_tree(temp)
+        return [{} for _ in optimizers]
+
+    def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
+        """Resume exactly: the engine loads its model and optimizer states (same world size and stage)."""
+        assert not weights_only  # weights alone come through export_weights at any world size
+        try:
+            loaded, _ = self.engine.load_checkpoint(str(folder), tag=TAG, load_module_strict=strict,
+                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
+        except (RuntimeError, KeyError, ValueError, AssertionError) as e:
+            raise misfit(folder, e) from None
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {folder / TAG}")
+
+    def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
+        """Full tensors (a single-file checkpoint, or a DeepSpeed one's exported weights): into the
+        module (gathered under ZeRO-3), then into DeepSpeed's fp32 master copies."""
+        import deepspeed
+
+        partitioned = [p for p in self.model.parameters() if hasattr(p, "ds_id")]
+        gathered = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0) if partitioned \
+            else contextlib.nullcontext()
+        try:
+            with gathered:
+                self.model.load_state_dict(weights, strict=strict)
+        except RuntimeError as e:
+            raise misfit(path, e) from None
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()
+
+
+def _sync_tree(folder: Path) -> dict[str, int]:
+    """fsync every file under ``folder`` (written by any rank) and its folders; return their sizes."""
+    sizes = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = Path(root) / name
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
+        files.fsync_dir(Path(root))
+    return sizes
+
+
+def check_folder(folder: Path, meta: dict[str, Any], *, check_crc: bool = True) -> None:
+    """Raise CheckpointError unless the engine's files are all there, whole, and safe to unpickle."""
+    sizes = meta.get("files") or {}
+    if not any(name.startswith(f"{TAG}/") for name in sizes):
+        raise CheckpointError(f"{folder} records no DeepSpeed files in {SHARDED_META}: not a complete "
+                              f"DeepSpeed checkpoint")
+    for name, size in sorted(sizes.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"DeepSpeed checkpoint {folder} lacks {name}: load an earlier checkpoint")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"DeepSpeed checkpoint file {path} has {path.stat().st_size} bytes, not the "
+                                  f"{size} it was saved with: load an earlier checkpoint")
+        if path.suffix != ".pt":
+            continue
+        if check_crc:
+            files.verify(path)
+        try:
+            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception as e:
+            raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {e}") from None
+        if unsafe - _ALLOWED_GLOBALS:
+            raise CheckpointError(f"DeepSpeed checkpoint file {path} would unpickle "
+                                  f"{sorted(unsafe - _ALLOWED_GLOBALS)}, which lockstep does not load")
+
+
+def export_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights (and buffers) of a DeepSpeed checkpoint folder at any ZeRO stage, rebuilt
+    in this process from the fp32 master partitions by DeepSpeed's own ``zero_to_fp32``. The
+    caller has run :func:`check_folder`."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as e:
+        from lockstep.parallel.deepspeed import INSTALL_HINT
+        raise ImportError(f"{folder} is a DeepSpeed checkpoint; reading it needs DeepSpeed ({e}): "
+                          f"{INSTALL_HINT}") from None
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
+    return {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}

@@ -1,0 +1,161 @@
+"""DeepSpeed checkpoints: exact resume per ZeRO stage, autoresume, export, weights across layouts,
+and damaged or foreign files refused before DeepSpeed unpickles them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep import Trainer, dist
+from lockstep.checkpoint import export_state_dict
+from lockstep.checkpoint.files import CheckpointError
+from lockstep.testing import run_distributed
+from tests.trainer.common import MLP, assert_same_params, loader
+from tests.trainer.test_deepspeed import needs_deepspeed
+
+pytestmark = needs_deepspeed
+GLOBAL_BATCH = 8  # 28 samples: 4 batches per epoch
+NAME = "ep{epoch}-ba{batch}"
+
+
+class DropoutMLP(MLP):
+    """Dropout draws from each rank's RNG every step: an exact resume must restore it."""
+
+    def forward(self, batch):
+        return self.net(torch.nn.functional.dropout(batch[0], 0.2, training=self.training))
+
+
+def fit(stage: int | None, folder: str | None, duration: str, load: str | None = None, autoresume: bool = False,
+        weights_only: bool = False, train: bool = True) -> dict[str, torch.Tensor]:
+    from lockstep.parallel.deepspeed import full_state_dict
+
+    model = DropoutMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    trainer = Trainer(
+        model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size(), shuffle=True),
+        max_duration=duration, optimizers=optimizer,
+        schedulers=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5),
+        progress_bar=False, seed=7, device_train_microbatch_size=2,
+        deepspeed_config=None if stage is None else {"zero_optimization": {"stage": stage}},
+        save_folder=folder, save_filename=NAME, save_interval="3ba", load_path=load,
+        load_weights_only=weights_only, autoresume=autoresume, run_name="ds-ck" if autoresume else None)
+    if train:
+        trainer.fit()
+    return full_state_dict(model)
+
+
+def _resume_exactly(stage: int, folder: str) -> tuple[dict, dict, dict]:
+    uninterrupted = fit(stage, None, "2ep")
+    fit(stage, folder, "6ba")  # saves at ba3 (mid-epoch) and ba6
+    resumed = fit(stage, None, "2ep", load=os.path.join(folder, "ep0-ba3"))
+    exported = export_state_dict(os.path.join(folder, "ep1-ba6"))
+    at_ba6 = fit(stage, None, "6ba", load=os.path.join(folder, "ep0-ba3"))
+    return uninterrupted, resumed, {"exported": exported, "at_ba6": at_ba6}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_exact_resume_and_export(stage: int, tmp_path: Path) -> None:
+    results = run_distributed(_resume_exactly, world_size=2, args=(stage, str(tmp_path)), timeout=220)
+    for uninterrupted, resumed, extra in results:
+        assert_same_params(resumed, uninterrupted, atol=0)
+        assert_same_params(extra["exported"], extra["at_ba6"], atol=0)
+    folder = tmp_path / "ep0-ba3"
+    assert (folder / "lockstep.pt").is_file() and (folder / "deepspeed").is_dir()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary folder left
+
+
+def _autoresume(folder: str) -> tuple[dict, dict]:
+    uninterrupted = fit(3, None, "2ep")
+    fit(3, folder, "5ba", autoresume=True)  # saves ba3 and the end, ba5
+    resumed = fit(3, folder, "2ep", autoresume=True)
+    return uninterrupted, resumed
+
+
+@pytest.mark.timeout(180)
+def test_autoresume(tmp_path: Path) -> None:
+    for uninterrupted, resumed in run_distributed(_autoresume, world_size=2, args=(str(tmp_path),), timeout=160):
+        assert_same_params(resumed, uninterrupted, atol=0)
+
+
+def _weights_across_layouts(folder: str) -> dict[str, dict]:
+    ds_folder, ddp_folder = os.path.join(folder, "ds"), os.path.join(folder, "ddp")
+    fit(3, ds_folder, "3ba")
+    fit(None, ddp_folder, "3ba")
+    return {
+        "ds3": export_state_dict(os.path.join(ds_folder, "ep0-ba3")),
+        "ddp": export_state_dict(os.path.join(ddp_folder, "ep0-ba3")),
+        # a ZeRO-3 checkpoint's weights into ZeRO-1 and into DDP; DDP's into ZeRO-3
+        "ds3->ds1": fit(1, None, "1ep", load=os.path.join(ds_folder, "ep0-ba3"), weights_only=True, train=False),
+        "ds3->ddp": fit(None, None, "1ep", load=os.path.join(ds_folder, "ep0-ba3"), weights_only=True, train=False),
+        "ddp->ds3": fit(3, None, "1ep", load=os.path.join(ddp_folder, "ep0-ba3"), weights_only=True, train=False),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_weights_load_across_layouts(tmp_path: Path) -> None:
+    for result in run_distributed(_weights_across_layouts, world_size=2, args=(str(tmp_path),), timeout=160):
+        assert_same_params(result["ds3->ds1"], result["ds3"], atol=0)
+        assert_same_params(result["ds3->ddp"], result["ds3"], atol=0)
+        assert_same_params(result["ddp->ds3"], result["ddp"], atol=0)
+    # the training went somewhere: the two runs differ from a fresh model
+    assert not torch.equal(result["ds3"]["net.0.weight"], MLP().net[0].weight)
+
+
+def _error_of(stage: int | None, load: str) -> str:
+    try:
+        fit(stage, None, "1ep", load=load, train=False)
+    except (CheckpointError, ValueError) as e:
+        return str(e)
+    return "no error"
+
+
+def _save(folder: str) -> None:
+    fit(2, folder, "3ba")
+
+
+def _errors(folder: str) -> dict[str, str]:
+    checkpoint = os.path.join(folder, "ep0-ba3")
+    return {"stage": _error_of(3, checkpoint), "ddp": _error_of(None, checkpoint)}
+
+
+class Foreign:
+    """Not something a checkpoint may unpickle."""
+
+
+def _rewrite_sizes(folder: Path) -> None:
+    """Record the files' current sizes in lockstep.pt, as a crafted checkpoint would."""
+    from lockstep.checkpoint import files
+    meta_path = folder / "lockstep.pt"
+    content = files.read(meta_path)
+    content["lockstep"]["files"] = {k: (folder / k).stat().st_size for k in content["lockstep"]["files"]}
+    torch.save(content, folder / "new.pt")  # not over meta_path: content is mapped from it
+    os.replace(folder / "new.pt", meta_path)
+
+
+@pytest.mark.timeout(240)
+def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path: Path) -> None:
+    run_distributed(_save, world_size=2, args=(str(tmp_path),), timeout=120)
+    errors = run_distributed(_errors, world_size=2, args=(str(tmp_path),), timeout=120)
+    for e in errors:
+        assert "saved with ZeRO stage 2 and this run uses stage 3" in e["stage"]
+        assert "is a DeepSpeed checkpoint: resume it with deepspeed_config" in e["ddp"]
+    one_rank = run_distributed(_error_of, world_size=1, args=(2, str(tmp_path / "ep0-ba3")), timeout=120)[0]
+    assert "saved by 2 rank(s) and this run has 1" in one_rank
+
+    folder = tmp_path / "ep0-ba3"
+    partition = next((folder / "deepspeed").glob("*rank_1*optim_states.pt"))
+    data = partition.read_bytes()
+    partition.write_bytes(data[: len(data) // 2])
+    errors = run_distributed(_error_of, world_size=2, args=(2, str(folder)), timeout=120)
+    assert all(f"{partition} has {len(data) // 2} bytes, not the {len(data)}" in e for e in errors)
+
+    torch.save({"optimizer_state_dict": Foreign()}, partition)
+    _rewrite_sizes(folder)
+    errors = run_distributed(_error_of, world_size=2, args=(2, str(folder)), timeout=120)
+    assert all("would unpickle [" in e and "Foreign'], which lockstep does not load" in e for e in errors), errors
+    with pytest.raises(CheckpointError, match="would unpickle"):
+        export_state_dict(folder)
