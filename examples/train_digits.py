@@ -23,6 +23,9 @@ What happens:
 4. After every epoch it evaluates on the test split (accuracy and loss over all ranks), and at the
    end rank 0 prints one line: ``final eval: accuracy 0.9xx, loss 0.xxx``.
 
+``--zero-stage 1|2|3`` trains with DeepSpeed ZeRO instead of DDP (``pip install 'lockstep[deepspeed]'``;
+the first DeepSpeed run on a machine compiles a small op for about a minute).
+
 Under the launcher the run folder is ``runs/<timestamp>/`` (``LOCKSTEP_RUN_DIRECTORY``); the Trainer
 writes ``metrics.jsonl``, ``loss_curve.png`` and ``trainer-rank{rank}.log`` there. Pass
 ``--run-folder`` to choose it yourself (also without the launcher, which otherwise writes nothing).
@@ -93,6 +96,8 @@ def parse_args() -> argparse.Namespace:
                         help="where to write logs, metrics.jsonl and loss_curve.png "
                              "(default: the launcher's runs/<timestamp>, or nothing without it)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the model init and shuffling")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="train with DeepSpeed ZeRO at this stage instead of DDP")
     return parser.parse_args()
 
 
@@ -124,6 +129,7 @@ def main() -> None:
         device="cpu",
         device_train_microbatch_size=args.microbatch_size,
         run_folder=args.run_folder,
+        deepspeed_config=None if args.zero_stage is None else {"zero_optimization": {"stage": args.zero_stage}},
     )
     trainer.fit()
 

@@ -26,3 +26,19 @@ def test_train_digits_under_the_launcher(tmp_path: Path) -> None:
     assert "Warning" not in result.stderr
     for name in ("metrics.jsonl", "loss_curve.png", "trainer-rank0.log", "trainer-rank1.log", "rank1.stdout.log"):
         assert (tmp_path / "run" / name).exists(), name
+
+
+@pytest.mark.timeout(240)
+def test_train_digits_with_zero3_under_the_launcher(tmp_path: Path) -> None:
+    from tests.trainer.test_deepspeed import HAVE_DEEPSPEED
+    if not HAVE_DEEPSPEED and not os.environ.get("LOCKSTEP_REQUIRE_DEEPSPEED"):
+        pytest.skip("DeepSpeed is not installed (pip install 'lockstep[deepspeed]')")
+    result = subprocess.run(
+        [sys.executable, "-m", "lockstep", "-n", "2", "--run_directory", str(tmp_path / "run"),
+         str(ROOT / "examples" / "train_digits.py"), "--epochs", "4", "--zero-stage", "3"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0, result.stderr
+    match = re.search(r"final eval: accuracy (\d\.\d+), loss (\d+\.\d+)", result.stdout + result.stderr)
+    assert match is not None, result.stdout + result.stderr
+    assert float(match.group(1)) > 0.85
+    assert "Warning" not in result.stderr

@@ -49,7 +49,7 @@ def reference_adamw() -> dict[str, torch.Tensor]:
 def _every_stage() -> list[dict[str, torch.Tensor]]:
     # 28 samples, 14 per rank in batches of 4: the last batch of each epoch has 2 samples, so
     # with microbatches of 2 the steps have 2, 2, 2 and 1 microbatches.
-    results = [train({})]  # DeepSpeed's defaults: no ZeRO
+    results = [train({}), train({}, microbatch_size=2)]  # DeepSpeed's defaults: no ZeRO
     results += [train({"zero_optimization": {"stage": stage}}) for stage in (1, 2, 3)]
     results += [train({"zero_optimization": {"stage": stage}}, microbatch_size=2) for stage in (1, 2, 3)]
     return results
@@ -76,6 +76,35 @@ def test_adamw_with_microbatches_matches_ddp(reference_adamw) -> None:
             assert_same_params(result, reference_adamw, atol=1e-5)
 
 
+def evaluate(deepspeed_config: dict | None) -> dict[str, float]:
+    from torch.utils.data import DataLoader
+
+    from tests.trainer.common import dataset
+    model = MLP()
+    eval_set = dataset(27)  # 2 ranks: the sampler pads one rank's share with a repeated sample
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
+                      progress_bar=False, deepspeed_config=deepspeed_config,
+                      eval_dataloader=DataLoader(eval_set, batch_size=4, sampler=dist.get_sampler(eval_set)))
+    trainer.fit()
+    return trainer.state.eval_metrics
+
+
+def _zero3_eval() -> dict[str, float]:
+    return evaluate({"zero_optimization": {"stage": 3}})
+
+
+@needs_deepspeed
+@pytest.mark.timeout(180)
+def test_eval_under_zero3_matches_ddp() -> None:
+    # Under ZeRO-3 each forward gathers parameters, so the rank with fewer real samples still runs
+    # the padded batches' forward; the metrics leave the padding out.
+    reference = run_distributed(evaluate, world_size=2, args=(None,), timeout=120)[0]
+    for metrics in run_distributed(_zero3_eval, world_size=2, timeout=160):
+        assert metrics.keys() == reference.keys()
+        for name, value in metrics.items():
+            assert abs(value - reference[name]) < 1e-6, name
+
+
 def _bf16() -> tuple[dict, torch.dtype, list[float]]:
     model = MLP()
     trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
@@ -93,6 +122,29 @@ def test_bf16_fills_the_section_and_trains() -> None:
         assert config["bf16"] == {"enabled": True} and "fp16" not in config
         assert dtype == torch.bfloat16  # DeepSpeed keeps bf16 weights and fp32 masters
         assert moved > 0
+
+
+def _fp16() -> str:
+    model = MLP()
+    try:
+        Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
+                progress_bar=False, precision="amp_fp16", deepspeed_config={}).fit()
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@needs_deepspeed
+@pytest.mark.timeout(180)
+def test_fp16_trains_or_says_the_cpu_lacks_it() -> None:
+    from deepspeed.accelerator import get_accelerator
+    supported = bool(get_accelerator().is_fp16_supported())
+    for outcome in run_distributed(_fp16, world_size=2, timeout=160):
+        if supported:
+            assert outcome == "trained"
+        else:
+            assert "precision='amp_fp16' under DeepSpeed needs fp16 support" in outcome
+            assert "use precision='amp_bf16'" in outcome
 
 
 # -- the config lockstep fills in -------------------------------------------------------------

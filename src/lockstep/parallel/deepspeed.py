@@ -21,6 +21,7 @@ import copy
 import math
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +170,10 @@ def prepare_deepspeed(model: nn.Module, optimizers: list[torch.optim.Optimizer],
         if not get_accelerator().is_fp16_supported():
             raise ValueError(f"precision='amp_fp16' under DeepSpeed needs fp16 support, which DeepSpeed's "
                              f"{device.type} accelerator lacks on this machine: use precision='amp_bf16'")
+    # DeepSpeed calls these torch collectives under their old names on every step; the warning is
+    # for DeepSpeed to act on, and would otherwise flood the user's log.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizers[0] if optimizers else None,
                                            config=copy.deepcopy(config), dist_init_required=False)
     return DeepSpeedSetup(engine=engine, config=config, dtype=_DTYPES.get(half) if half else None)
