@@ -174,6 +174,11 @@ def prepare_deepspeed(model: nn.Module, optimizers: list[torch.optim.Optimizer],
     # for DeepSpeed to act on, and would otherwise flood the user's log.
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    # DeepSpeed reads the rank from the environment, which a run without a launcher lacks.
+    from lockstep import dist
+    for name, value in (("LOCAL_RANK", dist.get_local_rank()), ("RANK", dist.get_global_rank()),
+                        ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_WORLD_SIZE", dist.get_local_world_size())):
+        os.environ.setdefault(name, str(value))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizers[0] if optimizers else None,
                                            config=copy.deepcopy(config), dist_init_required=False)
     return DeepSpeedSetup(engine=engine, config=config, dtype=_DTYPES.get(half) if half else None)

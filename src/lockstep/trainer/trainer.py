@@ -46,7 +46,7 @@ class Trainer:
 
     ``fsdp_config`` shards the model with FSDP instead of DDP (see :mod:`lockstep.parallel.fsdp`);
     the optimizers given are pointed at the sharded parameters. ``deepspeed_config`` trains with a
-    DeepSpeed engine (ZeRO stages 1-3) around the model and its one optimizer instead (see
+    DeepSpeed engine (ZeRO stages 0-3) around the model and its one optimizer instead (see
     :mod:`lockstep.parallel.deepspeed`); batch sizes and precision in it are filled in from the Trainer.
     """
 
