@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,7 +34,7 @@ import lockstep
 from lockstep import dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp_cost import Stack, _loader  # noqa: E402  (the same model and data as the FSDP benchmark)
+from fsdp_cost import Stack, _loader, timed_rounds  # noqa: E402  (the FSDP benchmark's model and data)
 
 SIDES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
@@ -93,22 +92,10 @@ def memory(layers: int, width: int) -> dict[str, dict[str, int]]:
 
 
 def speed(rounds: int, warmup: int, steps: int, layers: int, width: int) -> list[dict[str, float]]:
-    results = []
-    for r in range(rounds):
-        row = {}
-        for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
-            model = Stack(layers, width, 10)
-            trainer = _trainer(model, _loader(width, 10, 64, warmup + steps), f"{warmup}ba", side)
-            trainer.fit()
-            trainer.state.max_duration = lockstep.Time.from_input(f"{warmup + steps}ba")
-            dist.barrier()
-            start = time.perf_counter()
-            trainer.fit()
-            dist.barrier()
-            row[side] = steps / (time.perf_counter() - start)
-            del trainer, model
-        results.append(row)
-    return results
+    def make(side: str, duration: str) -> lockstep.Trainer:
+        return _trainer(Stack(layers, width, 10), _loader(width, 10, 64, warmup + steps), duration, side)
+
+    return timed_rounds(SIDES, make, rounds, warmup, steps)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -101,24 +102,34 @@ def memory(layers: int, width: int) -> dict[str, dict[str, int]]:
 SPEED_SIDES = ("DDP", "FULL_SHARD", "FULL_SHARD, one unit")
 
 
-def speed(rounds: int, warmup: int, steps: int) -> list[dict[str, float]]:
+def timed_rounds(sides: tuple[str, ...], make: Callable[[str, str], lockstep.Trainer], rounds: int, warmup: int,
+                 steps: int) -> list[dict[str, float]]:
+    """Steps/s of each side per round; ``make(side, duration)`` builds a Trainer of ``warmup + steps``
+    batches. Sides take turns going first; each is timed after ``warmup`` steps."""
     results = []
     for r in range(rounds):
         row = {}
-        for name in SPEED_SIDES[r % 3:] + SPEED_SIDES[:r % 3]:
-            model = Stack(3, 512, 10)
-            model.wrap_layers = name == "FULL_SHARD"
-            loader = _loader(512, 10, 64, warmup + steps)
-            trainer = _trainer(model, loader, f"{warmup}ba", name != "DDP")
+        for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            trainer = make(side, f"{warmup}ba")
             trainer.fit()
             trainer.state.max_duration = lockstep.Time.from_input(f"{warmup + steps}ba")
             dist.barrier()
             start = time.perf_counter()
             trainer.fit()
             dist.barrier()
-            row[name] = steps / (time.perf_counter() - start)
+            row[side] = steps / (time.perf_counter() - start)
+            del trainer
         results.append(row)
     return results
+
+
+def speed(rounds: int, warmup: int, steps: int) -> list[dict[str, float]]:
+    def make(side: str, duration: str) -> lockstep.Trainer:
+        model = Stack(3, 512, 10)
+        model.wrap_layers = side == "FULL_SHARD"
+        return _trainer(model, _loader(512, 10, 64, warmup + steps), duration, side != "DDP")
+
+    return timed_rounds(SPEED_SIDES, make, rounds, warmup, steps)
 
 
 def main() -> None:
