@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep import dist
+
 INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that pins "
                 "torch==2.13.0 (DeepSpeed builds against the installed torch)")
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -175,7 +177,6 @@ def prepare_deepspeed(model: nn.Module, optimizers: list[torch.optim.Optimizer],
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     # DeepSpeed reads the rank from the environment, which a run without a launcher lacks.
-    from lockstep import dist
     for name, value in (("LOCAL_RANK", dist.get_local_rank()), ("RANK", dist.get_global_rank()),
                         ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_WORLD_SIZE", dist.get_local_world_size())):
         os.environ.setdefault(name, str(value))
