@@ -128,3 +128,24 @@ def test_kill_9_between_write_and_rename_keeps_previous_checkpoint(tmp_path: Pat
     assert len(leftovers) == 1  # the dead writer's temp file: ignored, and removed by the next save
     files.remove_stale_temps(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ba1.pt", "latest.pt"]
+
+
+def test_crc_shares_cover_every_record_once(tmp_path: Path) -> None:
+    import zipfile
+    path = tmp_path / "ck.pt"
+    files.atomic_save({f"w{i}": torch.randn(100 * (i + 1)) for i in range(7)}, path)
+    with zipfile.ZipFile(path) as archive:
+        records = archive.infolist()
+    parts = [files._part(records, i, 3) for i in range(3)]
+    names = [r.filename for part in parts for r in part]
+    assert sorted(names) == sorted(r.filename for r in records)
+    sizes = [sum(r.compress_size for r in part) for part in parts]
+    assert max(sizes) - min(sizes) <= max(r.compress_size for r in records)
+    data = bytearray(path.read_bytes())
+    record = parts[2][0]  # corrupt a record only the third share checks
+    data[record.header_offset + 30 + len(record.filename.encode()) + 70] ^= 0xFF
+    path.write_bytes(bytes(data))
+    files.verify(path, (0, 3))
+    files.verify(path, (1, 3))
+    with pytest.raises(CheckpointError, match=f"record {record.filename} fails its CRC check"):
+        files.verify(path, (2, 3))

@@ -282,3 +282,76 @@ def test_two_ranks_resume_exactly(tmp_path: Path) -> None:
         assert_bitwise(rank["autoresume"][1], reference)
     message = _load_at_world_size_one(str(tmp_path / "a/ep0-ba5-rank0.pt"))
     assert "saved by 2 rank(s) and this run has 1" in message and "load_weights_only=True" in message
+
+
+def _corrupted(source: Path, target: Path, nth_largest: int) -> str:
+    """Copy ``source`` to ``target`` with one byte flipped in its ``nth_largest`` record."""
+    import zipfile
+    with zipfile.ZipFile(source) as archive:
+        record = sorted(archive.infolist(), key=lambda r: -r.compress_size)[nth_largest]
+    data = bytearray(source.read_bytes())
+    data[record.header_offset + 30 + len(record.filename.encode()) + 200] ^= 0xFF  # inside its data (past a 64-byte-aligned extra field)
+    target.write_bytes(bytes(data))
+    return record.filename
+
+
+def _split_crc_check(folder: str) -> dict:
+    root = Path(folder)
+    fit("2ba", root / "a", save_interval="2ba")
+    good = root / "a/ep0-ba2-rank0.pt"
+    if dist.get_global_rank() == 0:
+        for n in (0, 1):  # the two largest records: the split gives one to each rank
+            _corrupted(good, root / f"bad{n}-rank0.pt", n)
+        _corrupted(good, root / "stale-rank0.pt", 1)
+        (root / "stale-rank1.pt").write_bytes(good.read_bytes())  # another file for rank 1 voids the split
+    dist.barrier()
+    out = {}
+    for name in ("bad0", "bad1", "stale"):
+        try:
+            make("2ba", None, load_path=str(root / f"{name}-rank{{rank}}.pt"))
+            out[name] = "loaded"
+        except CheckpointError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_split_the_crc_check_and_miss_nothing(tmp_path: Path) -> None:
+    results = run_distributed(_split_crc_check, world_size=2, args=(str(tmp_path),), timeout=100)
+    for rank in results:
+        for name in ("bad0", "bad1"):
+            assert f"{name}-rank0.pt is corrupt" in rank[name] and "fails its CRC check" in rank[name]
+        # rank 0 checked only its half of stale-rank0.pt at first, and the corrupt record is in
+        # rank 1's half: when rank 1 turned out to read its own file, rank 0 checked the rest
+        assert "stale-rank0.pt is corrupt" in rank["stale"]
+
+
+def _write_fails_on_rank_0(folder: str) -> str:
+    from lockstep.checkpoint import files
+
+    real = files.write_temp
+
+    def disk_full(obj, path):
+        if path.name == "ep0-ba2-rank0.pt":
+            raise OSError(28, "No space left on device")
+        return real(obj, path)
+
+    if dist.get_global_rank() == 0:
+        files.write_temp = disk_full
+    try:
+        fit("4ba", Path(folder), save_interval="1ba")
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        files.write_temp = real
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path) -> None:
+    # rank 0 writes in a background thread; its failure surfaces at the next save, on both ranks
+    results = run_distributed(_write_fails_on_rank_0, world_size=2, args=(str(tmp_path),), timeout=100)
+    for message in results:
+        assert "writing a checkpoint in" in message and "failed on rank 0" in message
+        assert "No space left on device" in message
+    assert sorted(os.listdir(tmp_path)) == ["ep0-ba1-rank0.pt", "latest-rank0.pt"]

@@ -37,13 +37,10 @@ def candidates(template: str, run_name: str) -> tuple[Path, Path]:
     return own, zero
 
 
-def _agree(error: str | None, device: torch.device, batch: int = 0) -> tuple[int, int, int]:
-    """One small all-reduce: (ranks that failed, lowest batch, highest batch). If any rank failed,
-    raise on every rank with the first failing rank's message (gathered only then). On the
-    training device: NCCL reduces only CUDA tensors."""
-    t = torch.tensor([int(error is not None), -batch, batch], dtype=torch.int64, device=device)
-    failed, neg_low, high = (int(v) for v in dist.all_reduce(t, "MAX").tolist())
-    return failed, -neg_low, high
+def _agree(flags: list[int], device: torch.device) -> list[int]:
+    """One small MAX all-reduce of per-rank integer flags. On the training device: NCCL reduces
+    only CUDA tensors."""
+    return dist.all_reduce(torch.tensor(flags, dtype=torch.int64, device=device), "MAX").tolist()
 
 
 def _raise_first(error: str | None) -> None:
@@ -56,51 +53,71 @@ def _raise_first(error: str | None) -> None:
 
 def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout: Layout, *, run_name: str,
          weights_only: bool, strict: bool, optional: bool = False, what: str = "load_path") -> Loaded | None:
-    """Load the checkpoint ``template`` names into ``state`` on every rank (three small all-reduces).
+    """Load the checkpoint ``template`` names into ``state`` on every rank.
 
     With ``optional`` (autoresume), no file on any rank means a fresh start (None). Reading and
-    checking comes first and is agreed on; only then is anything loaded, since FSDP's loads are
-    collectives that every rank must reach.
+    checking comes first and is agreed on in one all-reduce; only then is anything loaded, since
+    FSDP's loads are collectives that every rank must reach. When every rank loaded the same file
+    into an unsharded model (DDP), a failure to load it is the same on every rank, so only then is
+    there no second agreement.
     """
     templates.check_template(template, what, time_fields=False)
     own, zero = candidates(template, run_name)
     path = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
-    missing = None
+    rank, world = dist.get_global_rank(), dist.get_world_size()
+    # Usually every rank reads rank 0's file; then they split its CRC check. The agreement
+    # confirms it: a rank that read its own file voids the split, and the file is checked whole.
+    shared = path == zero and layout.name != LOCAL
+    missing = error = None
+    opened = None
     if path is None:
         tried = str(own) if own == zero else f"{own} (nor rank 0's {zero})"
         missing = f"{what} {template!r}: {tried} does not exist"
-    t = torch.tensor([int(path is None), int(path is not None)], dtype=torch.int64, device=state.device)
-    missing_ranks, found_ranks = (int(v) for v in dist.all_reduce(t, "SUM").tolist())
-    if optional and found_ranks == 0:
+    else:
+        try:
+            opened = _open(path, state, layout, run_name=run_name, weights_only=weights_only,
+                           check_run_name=optional, share=(rank, world) if shared else (0, 1))
+        except CheckpointError as e:
+            error = str(e)
+    batch = opened.batch if opened else 0
+    any_missing, any_found, failed, neg_low, high, any_shared, unshared = _agree(
+        [int(path is None), int(path is not None), int(error is not None), -batch, batch, int(shared),
+         int(not shared)], state.device)
+    if optional and not any_found:
         return None
-    if missing_ranks:
+    if any_missing:
         _raise_first(missing)
-    assert path is not None
-    opened, error = None, None
-    try:
-        # A file every rank reads (rank 0's) is CRC-checked by rank 0 alone; its verdict reaches
-        # the others through _agree. A rank's own file is checked by that rank.
-        check_crc = dist.get_global_rank() == 0 or path != zero
-        opened = _open(path, state, layout, run_name=run_name, weights_only=weights_only,
-                       check_run_name=optional, check_crc=check_crc)
-    except CheckpointError as e:
-        error = str(e)
-    failed, low, high = _agree(error, state.device, opened.batch if opened else 0)
     if failed:
         _raise_first(error)
-    if low != high:
-        raise CheckpointError(f"the ranks loaded checkpoints of different steps (batches {low} to {high}): "
+    if -neg_low != high:
+        raise CheckpointError(f"the ranks loaded checkpoints of different steps (batches {-neg_low} to {high}): "
                               f"the per-rank files of {template!r} are not from one save")
+    if any_shared and unshared and world > 1:  # rare: the CRC split assumed every rank read this file
+        error = _checked(path) if shared else None
+        if _agree([int(error is not None)], state.device)[0]:
+            _raise_first(error)
     assert opened is not None
     loaded = None
     try:
         loaded = _apply(opened, state, scaler, layout, weights_only=weights_only, strict=strict)
     except CheckpointError as e:
         error = str(e)
-    if _agree(error, state.device)[0]:
+        if not unshared and not layout.collective:
+            raise
+    if (unshared or layout.collective) and _agree([int(error is not None)], state.device)[0]:
         _raise_first(error)
     assert loaded is not None
     return loaded
+
+
+def _checked(path: Path) -> str | None:
+    """Check every CRC of a single-file checkpoint; the error, if any."""
+    target = files.resolve_pointer(path)
+    try:
+        files.verify(target / SHARDED_META if target.is_dir() else target)
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 @dataclass(slots=True)
@@ -122,17 +139,17 @@ class _Opened:
 
 
 def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only: bool, check_run_name: bool,
-          check_crc: bool) -> _Opened:
+          share: tuple[int, int]) -> _Opened:
     target = files.resolve_pointer(path)
     meta_file = target / SHARDED_META if target.is_dir() else target
     if target.is_dir() and not meta_file.exists():
         raise CheckpointError(f"{target} is a folder without {SHARDED_META}: not a lockstep checkpoint folder")
-    content = files.read(meta_file, check_crc)
+    content = files.read(meta_file, share=share)
     opened = _Opened(target, content, payload.metadata(content, target))
     meta = opened.meta
     if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
         from lockstep.checkpoint.deepspeed import check_folder
-        check_folder(target, meta or {}, check_crc=check_crc)
+        check_folder(target, meta or {}, check_crc=share[0] == 0)
     if meta is None:
         if not weights_only:
             raise CheckpointError(f"{target} holds only model weights (a plain state_dict): pass "

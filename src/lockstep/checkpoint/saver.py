@@ -5,8 +5,9 @@ from __future__ import annotations
 import glob
 import os
 import string
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from lockstep import dist
 from lockstep.callbacks import Event
-from lockstep.checkpoint import files, payload, states, templates
+from lockstep.checkpoint import files, payload, staging, states, templates
 from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
@@ -27,15 +28,17 @@ class CheckpointSaver:
     rank writes its own file (and pointer); under ``sharded`` the ranks write one DCP folder, and
     under DeepSpeed one folder of the engine's files.
 
-    Training waits only for the file to be written; a background thread then fsyncs it, renames
-    it into place, moves the latest pointer and prunes old checkpoints. Until that is done the
-    checkpoint is not visible, so a crash in between leaves the previous one as the latest.
-    :meth:`wait` blocks until the newest checkpoint is durable.
+    Training waits only while the state is copied in memory (or, for folder layouts, written); a
+    background thread then writes the file, fsyncs it, renames it into place, moves the latest
+    pointer and prunes old checkpoints. Until that is done the checkpoint is not visible, so a
+    crash in between leaves the previous one as the latest. :meth:`wait` blocks until the newest
+    checkpoint is durable.
     """
 
     def __init__(self, *, folder: str, filename: str, latest_filename: str | None,
                  interval: SaveInterval, num_to_keep: int, overwrite: bool, run_name: str,
-                 max_duration: Time | None, layout: str = SINGLE) -> None:
+                 max_duration: Time | None, layout: str = SINGLE,
+                 device: torch.device | str = "cpu") -> None:
         templates.check_template(folder, "save_folder", time_fields=False)
         templates.check_template(filename, "save_filename")
         if latest_filename is not None:
@@ -46,6 +49,8 @@ class CheckpointSaver:
                     raise ValueError(f"fsdp_config state_dict_type='local' writes one file per rank, so "
                                      f"{name}={value!r} must contain {{rank}}")
         self.layout = layout
+        self._device = torch.device(device)
+        """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
         if isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep == 0 or num_to_keep < -1:
             raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {num_to_keep!r}")
         self.interval = _check_interval(interval, max_duration)
@@ -64,8 +69,10 @@ class CheckpointSaver:
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
         self.last_saved_batch: int | None = None
         self._swept = False
-        self._publisher: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._publisher: Future[None] | None = None
         self._failure: BaseException | None = None
+        self._stager = staging.Stager()
         self.may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
@@ -100,40 +107,49 @@ class CheckpointSaver:
 
     def save(self, state: Any, scaler: torch.amp.GradScaler | None, rank_entry: dict[str, Any],
              layout: states.Layout) -> Path | None:
-        """Write the checkpoint of ``state`` now (a collective: every rank calls it)."""
+        """Write the checkpoint of ``state`` now (a collective: every rank calls it).
+
+        Training waits for one small all-gather and a copy of the state in memory; a thread writes
+        the copy and publishes it. A checkpoint too big to copy into free memory is written to its
+        temporary file before this returns.
+        """
         name = templates.format_name(self.filename, self.place, state.timestamp)
         path = self.folder / name
         if self.layout == LOCAL:  # so that export finds every rank's file from any one of them
             rank_entry = {**rank_entry, "file": name}
-        ranks = dist.all_gather_object(rank_entry)
-        model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
+        failure = self._join() if self.writes else None  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
-        # One agreement, so that a refusal raises on every rank rather than leaving the others in
-        # the next collective; it also hands every rank the pid that names a temporary folder.
-        flags = torch.tensor([int(clash), os.getpid() if dist.get_global_rank() == 0 else 0], dtype=torch.int64,
-                             device=state.device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flags, "MAX")
-        if flags[0]:
+        # One gather, so that a refusal or a failed earlier write raises on every rank rather than
+        # leaving the others in the next collective; it also hands every rank the pid that names a
+        # temporary folder.
+        gathered = dist.all_gather_object((_to_wire(rank_entry), clash, os.getpid(), failure))
+        self._raise_failures([f for *_, f in gathered])
+        if any(c for _, c, _, _ in gathered):
             shown = path if clash else f"{self.folder}/{name} (on another rank)"
             raise FileExistsError(f"checkpoint {shown} already exists: pass save_overwrite=True to "
                                   f"replace it, or choose another save_folder or save_filename")
-        if self.writes:
-            self._join()  # the previous save's publish updates the history
-            if not self._swept:  # temporary files of a writer that died mid-save
-                files.remove_stale_temps(self.folder)
-                self._swept = True
+        ranks = [_from_wire(e) for e, *_ in gathered] if self.writes else []
+        model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
+        if self.writes and not self._swept:  # temporary files of a writer that died mid-save
+            files.remove_stale_temps(self.folder)
+            self._swept = True
         history = [n for n in self.history if n != name] + [name]
         if self.layout in FOLDER_LAYOUTS:
-            temp = self._write_folder(state, scaler, ranks, history, layout, model, optimizers, path,
-                                      int(flags[1]))
+            temp = self._write_folder(state, scaler, ranks, history, layout, model, optimizers, path, gathered[0][2])
+            write: Callable[[], Path] = lambda: temp
         elif self.writes:
-            temp = files.write_temp(payload.build(state, scaler, ranks, history, layout, model, optimizers,
-                                                  rank=dist.get_global_rank()), path)
+            content = payload.build(state, scaler, ranks, history, layout, model, optimizers,
+                                    rank=dist.get_global_rank())
+            if staging.fits_in_memory(staging.storage_bytes(content)):
+                staged = self._stager.stage(content)
+                write = lambda: files.write_temp(staged, path)
+            else:
+                temp = files.write_temp(content, path)
+                write = lambda: temp
         if self.writes:
-            self._publisher = threading.Thread(target=self._publish, args=(temp, path, history),
-                                               name="lockstep-checkpoint-publisher")
-            self._publisher.start()
+            if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint")
+            self._publisher = self._pool.submit(self._publish, write, path, history)
         self.last_saved_batch = state.timestamp.batch
         return path if self.writes else None
 
@@ -148,29 +164,40 @@ class CheckpointSaver:
             files.save_durably(rest, temp / states.SHARDED_META)
         return temp
 
-    def _publish(self, temp: Path, path: Path, history: list[str]) -> None:
+    def _publish(self, write: Callable[[], Path], path: Path, history: list[str]) -> None:
         try:
-            files.publish(temp, path)
+            files.publish(write(), path)
             if self.latest is not None:
                 files.point_latest(self.latest, path)
             self.history = history
             self._prune()
-        except BaseException as e:  # re-raised in the training thread by _join
+        except BaseException as e:  # raised on every rank by the next save or wait
             self._failure = e
 
-    def _join(self) -> None:
+    def _join(self) -> str | None:
+        """Wait for the background publish; its failure, if any, as a message."""
         if self._publisher is not None:
-            self._publisher.join()
+            self._publisher.result()  # _publish keeps its failure in self._failure; it never raises
             self._publisher = None
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise RuntimeError(f"writing a checkpoint in {self.folder} failed: {failure}") from failure
+        if self._failure is None:
+            return None
+        return f"{type(self._failure).__name__}: {self._failure}"
+
+    def _raise_failures(self, failures: list[str | None]) -> None:
+        for rank, failure in enumerate(failures):
+            if failure is not None:
+                cause, self._failure = self._failure, None
+                where = "" if len(failures) == 1 else f" on rank {rank}"
+                raise RuntimeError(f"writing a checkpoint in {self.folder} failed{where}: {failure}") from cause
 
     def wait(self) -> None:
-        """Return on every rank once the newest checkpoint is durable and the latest pointer names it."""
-        if self.writes:
-            self._join()
-        dist.barrier()
+        """Return on every rank once the newest checkpoint is durable and the latest pointer names
+        it; raise on every rank if writing it failed on any."""
+        failure = self._join() if self.writes else None
+        flag = torch.tensor([int(failure is not None)], dtype=torch.int64, device=self._device)
+        if dist.get_world_size() > 1 and int(dist.all_reduce(flag, "MAX")[0]):
+            self._raise_failures(dist.all_gather_object(failure))
+        self._raise_failures([failure])
 
     def _prune(self) -> None:
         if self.num_to_keep == -1:
@@ -200,3 +227,37 @@ def _glob(template: str, place: dict[str, Any]) -> str:
         else:
             parts.append("*")
     return "".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _WireTensor:
+    """A tensor as plain bytes: pickling a tensor itself runs a whole torch.save per tensor."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _to_wire(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        flat = obj.detach().cpu().contiguous().reshape(-1)
+        return _WireTensor(str(flat.dtype).removeprefix("torch."), tuple(obj.shape),
+                           flat.view(torch.uint8).numpy().tobytes())
+    if isinstance(obj, dict):
+        return {k: _to_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_wire(v) for v in obj)
+    return obj
+
+
+def _from_wire(obj: Any) -> Any:
+    if isinstance(obj, _WireTensor):
+        dtype = getattr(torch, obj.dtype)
+        if not obj.data:
+            return torch.empty(obj.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(obj.data), dtype=torch.uint8).view(dtype).reshape(obj.shape)
+    if isinstance(obj, dict):
+        return {k: _from_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_from_wire(v) for v in obj)
+    return obj

@@ -14,13 +14,14 @@ from lockstep.time import Time
 
 def make_saver(*, save_folder: str | None, save_filename: str, save_latest_filename: str | None,
                save_interval: SaveInterval, save_num_checkpoints_to_keep: int, save_overwrite: bool,
-               run_name: str, max_duration: Time | None, layout: Layout) -> CheckpointSaver | None:
+               run_name: str, max_duration: Time | None, layout: Layout,
+               device: torch.device) -> CheckpointSaver | None:
     if save_folder is None:
         return None
     return CheckpointSaver(folder=save_folder, filename=save_filename, latest_filename=save_latest_filename,
                            interval=save_interval, num_to_keep=save_num_checkpoints_to_keep,
                            overwrite=save_overwrite, run_name=run_name, max_duration=max_duration,
-                           layout=layout.name)
+                           layout=layout.name, device=device)
 
 
 def load_at_start(state: Any, scaler: torch.amp.GradScaler | None, saver: CheckpointSaver | None,

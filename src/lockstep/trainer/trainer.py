@@ -145,7 +145,7 @@ class Trainer:
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
             save_overwrite=save_overwrite, run_name=self.state.run_name, max_duration=self.max_duration,
-            layout=self.layout)
+            layout=self.layout, device=self.state.device)
         loaded = checkpointing.load_at_start(
             self.state, self.scaler, self.saver, self.layout, load_path=load_path, autoresume=autoresume,
             run_name_given=run_name is not None, weights_only=load_weights_only,
