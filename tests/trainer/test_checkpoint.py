@@ -355,3 +355,64 @@ def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path) -> None:
         assert "writing a checkpoint in" in message and "failed on rank 0" in message
         assert "No space left on device" in message
     assert sorted(os.listdir(tmp_path)) == ["ep0-ba1-rank0.pt", "latest-rank0.pt"]
+
+
+# -- stateful dataloaders -----------------------------------------------------------------------
+
+class CountingNoisyDataset(NoisyDataset):
+    """Counts reads in every process (the counter lives in shared memory, so forked workers add to it)."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+        super().__init__()
+        self.reads = multiprocessing.Value("i", 0)
+
+    def __getitem__(self, i):
+        with self.reads.get_lock():
+            self.reads.value += 1
+        return super().__getitem__(i)
+
+
+class OwnRNGDataset(CountingNoisyDataset):
+    """Augments with its own generator and keeps it in its state_dict, which torchdata saves and
+    restores in each worker: how randomness inside workers survives a stateful resume."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(5)
+
+    def __getitem__(self, i):
+        with self.reads.get_lock():
+            self.reads.value += 1
+        x, y = self.base[i]
+        return x + torch.randn(6, generator=self.generator) * 0.1, y
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])
+
+
+def stateful_loader(dataset_cls, workers: int):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return StatefulDataLoader(dataset_cls(), batch_size=4, shuffle=True, num_workers=workers)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("dataset_cls, workers", [(CountingNoisyDataset, 0), (OwnRNGDataset, 2)])
+def test_a_stateful_dataloader_resumes_from_its_own_state(tmp_path: Path, dataset_cls, workers: int) -> None:
+    """torchdata's StatefulDataLoader: the checkpoint holds its state_dict(), and a resume
+    restores it instead of reading the trained batches again."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    reference = fit("10ba", tmp_path / "a", data=stateful_loader(dataset_cls, workers), save_interval="2ba")
+    entry = torch.load(tmp_path / "a/ep0-ba4-rank0.pt", weights_only=True)["ranks"][0]
+    assert entry["loader_state"] is not None
+    for name, checkpoint in (("b", "ep0-ba4-rank0.pt"), ("c", "ep1-ba8-rank0.pt")):
+        resumed = fit("10ba", tmp_path / name, data=stateful_loader(dataset_cls, workers),
+                      load_path=str(tmp_path / "a" / checkpoint))
+        assert_bitwise(resumed, reference)
+    # to the end of the first epoch (7 batches): only the 3 batches after ba4 are read
+    data = stateful_loader(dataset_cls, workers)
+    fit("7ba", tmp_path / "d", data=data, load_path=str(tmp_path / "a/ep0-ba4-rank0.pt"))
+    assert data.dataset.reads.value == 3 * 4

@@ -5,7 +5,7 @@ optimizer state::
 
     {"lockstep": {"version", "layout", "optimizer_keys", "world_size", "run_name", "history", "rank"},
      "timestamp": {...}, "model": {...}, "optimizers": [...], "schedulers": [...], "scaler": {...},
-     "ranks": [{"rng", "epoch_rng", "fetch_rng"}, ...]}     # one entry per rank, by rank
+     "ranks": [{"rng", "epoch_rng", "fetch_rng", "loader_state"}, ...]}   # one entry per rank, by rank
 
 FSDP's ``local`` layout writes one such file per rank (``rank`` says whose, ``shards`` where each
 shard sits in the full tensor); its ``sharded`` layout writes this dict without the tensors as

@@ -69,6 +69,14 @@ class DataPosition:
     skip: int = 0
     rng_after: rng.RNGState | None = None
     """On resume: the state to restore once the data is back in place (the state at the save)."""
+    loader_state: dict[str, Any] | None = None
+    """A stateful loader's ``state_dict()`` after the newest batch it yielded for training."""
+
+
+def is_stateful(loader: Any) -> bool:
+    """A loader that saves and restores its own position (torchdata's StatefulDataLoader, or any
+    with ``state_dict``/``load_state_dict``): resuming restores it instead of passing over batches."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
@@ -87,9 +95,14 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
     if resume is not None and resume.epoch_rng is not None:
         rng.restore(resume.epoch_rng)
     if track is not None:
-        track.epoch_rng, track.fetch_rng = rng.capture(), None
+        track.epoch_rng, track.fetch_rng, track.loader_state = rng.capture(), None, None
     done = resume.skip if resume else 0
-    with _skipping_indices(loader, done) as (replay, skip):
+    restored = resume is not None and resume.loader_state is not None and is_stateful(loader)
+    if restored:
+        loader.load_state_dict(resume.loader_state)  # type: ignore[union-attr]
+    # the state after each batch, when a checkpoint may need it
+    state_of = loader.state_dict if track is not None and is_stateful(loader) else None
+    with _skipping_indices(loader, 0 if restored else done) as (replay, skip):
         it = iter(loader)
         if skip is not None:
             skip.start()
@@ -98,13 +111,13 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
                 raise ValueError(f"cannot resume: train_dataloader ended within the {done} batches "
                                  f"this epoch had already trained on")
         if length is not None:
-            yield from _counted(it, length, done, count, resume)
+            yield from _counted(it, length, done, count, track, state_of, resume)
         else:
-            yield from _read_ahead(it, count, sync, device, track, resume)
+            yield from _read_ahead(it, count, sync, device, track, state_of, resume)
 
 
-def _counted(it: Iterator[Any], length: int, done: int, count: Any,
-             resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
+def _counted(it: Iterator[Any], length: int, done: int, count: Any, track: DataPosition | None,
+             state_of: Any, resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
     world_size = dist.get_world_size()
     if resume is not None and resume.rng_after is not None:
         rng.restore(resume.rng_after)
@@ -112,17 +125,21 @@ def _counted(it: Iterator[Any], length: int, done: int, count: Any,
         batch = next(it, None)
         if batch is None:
             raise ValueError(f"train_dataloader has len() == {length} but yielded only {index} batches")
+        if state_of is not None:
+            track.loader_state = state_of()  # type: ignore[union-attr]
         samples, tokens = count(batch)
         yield batch, samples * world_size, tokens * world_size, index == length - 1
 
 
-def _read_ahead(it: Iterator[Any], count: Any, sync: bool, device: torch.device,
-                track: DataPosition | None, resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
+def _read_ahead(it: Iterator[Any], count: Any, sync: bool, device: torch.device, track: DataPosition | None,
+                state_of: Any, resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
     world_size = dist.get_world_size()
 
     def fetch() -> Any:
         if track is not None:
             track.fetch_rng = rng.capture()
+            if state_of is not None:  # before the read-ahead: the state after the batch being trained
+                track.loader_state = state_of()
         return next(it, None)
 
     if resume is not None and resume.fetch_rng is not None:

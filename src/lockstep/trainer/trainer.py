@@ -335,13 +335,14 @@ class Trainer:
                 rng.restore(entry["rng"])
             return None
         return data.DataPosition(epoch_rng=entry.get("epoch_rng"), fetch_rng=entry.get("fetch_rng"), skip=skip,
-                                 rng_after=entry.get("rng"))
+                                 rng_after=entry.get("rng"), loader_state=entry.get("loader_state"))
 
     def _save(self, at_epoch_end: bool) -> None:
         position = self._position
         entry = {"rng": rng.capture(),
                  "epoch_rng": None if at_epoch_end else position.epoch_rng,
-                 "fetch_rng": None if at_epoch_end else position.fetch_rng}
+                 "fetch_rng": None if at_epoch_end else position.fetch_rng,
+                 "loader_state": None if at_epoch_end else position.loader_state}
         self.saver.save(self.state, self.scaler, entry, self.layout)  # type: ignore[union-attr]
 
     def _preempt(self, at_epoch_end: bool) -> None:
