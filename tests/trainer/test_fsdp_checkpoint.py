@@ -16,7 +16,7 @@ from tests.trainer.common import BlockMLP, assert_same_params, full_params, load
 
 GLOBAL_BATCH = 8  # 28 samples: 4 batches per epoch
 NAMES = {"full": "ep{epoch}-ba{batch}-rank{rank}.pt", "local": "ep{epoch}-ba{batch}-rank{rank}.pt",
-         "sharded": "ep{epoch}-ba{batch}"}
+         "sharded": "ep{epoch}-ba{batch}", "ddp": "ep{epoch}-ba{batch}-rank{rank}.pt"}
 
 
 class DropoutBlocks(BlockMLP):
@@ -27,16 +27,17 @@ class DropoutBlocks(BlockMLP):
 
 
 def fit(kind: str, folder: str | None, duration: str, load: str | None = None, autoresume: bool = False,
-        dropout: bool = True) -> dict[str, torch.Tensor]:
+        dropout: bool = True, keep: int = -1) -> dict[str, torch.Tensor]:
     model = DropoutBlocks() if dropout else BlockMLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     trainer = Trainer(
         model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size(), shuffle=True),
         max_duration=duration, optimizers=optimizer,
         schedulers=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5),
-        progress_bar=False, seed=7, fsdp_config={"state_dict_type": kind},
+        progress_bar=False, seed=7, fsdp_config=None if kind == "ddp" else {"state_dict_type": kind},
         save_folder=folder, save_filename=NAMES[kind], save_interval="3ba",
-        load_path=load, autoresume=autoresume, run_name="fsdp-ck" if autoresume else None)
+        load_path=load, autoresume=autoresume, run_name="fsdp-ck" if autoresume else None,
+        save_num_checkpoints_to_keep=keep)
     trainer.fit()
     return full_params(model)
 
@@ -101,6 +102,61 @@ def _autoresume(folder: str) -> tuple[dict, dict]:
 def test_autoresume_with_local_files(tmp_path: Path) -> None:
     for uninterrupted, resumed in run_distributed(_autoresume, world_size=2, args=(str(tmp_path),), timeout=160):
         assert_same_params(resumed, uninterrupted, atol=0)
+
+
+def _crash_between_publishes(folder: str) -> tuple[dict, dict, str, list[str]]:
+    from lockstep.checkpoint import files
+
+    uninterrupted = fit("local", None, "2ep")
+    if dist.get_global_rank() == 1:
+        def crash(path: Path) -> None:
+            if "-ba5-" in path.name:
+                raise OSError("rank 1 went down before publishing")
+        files._before_publish = crash
+    message = "no error"
+    try:  # saves ba3, then ba5 at the end, which only rank 0 publishes
+        fit("local", folder, "5ba", autoresume=True, keep=1)
+    except RuntimeError as e:
+        message = str(e)
+    finally:
+        files._before_publish = None
+    kept = sorted(os.listdir(folder))
+    dist.barrier()
+    resumed = fit("local", folder, "2ep", autoresume=True, keep=1)
+    return uninterrupted, resumed, message, kept
+
+
+@pytest.mark.timeout(180)
+def test_autoresume_of_local_files_goes_back_to_the_step_every_rank_has(tmp_path: Path) -> None:
+    results = run_distributed(_crash_between_publishes, world_size=2, args=(str(tmp_path),), timeout=160)
+    for uninterrupted, resumed, message, kept in results:
+        assert "failed on rank 1" in message and "went down before publishing" in message
+        # rank 0 published ba5 but kept ba3 (keep=1 prunes only once every rank has published)
+        assert {"ep0-ba3-rank0.pt", "ep1-ba5-rank0.pt", "ep0-ba3-rank1.pt"} <= set(kept)
+        assert "ep1-ba5-rank1.pt" not in kept
+        assert_same_params(resumed, uninterrupted, atol=0)
+    assert sorted(os.listdir(tmp_path)) == ["ep2-ba8-rank0.pt", "ep2-ba8-rank1.pt", "latest-rank0.pt",
+                                            "latest-rank1.pt"]
+
+
+def _across_ddp_and_fsdp(folder: str) -> dict[str, dict]:
+    out = {"ddp": fit("ddp", None, "2ep"), "fsdp": fit("full", None, "2ep")}
+    fit("ddp", os.path.join(folder, "ddp"), "3ba")
+    fit("full", os.path.join(folder, "full"), "3ba")
+    ddp_ba3 = os.path.join(folder, "ddp", "ep0-ba3-rank{rank}.pt")
+    out["ddp into full"] = fit("full", None, "2ep", load=ddp_ba3)
+    out["ddp into sharded"] = fit("sharded", None, "2ep", load=ddp_ba3)
+    out["full into ddp"] = fit("ddp", None, "2ep", load=os.path.join(folder, "full", "ep0-ba3-rank{rank}.pt"))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(tmp_path: Path) -> None:
+    # the optimizer state is keyed by parameter index under DDP and by name under FSDP
+    for out in run_distributed(_across_ddp_and_fsdp, world_size=2, args=(str(tmp_path),), timeout=220):
+        assert_same_params(out["ddp"], out["fsdp"], atol=1e-5)
+        for key in ("ddp into full", "ddp into sharded", "full into ddp"):
+            assert_same_params(out[key], out["ddp"], atol=1e-5)
 
 
 def _wrong_layout(folder: str) -> str:

@@ -15,7 +15,8 @@ import torch
 from lockstep import dist
 from lockstep.checkpoint import files, payload, templates
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.states import DEEPSPEED, FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout
+from lockstep.checkpoint.states import (
+    DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, Layout, rekey_optimizer)
 
 
 @dataclass(slots=True)
@@ -89,7 +90,9 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
         _raise_first(missing)
     if failed:
         _raise_first(error)
-    if -neg_low != high:
+    if -neg_low != high and optional and layout.name == LOCAL:
+        opened = _step_back(opened, -neg_low, path, state, layout, run_name=run_name)
+    elif -neg_low != high:
         raise CheckpointError(f"the ranks loaded checkpoints of different steps (batches {-neg_low} to {high}): "
                               f"the per-rank files of {template!r} are not from one save")
     if any_shared and unshared and world > 1:  # rare: the CRC split assumed every rank read this file
@@ -108,6 +111,40 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
         _raise_first(error)
     assert loaded is not None
     return loaded
+
+
+def _step_back(opened: _Opened | None, low: int, pointer: Path | None, state: Any, layout: Layout, *,
+               run_name: str) -> _Opened:
+    """Autoresume of per-rank files after a crash between two ranks' publishes: the ranks whose
+    latest pointer is one save ahead open their previous checkpoint (kept until every rank had
+    published: see CheckpointSaver._prune), so that all resume from the step every rank has. Once
+    all agree, those ranks point their latest pointer back and delete the newer file, which no
+    other rank's files match."""
+    error = None
+    ahead = opened
+    if opened is not None and opened.batch != low:
+        history = (opened.meta or {}).get("history", [])
+        previous = opened.path.parent / history[-2] if len(history) >= 2 else None
+        try:
+            if previous is None or not previous.exists():
+                raise CheckpointError(f"{opened.path} is at batch {opened.batch} and other ranks' latest "
+                                      f"checkpoints at batch {low}, and this rank no longer has that one")
+            opened = _open(previous, state, layout, run_name=run_name, weights_only=False, check_run_name=True,
+                           share=(0, 1))
+        except CheckpointError as e:
+            error = str(e)
+    batch = opened.batch if opened is not None and error is None else low
+    failed, neg_low, high = _agree([int(error is not None), -batch, batch], state.device)
+    if failed:
+        _raise_first(error)
+    if -neg_low != high:
+        raise CheckpointError(f"autoresume found per-rank checkpoints of batches {-neg_low} to {high}, and "
+                              f"no step that every rank has: pass load_path to choose one")
+    assert opened is not None and ahead is not None
+    if ahead is not opened and pointer is not None and pointer.is_symlink():
+        files.point_latest(pointer, opened.path)
+        files.remove(ahead.path)
+    return opened
 
 
 def _checked(path: Path) -> str | None:
@@ -213,7 +250,11 @@ def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, lay
         reader = layout.full_reader() if opened.layout == SINGLE else layout
         reader.load_model(content["model"], path, strict)
         if not weights_only:
-            reader.load_optimizers(content["optimizers"], path)
+            optimizers, keys = content["optimizers"], meta.get("optimizer_keys", INDEX)
+            if keys != reader.optimizer_keys:  # a DDP checkpoint into FSDP, or back
+                optimizers = [rekey_optimizer(sd, keys, layout.model, o, path)
+                              for sd, o in zip(optimizers, layout.optimizers)]
+            reader.load_optimizers(optimizers, path)
     if weights_only:
         return Loaded(path, weights_only=True)
     entry = payload.apply(content, state, scaler, path, dist.get_global_rank(), dist.get_world_size())

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.states import SINGLE, Layout
+from lockstep.checkpoint.states import INDEX, NAME, SINGLE, Layout
 from lockstep.time import Timestamp
 
 VERSION = 1
@@ -73,8 +73,10 @@ def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: A
         if len(live) != len(saved):
             raise CheckpointError(f"checkpoint {path} holds {len(saved)} {name} but the Trainer has "
                                   f"{len(live)}: pass the same {name} as the run that saved it")
-    keys = payload["lockstep"].get("optimizer_keys", "index")
-    if state.optimizers and keys != layout.optimizer_keys:
+    keys = payload["lockstep"].get("optimizer_keys", INDEX)
+    # full tensors in one file: index-keyed (DDP) and name-keyed (FSDP) state convert either way
+    convertible = layout_of(payload["lockstep"]) == SINGLE and {keys, layout.optimizer_keys} <= {INDEX, NAME}
+    if state.optimizers and keys != layout.optimizer_keys and not convertible:
         raise CheckpointError(
             f"checkpoint {path} keys its optimizer state by parameter {keys} but this run keys it by "
             f"{layout.optimizer_keys} (a DDP checkpoint and FSDP differ here): pass load_weights_only=True "

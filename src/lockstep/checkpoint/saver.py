@@ -124,6 +124,8 @@ class CheckpointSaver:
         # temporary folder.
         gathered = dist.all_gather_object((_to_wire(rank_entry), clash, os.getpid(), failure))
         self._raise_failures([f for *_, f in gathered])
+        if self.layout == LOCAL:  # only now is the previous save published on every rank
+            self._prune()
         if any(c for _, c, _, _ in gathered):
             shown = path if clash else f"{self.folder}/{name} (on another rank)"
             raise FileExistsError(f"checkpoint {shown} already exists: pass save_overwrite=True to "
@@ -170,7 +172,8 @@ class CheckpointSaver:
             if self.latest is not None:
                 files.point_latest(self.latest, path)
             self.history = history
-            self._prune()
+            if self.layout != LOCAL:
+                self._prune()
         except BaseException as e:  # raised on every rank by the next save or wait
             self._failure = e
 
@@ -198,8 +201,13 @@ class CheckpointSaver:
         if dist.get_world_size() > 1 and int(dist.all_reduce(flag, "MAX")[0]):
             self._raise_failures(dist.all_gather_object(failure))
         self._raise_failures([failure])
+        if self.layout == LOCAL:
+            self._prune()
 
     def _prune(self) -> None:
+        """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only
+        once every rank has published the newest, so that after a crash between two ranks'
+        publishes the ranks ahead still hold the step the others are at (the loader goes back to it)."""
         if self.num_to_keep == -1:
             return
         while len(self.history) > self.num_to_keep:

@@ -70,6 +70,31 @@ class Layout:
                 raise _optimizermisfit(path, i, optimizer, e) from None
 
 
+def rekey_optimizer(saved: dict[str, Any], keys: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    path: Path) -> dict[str, Any]:
+    """``saved`` (an optimizer state dict keyed by parameter ``keys``) keyed the other way, for
+    ``optimizer``: a DDP checkpoint (keyed by index) resumes under FSDP (keyed by name) and back.
+    An index is a parameter's place in ``optimizer.param_groups``; a name is its place in
+    ``model`` (the same with and without FSDP)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) not in names for p in order):
+        raise CheckpointError(f"checkpoint {path}: the optimizer holds parameters that are not the model's, "
+                              f"so its state cannot be matched by name: pass load_weights_only=True")
+    index_to_name = {i: names[id(p)] for i, p in enumerate(order)}
+    mapping = index_to_name if keys == INDEX else {n: i for i, n in index_to_name.items()}
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups) or any(
+            len(g.get("params", [])) != len(live["params"]) for g, live in zip(groups, optimizer.param_groups)):
+        raise CheckpointError(f"checkpoint {path}: its optimizer's parameter groups do not match this run's")
+    try:
+        return {"state": {mapping[k]: v for k, v in saved.get("state", {}).items()},
+                "param_groups": [{**g, "params": [mapping[k] for k in g["params"]]} for g in groups]}
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {path}: its optimizer state names parameter {e.args[0]!r}, which "
+                              f"this model does not have") from None
+
+
 def misfit(path: Path, e: Exception) -> CheckpointError:
     detail = " ".join(str(e).split())
     return CheckpointError(f"checkpoint {path} does not fit the model: {detail[:600]}")
