@@ -129,7 +129,8 @@ def save_load(dataset: TensorDataset, rounds: int) -> None:
         print(f"  file bytes: lockstep {ours_path.stat().st_size:,}  plain {plain_path.stat().st_size:,}")
         for k, v in med.items():
             print(f"  {k:<20} {v:8.2f} ms")
-        print(f"  save ratio, training blocked: lockstep / plain torch.save   {med['ours save'] / med['plain save']:.2f}x")
+        print(f"  save ratio, training blocked: lockstep / plain torch.save   "
+              f"{med['ours save'] / med['plain save']:.2f}x")
         print(f"  save ratio, until durable: lockstep / torch.save + fsync  "
               f"{med['ours save, durable'] / med['plain save + fsync']:.2f}x")
         print(f"  load ratio lockstep / plain torch.load          {med['ours load'] / med['plain load']:.2f}x")

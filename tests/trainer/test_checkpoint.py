@@ -290,7 +290,8 @@ def _corrupted(source: Path, target: Path, nth_largest: int) -> str:
     with zipfile.ZipFile(source) as archive:
         record = sorted(archive.infolist(), key=lambda r: -r.compress_size)[nth_largest]
     data = bytearray(source.read_bytes())
-    data[record.header_offset + 30 + len(record.filename.encode()) + 200] ^= 0xFF  # inside its data (past a 64-byte-aligned extra field)
+    # past the local header (30 bytes, the name, an extra field that pads the data to 64 bytes)
+    data[record.header_offset + 30 + len(record.filename.encode()) + 200] ^= 0xFF
     target.write_bytes(bytes(data))
     return record.filename
 

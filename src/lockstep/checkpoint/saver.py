@@ -136,22 +136,20 @@ class CheckpointSaver:
             files.remove_stale_temps(self.folder)
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
+        temp, staged = None, None  # written already, or the copy the thread writes
         if self.layout in FOLDER_LAYOUTS:
             temp = self._write_folder(state, scaler, ranks, history, layout, model, optimizers, path, gathered[0][2])
-            write: Callable[[], Path] = lambda: temp
         elif self.writes:
             content = payload.build(state, scaler, ranks, history, layout, model, optimizers,
                                     rank=dist.get_global_rank())
             if staging.fits_in_memory(staging.storage_bytes(content)):
                 staged = self._stager.stage(content)
-                write = lambda: files.write_temp(staged, path)
             else:
                 temp = files.write_temp(content, path)
-                write = lambda: temp
         if self.writes:
             if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint")
-            self._publisher = self._pool.submit(self._publish, write, path, history)
+            self._publisher = self._pool.submit(self._publish, temp, staged, path, history)
         self.last_saved_batch = state.timestamp.batch
         return path if self.writes else None
 
@@ -166,9 +164,9 @@ class CheckpointSaver:
             files.save_durably(rest, temp / states.SHARDED_META)
         return temp
 
-    def _publish(self, write: Callable[[], Path], path: Path, history: list[str]) -> None:
+    def _publish(self, temp: Path | None, staged: Any, path: Path, history: list[str]) -> None:
         try:
-            files.publish(write(), path)
+            files.publish(temp if temp is not None else files.write_temp(staged, path), path)
             if self.latest is not None:
                 files.point_latest(self.latest, path)
             self.history = history
@@ -226,7 +224,7 @@ def _check_interval(interval: SaveInterval, max_duration: Time | None) -> Time |
 def _glob(template: str, place: dict[str, Any]) -> str:
     """The template with its place fields filled in and its time fields as ``*``."""
     parts = []
-    for literal, field, spec, conversion in string.Formatter().parse(template):
+    for literal, field, spec, _ in string.Formatter().parse(template):
         parts.append(glob.escape(literal))
         if field is None:
             continue
