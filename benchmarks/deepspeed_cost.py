@@ -21,9 +21,7 @@ Both parts use the benchmark MLP (``--layers`` x ``nn.Linear(width, width)`` and
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -34,7 +32,7 @@ import lockstep
 from lockstep import dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp_cost import Stack, _loader, timed_rounds  # noqa: E402  (the FSDP benchmark's model and data)
+from fsdp_cost import Stack, _loader, print_speed, setup, timed_rounds  # noqa: E402  (the FSDP benchmark's)
 
 SIDES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
@@ -99,15 +97,7 @@ def speed(rounds: int, warmup: int, steps: int, layers: int, width: int) -> list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--width", type=int, default=512)
-    args = parser.parse_args()
-    os.environ.pop("LOCKSTEP_RUN_DIRECTORY", None)  # no file loggers on either side
-    torch.set_num_threads(1)
+    args = setup(layers=3, width=512)
     mem = memory(args.layers, args.width)
     runs = speed(args.rounds, args.warmup, args.steps, args.layers, args.width)
     if dist.get_global_rank() != 0:
@@ -121,13 +111,7 @@ def main() -> None:
         ddp_state = ddp_state or state
         detail = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items())
         print(f"  {side:<7} {state / 2**20:7.2f} MiB  ratio {state / ddp_state:.3f}  ({detail} MiB)")
-    ddp = statistics.median(r["DDP"] for r in runs)
-    print(f"speed, 64 samples/rank/step, {args.rounds} rounds x {args.steps} steps:")
-    print(f"  DDP    {ddp:.1f} steps/s")
-    for side in SIDES[1:]:
-        value = statistics.median(r[side] for r in runs)
-        pairwise = statistics.median(r[side] / r["DDP"] for r in runs)
-        print(f"  {side} {value:.1f} steps/s, ratio {value / ddp:.3f} (pairwise median {pairwise:.3f})")
+    print_speed(runs, SIDES, f"speed, 64 samples/rank/step, {args.rounds} rounds x {args.steps} steps:")
 
 
 if __name__ == "__main__":

@@ -132,16 +132,34 @@ def speed(rounds: int, warmup: int, steps: int) -> list[dict[str, float]]:
     return timed_rounds(SPEED_SIDES, make, rounds, warmup, steps)
 
 
-def main() -> None:
+def setup(layers: int, width: int) -> argparse.Namespace:
+    """The command line of this benchmark and the DeepSpeed one (their memory model's size differs),
+    and the same process settings for every side."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--width", type=int, default=width)
     args = parser.parse_args()
     os.environ.pop("LOCKSTEP_RUN_DIRECTORY", None)  # no file loggers on either side
     torch.set_num_threads(1)
+    return args
+
+
+def print_speed(runs: list[dict[str, float]], sides: tuple[str, ...], title: str) -> None:
+    """Steps/s per side (median over rounds) and its ratio to DDP, the first side."""
+    ddp = statistics.median(r["DDP"] for r in runs)
+    print(title)
+    print(f"  DDP {ddp:.1f} steps/s")
+    for name in sides[1:]:
+        value = statistics.median(r[name] for r in runs)
+        pairwise = statistics.median(r[name] / r["DDP"] for r in runs)
+        print(f"  {name} {value:.1f} steps/s, ratio {value / ddp:.3f} (pairwise median {pairwise:.3f})")
+
+
+def main() -> None:
+    args = setup(layers=12, width=2048)
     mem = memory(args.layers, args.width)
     runs = speed(args.rounds, args.warmup, args.steps)
     if dist.get_global_rank() != 0:
@@ -154,13 +172,8 @@ def main() -> None:
         print(f"  {name:<10} {total / 2**20:8.1f} MiB  ({detail})")
     ratio = sum(mem["FULL_SHARD"].values()) / sum(mem["DDP"].values())
     print(f"  FULL_SHARD / DDP = {ratio:.3f}")
-    ddp = statistics.median(r["DDP"] for r in runs)
-    print(f"speed, benchmark MLP (4 x 512), 64 samples/rank/step, {args.rounds} rounds x {args.steps} steps:")
-    print(f"  DDP {ddp:.1f} steps/s")
-    for name in SPEED_SIDES[1:]:
-        fsdp = statistics.median(r[name] for r in runs)
-        pairwise = statistics.median(r[name] / r["DDP"] for r in runs)
-        print(f"  {name} {fsdp:.1f} steps/s, ratio {fsdp / ddp:.3f} (pairwise median {pairwise:.3f})")
+    print_speed(runs, SPEED_SIDES, f"speed, benchmark MLP (4 x 512), 64 samples/rank/step, {args.rounds} rounds x "
+                                   f"{args.steps} steps:")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,15 @@ def loader(batch_size: int, n: int = 28, shuffle: bool = False) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, sampler=dist.get_sampler(ds, shuffle=shuffle))
 
 
+def error_of(fn, *args, expected: tuple[type[BaseException], ...] = (Exception,), **kwargs) -> str:
+    """The message of the ``expected`` error that ``fn(*args, **kwargs)`` raises, or 'no error'."""
+    try:
+        fn(*args, **kwargs)
+    except expected as e:
+        return str(e)
+    return "no error"
+
+
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from lockstep import Trainer, dist
 from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict
 from lockstep.testing import run_distributed
-from tests.trainer.common import MLP, DropoutMLP, NoisyDataset, assert_same_params, loader, params
+from tests.trainer.common import MLP, DropoutMLP, NoisyDataset, assert_same_params, error_of, loader, params
 
 # 28 samples, batch 4 per rank at world size 1: 7 batches per epoch
 
@@ -262,11 +262,7 @@ def _two_rank_resume(folder: str) -> dict:
 
 
 def _load_at_world_size_one(folder: str) -> str:
-    try:
-        make("2ba", None, load_path=folder)
-    except CheckpointError as e:
-        return str(e)
-    return "no error"
+    return error_of(make, "2ba", None, load_path=folder, expected=(CheckpointError,))
 
 
 @pytest.mark.timeout(200)
@@ -306,14 +302,8 @@ def _split_crc_check(folder: str) -> dict:
         _corrupted(good, root / "stale-rank0.pt", 1)
         (root / "stale-rank1.pt").write_bytes(good.read_bytes())  # another file for rank 1 voids the split
     dist.barrier()
-    out = {}
-    for name in ("bad0", "bad1", "stale"):
-        try:
-            make("2ba", None, load_path=str(root / f"{name}-rank{{rank}}.pt"))
-            out[name] = "loaded"
-        except CheckpointError as e:
-            out[name] = str(e)
-    return out
+    return {name: error_of(make, "2ba", None, load_path=str(root / f"{name}-rank{{rank}}.pt"),
+                           expected=(CheckpointError,)) for name in ("bad0", "bad1", "stale")}
 
 
 @pytest.mark.timeout(120)
@@ -340,12 +330,9 @@ def _write_fails_on_rank_0(folder: str) -> str:
     if dist.get_global_rank() == 0:
         files.write_temp = disk_full
     try:
-        fit("4ba", Path(folder), save_interval="1ba")
-    except RuntimeError as e:
-        return str(e)
+        return error_of(fit, "4ba", Path(folder), save_interval="1ba", expected=(RuntimeError,))
     finally:
         files.write_temp = real
-    return "no error"
 
 
 @pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from lockstep import Trainer, dist
 from lockstep.checkpoint import export_state_dict
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.testing import run_distributed
-from tests.trainer.common import MLP, assert_same_params, loader
+from tests.trainer.common import MLP, assert_same_params, error_of, loader
 from tests.trainer.test_deepspeed import needs_deepspeed
 
 pytestmark = needs_deepspeed
@@ -106,11 +106,7 @@ def test_weights_load_across_layouts(tmp_path: Path) -> None:
 
 
 def _error_of(stage: int | None, load: str) -> str:
-    try:
-        fit(stage, None, "1ep", load=load, train=False)
-    except (CheckpointError, ValueError) as e:
-        return str(e)
-    return "no error"
+    return error_of(fit, stage, None, "1ep", load=load, train=False, expected=(CheckpointError, ValueError))
 
 
 def _save(folder: str) -> None:

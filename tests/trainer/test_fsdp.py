@@ -7,7 +7,7 @@ import torch
 
 from lockstep import Trainer, dist
 from lockstep.testing import run_distributed
-from tests.trainer.common import Block, BlockMLP, assert_same_params, full_params, loader, sgd
+from tests.trainer.common import Block, BlockMLP, assert_same_params, error_of, full_params, loader, sgd
 
 GLOBAL_BATCH = 8
 
@@ -259,12 +259,8 @@ class BadGroup(BlockMLP):
 
 def _group_error(group) -> str:
     model = BadGroup(group)
-    try:
-        Trainer(model=model, train_dataloader=loader(4), max_duration="1ba", optimizers=sgd(model),
-                progress_bar=False, fsdp_config={})
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return error_of(Trainer, model=model, train_dataloader=loader(4), max_duration="1ba", optimizers=sgd(model),
+                    progress_bar=False, fsdp_config={}, expected=(ValueError,))
 
 
 @pytest.mark.timeout(120)

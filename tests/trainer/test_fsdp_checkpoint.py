@@ -12,7 +12,7 @@ import torch
 from lockstep import Trainer, dist
 from lockstep.checkpoint import export_state_dict
 from lockstep.testing import run_distributed
-from tests.trainer.common import BlockMLP, assert_same_params, full_params, loader
+from tests.trainer.common import BlockMLP, assert_same_params, error_of, full_params, loader
 
 GLOBAL_BATCH = 8  # 28 samples: 4 batches per epoch
 NAMES = {"full": "ep{epoch}-ba{batch}-rank{rank}.pt", "local": "ep{epoch}-ba{batch}-rank{rank}.pt",
@@ -161,11 +161,8 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(tmp_path: Path) -> None:
 
 def _wrong_layout(folder: str) -> str:
     fit("local", folder, "3ba")
-    try:
-        fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3-rank{rank}.pt"))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return error_of(fit, "sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3-rank{rank}.pt"),
+                    expected=(ValueError,))
 
 
 @pytest.mark.timeout(120)

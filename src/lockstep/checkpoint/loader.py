@@ -149,9 +149,8 @@ def _step_back(opened: _Opened | None, low: int, pointer: Path | None, state: An
 
 def _checked(path: Path) -> str | None:
     """Check every CRC of a single-file checkpoint; the error, if any."""
-    target = files.resolve_pointer(path)
     try:
-        files.verify(target / SHARDED_META if target.is_dir() else target)
+        files.verify(_meta_file(files.resolve_pointer(path)))
     except CheckpointError as e:
         return str(e)
     return None
@@ -178,10 +177,7 @@ class _Opened:
 def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only: bool, check_run_name: bool,
           share: tuple[int, int]) -> _Opened:
     target = files.resolve_pointer(path)
-    meta_file = target / SHARDED_META if target.is_dir() else target
-    if target.is_dir() and not meta_file.exists():
-        raise CheckpointError(f"{target} is a folder without {SHARDED_META}: not a lockstep checkpoint folder")
-    content = files.read(meta_file, share=share)
+    content = files.read(_meta_file(target), share=share)
     opened = _Opened(target, content, payload.metadata(content, target))
     meta = opened.meta
     if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
@@ -201,6 +197,15 @@ def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only
         payload.check_world_size(content, target, dist.get_world_size())
         payload.check_complete(content, target, layout, state)
     return opened
+
+
+def _meta_file(target: Path) -> Path:
+    """The file that holds a checkpoint's header: the checkpoint itself, or a folder's lockstep.pt."""
+    if not target.is_dir():
+        return target
+    if not (target / SHARDED_META).exists():
+        raise CheckpointError(f"{target} is a folder without {SHARDED_META}: not a lockstep checkpoint folder")
+    return target / SHARDED_META
 
 
 def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
