@@ -5,7 +5,8 @@ Run it with the launcher (2 ranks, gloo, one thread per rank); rank 0 prints the
 
     OMP_NUM_THREADS=1 .venv/bin/lockstep -n 2 benchmarks/checkpoint_cost.py
 
-Options: ``--rounds 9`` (save/load pairs), ``--train-rounds 5 --steps 200 --every 10 50``.
+Options: ``--rounds 9`` (save/load pairs), ``--train-rounds 5 --steps 200 --every 10 50``
+(``--train-rounds 0`` prints only the save/load table).
 
 Model and data are the Trainer benchmark's (``trainer_throughput.py``): an MLP of 4 layers 512 wide
 with AdamW state (after one step, so both moment buffers exist), 64 samples per rank per step.
@@ -196,7 +197,8 @@ def main() -> None:
     n = (args.warmup + args.steps + 1) * BATCH * dist.get_world_size()
     dataset = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
     save_load(dataset, args.rounds)
-    train_cost(dataset, args.train_rounds, args.warmup, args.steps, args.every)
+    if args.train_rounds > 0:  # --train-rounds 0: only the save/load table
+        train_cost(dataset, args.train_rounds, args.warmup, args.steps, args.every)
 
 
 if __name__ == "__main__":
