@@ -219,6 +219,39 @@ def test_mixed_precision_follows_the_trainer_precision() -> None:
                           ("torch.float32", "torch.float32")]
 
 
+class LoudBlocks(BlockMLP):
+    """A loss large enough that fp16 gradients overflow at GradScaler's first scales, so that the
+    first steps are skipped and the scale drops."""
+
+    def loss(self, outputs, batch):
+        return super().loss(outputs, batch) * 4.0
+
+
+def _fp16_runs() -> list[tuple[dict[str, torch.Tensor], float]]:
+    results = []
+    for config in (None, {"sharding_strategy": "FULL_SHARD"}, {"sharding_strategy": "SHARD_GRAD_OP"},
+                   {"mixed_precision": "FULL"}):
+        model = LoudBlocks()
+        trainer = Trainer(model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size()),
+                          max_duration="2ep", optimizers=sgd(model), progress_bar=False, precision="amp_fp16",
+                          fsdp_config=config)
+        trainer.fit()
+        results.append((full_params(model), trainer.scaler.get_scale()))
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_amp_fp16_skips_the_same_steps_as_ddp() -> None:
+    # A skip must be agreed on: an overflow in one rank's gradient shard skips the step on every rank.
+    initial = LoudBlocks().state_dict()
+    for (ddp, ddp_scale), *sharded in run_distributed(_fp16_runs, world_size=2, timeout=160):
+        assert ddp_scale < 2.0 ** 16  # GradScaler's initial scale: some steps overflowed and were skipped
+        assert any(not torch.equal(ddp[k], initial[k]) for k in initial)  # and later steps trained
+        for params, scale in sharded:
+            assert scale == ddp_scale
+            assert_same_params(params, ddp, atol=1e-5)
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 

@@ -104,17 +104,17 @@ def test_autoresume_with_local_files(tmp_path: Path) -> None:
         assert_same_params(resumed, uninterrupted, atol=0)
 
 
-def _crash_between_publishes(folder: str) -> tuple[dict, dict, str, list[str]]:
+def _crash_between_publishes(folder: str, crash_at: int) -> tuple[dict, dict, str, list[str]]:
     from lockstep.checkpoint import files
 
     uninterrupted = fit("local", None, "2ep")
     if dist.get_global_rank() == 1:
         def crash(path: Path) -> None:
-            if "-ba5-" in path.name:
+            if f"-ba{crash_at}-" in path.name:
                 raise OSError("rank 1 went down before publishing")
         files._before_publish = crash
     message = "no error"
-    try:  # saves ba3, then ba5 at the end, which only rank 0 publishes
+    try:  # saves ba3, then ba5 at the end; rank 1 does not publish crash_at's
         fit("local", folder, "5ba", autoresume=True, keep=1)
     except RuntimeError as e:
         message = str(e)
@@ -127,13 +127,18 @@ def _crash_between_publishes(folder: str) -> tuple[dict, dict, str, list[str]]:
 
 
 @pytest.mark.timeout(180)
-def test_autoresume_of_local_files_goes_back_to_the_step_every_rank_has(tmp_path: Path) -> None:
-    results = run_distributed(_crash_between_publishes, world_size=2, args=(str(tmp_path),), timeout=160)
+@pytest.mark.parametrize("crash_at", [5, 3])
+def test_autoresume_of_local_files_goes_back_to_the_step_every_rank_has(crash_at: int, tmp_path: Path) -> None:
+    # at 5, the ranks resume from ba3, which every rank has; at 3 (the first save) they start over
+    results = run_distributed(_crash_between_publishes, world_size=2, args=(str(tmp_path), crash_at), timeout=160)
     for uninterrupted, resumed, message, kept in results:
         assert "failed on rank 1" in message and "went down before publishing" in message
-        # rank 0 published ba5 but kept ba3 (keep=1 prunes only once every rank has published)
-        assert {"ep0-ba3-rank0.pt", "ep1-ba5-rank0.pt", "ep0-ba3-rank1.pt"} <= set(kept)
-        assert "ep1-ba5-rank1.pt" not in kept
+        if crash_at == 5:  # rank 0 published ba5 but kept ba3 (keep=1 prunes once every rank has published)
+            assert {"ep0-ba3-rank0.pt", "ep1-ba5-rank0.pt", "ep0-ba3-rank1.pt"} <= set(kept)
+            assert "ep1-ba5-rank1.pt" not in kept
+        else:
+            assert {"ep0-ba3-rank0.pt", "latest-rank0.pt"} <= set(kept)
+            assert "latest-rank1.pt" not in kept and "ep0-ba3-rank1.pt" not in kept
         assert_same_params(resumed, uninterrupted, atol=0)
     assert sorted(os.listdir(tmp_path)) == ["ep2-ba8-rank0.pt", "ep2-ba8-rank1.pt", "latest-rank0.pt",
                                             "latest-rank1.pt"]

@@ -56,7 +56,8 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
          weights_only: bool, strict: bool, optional: bool = False, what: str = "load_path") -> Loaded | None:
     """Load the checkpoint ``template`` names into ``state`` on every rank.
 
-    With ``optional`` (autoresume), no file on any rank means a fresh start (None). Reading and
+    With ``optional`` (autoresume), no file on any rank means a fresh start (None), as do per-rank
+    files of a first save that only some ranks published (see :func:`_start_over`). Reading and
     checking comes first and is agreed on in one all-reduce; only then is anything loaded, since
     FSDP's loads are collectives that every rank must reach. When every rank loaded the same file
     into an unsharded model (DDP), a failure to load it is the same on every rank, so only then is
@@ -64,6 +65,8 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
     """
     templates.check_template(template, what, time_fields=False)
     own, zero = candidates(template, run_name)
+    if layout.name == LOCAL:  # per-rank files: rank 0's never serves another rank
+        zero = own
     path = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
     rank, world = dist.get_global_rank(), dist.get_world_size()
     # Usually every rank reads rank 0's file; then they split its CRC check. The agreement
@@ -86,10 +89,12 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
          int(not shared)], state.device)
     if optional and not any_found:
         return None
-    if any_missing:
-        _raise_first(missing)
     if failed:
         _raise_first(error)
+    if any_missing and optional and layout.name == LOCAL:
+        return _start_over(opened, path, state)
+    if any_missing:
+        _raise_first(missing)
     if -neg_low != high and optional and layout.name == LOCAL:
         opened = _step_back(opened, -neg_low, path, state, layout, run_name=run_name)
     elif -neg_low != high:
@@ -145,6 +150,25 @@ def _step_back(opened: _Opened | None, low: int, pointer: Path | None, state: An
         files.point_latest(pointer, opened.path)
         files.remove(ahead.path)
     return opened
+
+
+def _start_over(opened: _Opened | None, pointer: Path | None, state: Any) -> None:
+    """Autoresume of per-rank files after a crash in the run's first save, which some ranks
+    published and others did not: no step is on every rank, so the run starts fresh, and the ranks
+    that published delete their pointer and file (which no other rank's files match)."""
+    error = None
+    if opened is not None:
+        saves = len((opened.meta or {}).get("history", []))
+        if saves > 1:
+            error = (f"{opened.path} is this rank's checkpoint number {saves} of the run, yet other ranks find "
+                     f"no latest pointer at all: their files are gone (save_folder must be the same folder "
+                     f"for every rank, e.g. on a shared file system)")
+    if _agree([int(error is not None)], state.device)[0]:
+        _raise_first(error)
+    if opened is not None and pointer is not None:
+        if pointer.is_symlink():
+            pointer.unlink()
+        files.remove(opened.path)
 
 
 def _checked(path: Path) -> str | None:
