@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,25 @@ def test_resume_with_random_augmentation_and_a_global_rng_sampler(tmp_path: Path
     assert_bitwise(resumed, reference)
     resumed = fit("10ba", tmp_path / "c", data=noisy_loader(workers), load_path=str(tmp_path / "a/ep1-ba8-rank0.pt"))
     assert_bitwise(resumed, reference)
+
+
+def persistent_loader(persistent: bool = True) -> DataLoader:
+    ds = NoisyDataset()
+    return DataLoader(ds, batch_size=4, sampler=RandomSampler(ds), num_workers=1, persistent_workers=persistent)
+
+
+def test_persistent_workers_resume_exactly_in_the_first_epoch_and_warn_after_it(tmp_path: Path) -> None:
+    # Their random state carries over from epoch to epoch inside the worker processes, so only a
+    # resume in the first epoch (which replays its batches) can be exact; a later one says so.
+    reference = fit("10ba", tmp_path, data=persistent_loader(), save_interval="4ba")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit("10ba", None, data=persistent_loader(), load_path=str(tmp_path / "ep0-ba4-rank0.pt"))
+        make("10ba", None, data=persistent_loader(False), load_path=str(tmp_path / "ep1-ba8-rank0.pt"))
+    assert not [w for w in caught if "persistent_workers" in str(w.message)]
+    assert_bitwise(resumed, reference)
+    with pytest.warns(UserWarning, match="persistent_workers=True: its workers' random state carries over"):
+        make("10ba", None, data=persistent_loader(), load_path=str(tmp_path / "ep1-ba8-rank0.pt"))
 
 
 def test_autoresume_continues_and_starts_fresh_without_a_checkpoint(uninterrupted, tmp_path: Path) -> None:

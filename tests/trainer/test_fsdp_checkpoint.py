@@ -26,15 +26,25 @@ class DropoutBlocks(BlockMLP):
         return self.net(torch.nn.functional.dropout(batch[0], 0.2, training=self.training))
 
 
+class NormBlocks(DropoutBlocks):
+    """With a BatchNorm, whose float buffers FSDP's PURE mixed precision keeps in bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(self.net[0], torch.nn.BatchNorm1d(16), *self.net[1:])
+
+
 def fit(kind: str, folder: str | None, duration: str, load: str | None = None, autoresume: bool = False,
-        dropout: bool = True, keep: int = -1) -> dict[str, torch.Tensor]:
-    model = DropoutBlocks() if dropout else BlockMLP()
+        dropout: bool = True, keep: int = -1, pure_bf16: bool = False) -> dict[str, torch.Tensor]:
+    model = NormBlocks() if pure_bf16 else DropoutBlocks() if dropout else BlockMLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    fsdp_config = {"state_dict_type": kind, **({"mixed_precision": "PURE"} if pure_bf16 else {})}
     trainer = Trainer(
         model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size(), shuffle=True),
         max_duration=duration, optimizers=optimizer,
         schedulers=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5),
-        progress_bar=False, seed=7, fsdp_config=None if kind == "ddp" else {"state_dict_type": kind},
+        precision="amp_bf16" if pure_bf16 else "fp32",
+        progress_bar=False, seed=7, fsdp_config=None if kind == "ddp" else fsdp_config,
         save_folder=folder, save_filename=NAMES[kind], save_interval="3ba",
         load_path=load, autoresume=autoresume, run_name="fsdp-ck" if autoresume else None,
         save_num_checkpoints_to_keep=keep)
@@ -67,6 +77,27 @@ def test_exact_resume_and_export(kind: str, tmp_path: Path) -> None:
         assert (tmp_path / "ep0-ba3").is_dir() and (tmp_path / "ep0-ba3" / "lockstep.pt").is_file()
     if kind == "full":
         assert "ep0-ba3-rank1.pt" not in files  # rank 0 writes one file
+
+
+def _pure_bf16(kind: str, folder: str) -> tuple[dict, dict, dict[str, torch.dtype]]:
+    uninterrupted = fit(kind, None, "2ep", pure_bf16=True)
+    fit(kind, folder, "3ba", pure_bf16=True)
+    ba3 = os.path.join(folder, NAMES[kind].format(epoch=0, batch=3, rank="{rank}"))
+    resumed = fit(kind, None, "2ep", load=ba3, pure_bf16=True)
+    saved = export_state_dict(ba3.format(rank=0))
+    return uninterrupted, resumed, {k: v.dtype for k, v in saved.items()}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_buffers_kept_in_bf16_are_saved_in_their_own_dtype(kind: str, tmp_path: Path) -> None:
+    # FSDP1's rule: full and sharded checkpoints hold buffers in full precision; the resume is exact
+    for uninterrupted, resumed, saved in run_distributed(_pure_bf16, world_size=2, args=(kind, str(tmp_path)),
+                                                         timeout=160):
+        assert uninterrupted["net.1.running_mean"].dtype == torch.bfloat16  # live, in the buffer dtype
+        assert saved["net.1.running_mean"] == saved["net.1.running_var"] == torch.float32
+        assert saved["net.1.num_batches_tracked"] == torch.int64
+        assert_same_params(resumed, uninterrupted, atol=0)
 
 
 def _save_sharded(folder: str) -> None:

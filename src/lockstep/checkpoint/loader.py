@@ -287,4 +287,6 @@ def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, lay
     if weights_only:
         return Loaded(path, weights_only=True)
     entry = payload.apply(content, state, scaler, path, dist.get_global_rank(), dist.get_world_size())
+    if entry and entry.get("buffers"):
+        layout.load_rank_buffers(entry["buffers"])
     return Loaded(path, entry, list(meta.get("history", [])))

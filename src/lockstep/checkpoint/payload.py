@@ -7,6 +7,9 @@ optimizer state::
      "timestamp": {...}, "model": {...}, "optimizers": [...], "schedulers": [...], "scaler": {...},
      "ranks": [{"rng", "epoch_rng", "fetch_rng", "loader_state"}, ...]}   # one entry per rank, by rank
 
+Under FSDP a rank's entry also holds its own float buffers (``buffers``: FSDP does not keep them
+equal across ranks), and in the ``local`` layout the name of its ``file``.
+
 FSDP's ``local`` layout writes one such file per rank (``rank`` says whose, ``shards`` where each
 shard sits in the full tensor); its ``sharded`` layout writes this dict without the tensors as
 ``lockstep.pt`` in a DCP folder. See :mod:`lockstep.checkpoint.states`.

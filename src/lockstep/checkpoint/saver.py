@@ -117,6 +117,9 @@ class CheckpointSaver:
         path = self.folder / name
         if self.layout == LOCAL:  # so that export finds every rank's file from any one of them
             rank_entry = {**rank_entry, "file": name}
+        buffers = layout.rank_buffers()
+        if buffers:
+            rank_entry = {**rank_entry, "buffers": buffers}
         failure = self._join() if self.writes else None  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
         # One gather, so that a refusal or a failed earlier write raises on every rank rather than

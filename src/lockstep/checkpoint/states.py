@@ -40,8 +40,14 @@ class Layout:
     collective = False
     """Whether :meth:`gather` is a collective (then every rank calls it, not only writers)."""
 
-    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                 buffer_dtypes: dict[str, torch.dtype] | None = None) -> None:
         self.model, self.optimizers = model, optimizers
+        self.buffer_dtypes = buffer_dtypes or {}
+        """Buffers FSDP keeps in a lower dtype -> their own dtype, which full and sharded checkpoints hold."""
+
+    def _restore_buffer_dtypes(self, model: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.buffer_dtypes[k]) if k in self.buffer_dtypes else v for k, v in model.items()}
 
     def extra_meta(self) -> dict[str, Any]:
         """More header fields for this rank's file."""
@@ -55,6 +61,18 @@ class Layout:
     def full_reader(self) -> Layout:
         """The layout that loads a single-file checkpoint's full tensors into this run."""
         return self
+
+    def rank_buffers(self) -> dict[str, torch.Tensor]:
+        """Buffers this rank may hold differently from rank 0, for its own entry in the checkpoint;
+        none under DDP, which broadcasts rank 0's buffers before every forward."""
+        return {}
+
+    def load_rank_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        live = self.model.state_dict()  # shares storage with the buffers
+        with torch.no_grad():
+            for key, value in saved.items():
+                if key in live and live[key].shape == value.shape:
+                    live[key].copy_(value)
 
     def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
         try:
@@ -105,18 +123,24 @@ def _optimizermisfit(path: Path, i: int, optimizer: torch.optim.Optimizer, e: Ex
                            f"match the saved one: {' '.join(str(e).split())[:400]}")
 
 
-class FullLayout(Layout):
+class _OwnBuffers(Layout):
+    """FSDP does not synchronise buffers (a BatchNorm's running statistics differ per rank), and
+    one file or DCP's deduplication keeps rank 0's only: each rank's entry holds its own."""
+
+    def rank_buffers(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.model.state_dict().items()
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.is_floating_point()}
+
+
+class FullLayout(_OwnBuffers):
     """FSDP, ``state_dict_type='full'``: full tensors gathered to rank 0, one file."""
 
     optimizer_keys = NAME
     collective = True
-
-    def full_reader(self) -> Layout:
-        return self
     _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        model = get_model_state_dict(self.model, options=self._SAVE)
+        model = self._restore_buffer_dtypes(get_model_state_dict(self.model, options=self._SAVE))
         return model, [get_optimizer_state_dict(self.model, o, options=self._SAVE) for o in self.optimizers]
 
     def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
@@ -145,7 +169,7 @@ class LocalLayout(Layout):
     optimizer_keys = NAME
 
     def full_reader(self) -> Layout:
-        return FullLayout(self.model, self.optimizers)
+        return FullLayout(self.model, self.optimizers, self.buffer_dtypes)
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = {k: _local(v) for k, v in self.model.state_dict().items()}
@@ -211,7 +235,7 @@ def _placement(value: torch.Tensor) -> tuple[list[int], list[int]]:
     return list(value.shape), list(offset)
 
 
-class ShardedLayout(Layout):
+class ShardedLayout(_OwnBuffers):
     """FSDP, ``state_dict_type='sharded'``: DTensors saved and loaded through DCP."""
 
     name = SHARDED
@@ -219,10 +243,11 @@ class ShardedLayout(Layout):
     collective = True
 
     def full_reader(self) -> Layout:
-        return FullLayout(self.model, self.optimizers)
+        return FullLayout(self.model, self.optimizers, self.buffer_dtypes)
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        return get_model_state_dict(self.model), [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
+        model = self._restore_buffer_dtypes(get_model_state_dict(self.model))
+        return model, [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
 
     def write_folder(self, temp: Path, model: dict[str, Any], optimizers: list[Any]) -> list[Any]:
         """Every rank writes its shards into ``temp``; returns the optimizers' non-tensor parts."""
@@ -276,10 +301,11 @@ def join_tensors(tensors: Any, rest: Any) -> Any:
 
 
 def layout_for(model: nn.Module, optimizers: list[torch.optim.Optimizer], state_dict_type: str | None,
-               deepspeed: Any = None) -> Layout:
-    """The run's layout: from FSDP's ``state_dict_type``, or DeepSpeed's (a DeepSpeedSetup)."""
+               deepspeed: Any = None, buffer_dtypes: dict[str, torch.dtype] | None = None) -> Layout:
+    """The run's layout: from FSDP's ``state_dict_type`` (and the dtypes of the buffers FSDP keeps
+    lower, which local files keep as they are), or DeepSpeed's (a DeepSpeedSetup)."""
     if deepspeed is not None:
         from lockstep.checkpoint.deepspeed import DeepSpeedLayout
         return DeepSpeedLayout(model, optimizers, deepspeed.engine, deepspeed.stage)
     kinds = {None: Layout, "full": FullLayout, "local": LocalLayout, "sharded": ShardedLayout}
-    return kinds[state_dict_type](model, optimizers)
+    return kinds[state_dict_type](model, optimizers, buffer_dtypes)

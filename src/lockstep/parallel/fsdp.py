@@ -34,6 +34,8 @@ from lockstep.parallel.fsdp_config import (
 
 MODULE_KEYS = ("process_group", "sharding_strategy", "mixed_precision", "cpu_offload")
 """The settings a wrap rule may give one module (a dict from ``_fsdp_wrap`` or ``fsdp_wrap_fn``)."""
+_WRAPPED = "_checkpoint_wrapped_module"
+"""Where an activation-checkpointing (or offload) wrapper keeps the module it wraps."""
 
 
 @dataclass(slots=True)
@@ -58,6 +60,9 @@ class FSDPSetup:
 
     units: list[Unit] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
+    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    """State dict name -> original dtype of each buffer kept in a lower buffer dtype: full and
+    sharded checkpoints hold those buffers in their original dtype, as FSDP1's did."""
 
     def describe(self) -> list[str]:
         lines = []
@@ -183,8 +188,8 @@ def _post_order(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The user's module inside activation-checkpointing / offload wrappers."""
-    while hasattr(module, "_checkpoint_wrapped_module"):
-        module = module._checkpoint_wrapped_module
+    while hasattr(module, _WRAPPED):
+        module = getattr(module, _WRAPPED)
     return module
 
 
@@ -263,18 +268,21 @@ def _shard(unit: Unit, meshes: _Meshes, device: torch.device) -> None:
 
 
 def _cast_buffers(model: nn.Module, setup: FSDPSetup) -> None:
-    """FSDP does not shard buffers; like FSDP1, keep each one in its unit's buffer dtype."""
+    """FSDP does not shard buffers; like FSDP1, keep each one in its unit's buffer dtype, and
+    note the dtype it had for checkpoints (see :attr:`FSDPSetup.buffer_dtypes`)."""
     dtype_of = {id(u.module): u.precision.buffer_dtype for u in setup.units}
 
-    def visit(module: nn.Module, dtype: torch.dtype) -> None:
+    def visit(module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
         dtype = dtype_of.get(id(module), dtype)
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                setup.buffer_dtypes[prefix + name] = buffer.dtype
                 setattr(module, name, buffer.to(dtype))
-        for child in module.children():
-            visit(child, dtype)
+        for child_name, child in module.named_children():
+            # state dict names leave out activation-checkpointing wrappers
+            visit(child, prefix if child_name == _WRAPPED else f"{prefix}{child_name}.", dtype)
 
-    visit(model, dtype_of[id(model)])
+    visit(model, "", dtype_of[id(model)])
 
 
 def _set_backward_prefetch(setup: FSDPSetup, mode: str) -> None:

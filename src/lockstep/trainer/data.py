@@ -79,6 +79,20 @@ def is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
+def resume_caveat(loader: Any, epoch: int) -> str | None:
+    """Why resuming ``loader`` at ``epoch`` cannot be exact, if it cannot: workers that persist
+    across epochs carry their random state from one epoch into the next, and nothing outside them
+    can read it (a resume in the first epoch replays its batches, so its workers match)."""
+    if (epoch == 0 or not isinstance(loader, DataLoader) or loader.num_workers == 0
+            or not loader.persistent_workers or is_stateful(loader)):
+        return None
+    return ("train_dataloader has persistent_workers=True: its workers' random state carries over from "
+            "epoch to epoch and is not in the checkpoint, so randomness drawn inside workers (e.g. data "
+            "augmentation) differs from an uninterrupted run after this resume. For an exact resume, use "
+            "persistent_workers=False, or torchdata's StatefulDataLoader with a dataset that saves its "
+            "generator in state_dict()")
+
+
 def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
                   track: DataPosition | None = None,
                   resume: DataPosition | None = None) -> Iterator[tuple[Any, int, int, bool]]:

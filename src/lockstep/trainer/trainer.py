@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,7 +141,7 @@ class Trainer:
             batches_per_epoch=setup.safe_len(train_dataloader),
         )
         self.layout = layout_for(model, optimizer_list, self.fsdp_config and self.fsdp_config.state_dict_type,
-                                 self.deepspeed)
+                                 self.deepspeed, buffer_dtypes=self.fsdp.buffer_dtypes if self.fsdp else None)
         self.saver = checkpointing.make_saver(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
@@ -151,6 +152,10 @@ class Trainer:
             run_name_given=run_name is not None, weights_only=load_weights_only,
             strict=load_strict_model_weights)
         self._resume_entry = None if loaded is None or loaded.weights_only else loaded.rank_entry or {}
+        if self._resume_entry is not None and dist.get_global_rank() == 0:
+            caveat = data.resume_caveat(train_dataloader, self.state.timestamp.epoch)
+            if caveat:
+                warnings.warn(caveat, stacklevel=2)
         self._position = data.DataPosition()
         self.callbacks = setup.default_callbacks(run_folder, progress_bar) + list(callbacks)
         self._run_event(Event.INIT)
