@@ -221,7 +221,8 @@ def _to_local(sd: Any) -> Any:
 
 def _like(value: Any, spec: Any) -> Any:
     """A saved local shard back as a DTensor placed like the parameter (scalars stay as they are)."""
-    if isinstance(value, torch.Tensor) and isinstance(spec, DTensor) and value.shape != () and value.dim() == spec.dim():
+    if (isinstance(value, torch.Tensor) and isinstance(spec, DTensor) and value.shape != ()
+            and value.dim() == spec.dim()):
         return DTensor.from_local(value.to(spec.device), spec.device_mesh, spec.placements,
                                   shape=spec.shape, stride=spec.stride(), run_check=False)
     return value
