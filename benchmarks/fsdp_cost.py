@@ -12,9 +12,11 @@ Options: ``--rounds 5 --warmup 10 --steps 60`` (speed), ``--layers 12 --width 20
   shard): what the target ``FULL_SHARD <= 0.55 x DDP`` is about. Parameters gathered for a
   layer's forward/backward are freed after it, so they are not part of the steady state.
 * Speed: the Trainer benchmark's MLP (4 x ``nn.Linear``, 512 wide), 64 samples per rank per step,
-  AdamW; DDP, FULL_SHARD with each Linear a unit, and FULL_SHARD with the whole model one unit
-  take turns going first in each round; it prints the median steps/s of each over the rounds and
-  the median of the within-round ratios to DDP.
+  AdamW; DDP, FULL_SHARD with each Linear a unit, FULL_SHARD with the whole model one unit, and a
+  hand-written ``fully_shard`` loop (each Linear a unit, no Trainer) take turns going first in each
+  round; it prints the median steps/s of each over the rounds and the median of the within-round
+  ratios to DDP. The Trainer's FULL_SHARD against the plain loop is lockstep's own cost; both
+  against DDP is what sharding costs on this machine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,10 +102,10 @@ def memory(layers: int, width: int) -> dict[str, dict[str, int]]:
     return out
 
 
-SPEED_SIDES = ("DDP", "FULL_SHARD", "FULL_SHARD, one unit")
+SPEED_SIDES = ("DDP", "FULL_SHARD", "FULL_SHARD, one unit", "plain fully_shard loop")
 
 
-def timed_rounds(sides: tuple[str, ...], make: Callable[[str, str], lockstep.Trainer], rounds: int, warmup: int,
+def timed_rounds(sides: tuple[str, ...], make: Callable[[str, str], Any], rounds: int, warmup: int,
                  steps: int) -> list[dict[str, float]]:
     """Steps/s of each side per round; ``make(side, duration)`` builds a Trainer of ``warmup + steps``
     batches. Sides take turns going first; each is timed after ``warmup`` steps."""
@@ -123,8 +126,37 @@ def timed_rounds(sides: tuple[str, ...], make: Callable[[str, str], lockstep.Tra
     return results
 
 
+class PlainFSDP:
+    """A hand-written FSDP2 loop beside the Trainer: ``fully_shard`` on each Linear and on the
+    model, AdamW, the same data. ``fit()`` trains up to ``state.max_duration`` batches, as the
+    Trainer does, so that :func:`timed_rounds` times both alike."""
+
+    def __init__(self, duration: str, batches: int) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = Stack(3, 512, 10)
+        for module in self.model.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module)
+        fully_shard(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.batches = iter(_loader(512, 10, 64, batches))
+        self.state = argparse.Namespace(max_duration=lockstep.Time.from_input(duration))
+        self.done = 0
+
+    def fit(self) -> None:
+        while self.done < self.state.max_duration.value:
+            batch = next(self.batches)
+            self.model.loss(self.model(batch), batch).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.done += 1
+
+
 def speed(rounds: int, warmup: int, steps: int) -> list[dict[str, float]]:
-    def make(side: str, duration: str) -> lockstep.Trainer:
+    def make(side: str, duration: str) -> lockstep.Trainer | PlainFSDP:
+        if side == "plain fully_shard loop":
+            return PlainFSDP(duration, warmup + steps)
         model = Stack(3, 512, 10)
         model.wrap_layers = side == "FULL_SHARD"
         return _trainer(model, _loader(512, 10, 64, warmup + steps), duration, side != "DDP")
@@ -174,6 +206,8 @@ def main() -> None:
     print(f"  FULL_SHARD / DDP = {ratio:.3f}")
     print_speed(runs, SPEED_SIDES, f"speed, benchmark MLP (4 x 512), 64 samples/rank/step, {args.rounds} rounds x "
                                    f"{args.steps} steps:")
+    own = statistics.median(r["FULL_SHARD"] / r["plain fully_shard loop"] for r in runs)
+    print(f"  Trainer FULL_SHARD / plain fully_shard loop: pairwise median {own:.3f}")
 
 
 if __name__ == "__main__":
