@@ -16,8 +16,9 @@ Save/load, alternating which goes first in each round, medians over rounds, rank
 * lockstep save: ``CheckpointSaver.save`` as the Trainer calls it: gather every rank's RNG state,
   rank 0 writes model + optimizer + timestamp + RNG states to a temporary file; training goes on
   while a background thread fsyncs it, renames it, fsyncs the folder and moves the latest pointer.
-  "ours save" is the time training is blocked; "ours save, durable" adds ``saver.wait()`` (the
-  publish finished on rank 0, then a barrier).
+  "ours save" is the time training is blocked; "ours save, durable" is a save that is waited for
+  (``save(wait=True)`` then ``saver.wait()``, as at the end of training and on preemption: written
+  and published with no in-memory copy, then one all-reduce).
 * plain save: rank 0 ``torch.save({"model": ..., "optimizer": ...}, path)`` to a new file (as a loop
   saving ``ckpt-{step}.pt`` does), then the barrier. It does not fsync, so the table also shows
   plain save + fsync, which is what durability costs by itself, and a save that rewrites one
@@ -83,7 +84,7 @@ def save_load(dataset: TensorDataset, rounds: int) -> None:
 
     def ours_save(durable: bool) -> None:
         saver.save(state, trainer.scaler, {"rng": rng.capture(), "epoch_rng": None, "fetch_rng": None},
-                   trainer.layout)
+                   trainer.layout, wait=durable)
         if durable:
             saver.wait()
 

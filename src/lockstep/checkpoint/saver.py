@@ -106,12 +106,14 @@ class CheckpointSaver:
         return is_interval_due(before, after, self.interval, self.max_duration)
 
     def save(self, state: Any, scaler: torch.amp.GradScaler | None, rank_entry: dict[str, Any],
-             layout: states.Layout) -> Path | None:
+             layout: states.Layout, *, wait: bool = False) -> Path | None:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it).
 
         Training waits for one small all-gather and a copy of the state in memory; a thread writes
         the copy and publishes it. A checkpoint too big to copy into free memory is written to its
-        temporary file before this returns.
+        temporary file before this returns. With ``wait`` (the caller calls :meth:`wait` next: the
+        end of training, preemption) there is nothing to overlap, so the state is written and
+        published straight away, without the copy.
         """
         name = templates.format_name(self.filename, self.place, state.timestamp)
         path = self.folder / name
@@ -145,11 +147,13 @@ class CheckpointSaver:
         elif self.writes:
             content = payload.build(state, scaler, ranks, history, layout, model, optimizers,
                                     rank=dist.get_global_rank())
-            if staging.fits_in_memory(staging.storage_bytes(content)):
+            if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
                 staged = self._stager.stage(content)
             else:
                 temp = files.write_temp(content, path)
-        if self.writes:
+        if self.writes and wait:
+            self._publish(temp, staged, path, history)
+        elif self.writes:
             if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint")
             self._publisher = self._pool.submit(self._publish, temp, staged, path, history)

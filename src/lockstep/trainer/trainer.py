@@ -212,7 +212,7 @@ class Trainer:
                     raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
             if self.saver:
                 if self.saver.last_saved_batch != s.timestamp.batch:
-                    self._save(s.timestamp.batch_in_epoch == 0)
+                    self._save(s.timestamp.batch_in_epoch == 0, wait=True)
                 self.saver.wait()
         self._run_event(Event.FIT_END)
 
@@ -342,18 +342,18 @@ class Trainer:
         return data.DataPosition(epoch_rng=entry.get("epoch_rng"), fetch_rng=entry.get("fetch_rng"), skip=skip,
                                  rng_after=entry.get("rng"), loader_state=entry.get("loader_state"))
 
-    def _save(self, at_epoch_end: bool) -> None:
+    def _save(self, at_epoch_end: bool, wait: bool = False) -> None:
         position = self._position
         entry = {"rng": rng.capture(),
                  "epoch_rng": None if at_epoch_end else position.epoch_rng,
                  "fetch_rng": None if at_epoch_end else position.fetch_rng,
                  "loader_state": None if at_epoch_end else position.loader_state}
-        self.saver.save(self.state, self.scaler, entry, self.layout)  # type: ignore[union-attr]
+        self.saver.save(self.state, self.scaler, entry, self.layout, wait=wait)  # type: ignore[union-attr]
 
     def _preempt(self, at_epoch_end: bool) -> None:
         s = self.state
         if self.saver.last_saved_batch != s.timestamp.batch:  # type: ignore[union-attr]
-            self._save(at_epoch_end)
+            self._save(at_epoch_end, wait=True)
         self.saver.wait()  # type: ignore[union-attr]
         self._run_event(Event.FIT_END)
         message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch}; the checkpoint is in "
