@@ -219,6 +219,34 @@ def test_mixed_precision_follows_the_trainer_precision() -> None:
                           ("torch.float32", "torch.float32")]
 
 
+def _prefetch_order(mode: str) -> list[str]:
+    model = BlockMLP()
+    events: list[str] = []
+    trainer = Trainer(model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size()),
+                      max_duration="1ba", optimizers=sgd(model), progress_bar=False,
+                      fsdp_config={"backward_prefetch": mode})
+    for i, block in enumerate(model.net[:3]):
+        block.register_full_backward_pre_hook(lambda module, grads, i=i: events.append(f"backward b{i}"))
+        unshard = block.unshard
+        block.unshard = lambda async_op=False, i=i, unshard=unshard: (events.append(f"gather b{i}"),
+                                                                      unshard(async_op))[1]
+    trainer.fit()
+    return events
+
+
+def _prefetch_orders() -> tuple[list[str], list[str]]:
+    return _prefetch_order("BACKWARD_POST"), _prefetch_order("BACKWARD_PRE")
+
+
+@pytest.mark.timeout(120)
+def test_backward_post_gathers_the_next_unit_once_gradients_are_computed() -> None:
+    # BACKWARD_POST asks for each block's parameters after the next block's backward computed its
+    # gradients and before its own backward starts; BACKWARD_PRE leaves it to FSDP's pre-backward
+    post, pre = run_distributed(_prefetch_orders, world_size=2, timeout=100)[0]
+    assert post == ["backward b2", "gather b1", "backward b1", "gather b0", "backward b0"]
+    assert pre == ["backward b2", "backward b1", "backward b0"]
+
+
 class LoudBlocks(BlockMLP):
     """A loss large enough that fp16 gradients overflow at GradScaler's first scales, so that the
     first steps are skipped and the scale drops."""

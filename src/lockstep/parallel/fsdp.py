@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -111,7 +112,7 @@ def prepare_fsdp(model: nn.Module, config: FSDPConfig, precision: str, device: t
         _shard(unit, meshes, device)
         setup.units.append(unit)
     _cast_buffers(model, setup)
-    _set_backward_prefetch(setup, config.backward_prefetch)
+    _set_backward_prefetch(setup, config.backward_prefetch, model)
     _repoint_optimizers(optimizers, owners)
     if config.verbose and dist.get_global_rank() == 0:
         print("\n".join(setup.describe()), flush=True)
@@ -285,16 +286,60 @@ def _cast_buffers(model: nn.Module, setup: FSDPSetup) -> None:
     visit(model, "", dtype_of[id(model)])
 
 
-def _set_backward_prefetch(setup: FSDPSetup, mode: str) -> None:
-    """BACKWARD_PRE and BACKWARD_POST keep FSDP2's one prefetch point (the next unit's all-gather is
-    issued when a unit's backward starts). NONE names each unit itself as the only one to prefetch:
-    it is already gathered by then, so nothing is fetched ahead."""
-    if mode != "NONE":
+def _set_backward_prefetch(setup: FSDPSetup, mode: str, root: nn.Module) -> None:
+    """When the all-gather of the unit whose backward comes next is issued.
+
+    BACKWARD_PRE is FSDP2's own: when a unit's backward starts. BACKWARD_POST issues it once a
+    unit's gradients are computed (FSDP1's default: less overlap, and at most two units gathered at
+    once). NONE names each unit itself as the one to prefetch: it is already gathered by then,
+    so nothing is fetched ahead."""
+    if mode == "BACKWARD_PRE":
+        return
+    if mode == "BACKWARD_POST":
+        _PostBackwardPrefetch([u.module for u in setup.units], root)
         return
     for unit in setup.units:
         module = unit.module
         assert isinstance(module, FSDPModule)
         module.set_modules_to_backward_prefetch([module])
+
+
+class _PostBackwardPrefetch:
+    """BACKWARD_POST on FSDP2. Each forward records the units in the order their forwards end (the
+    reverse of their backward order) and hooks the gradients of each unit's inputs: once they are
+    computed, the unit's backward is done, and the unit that ended its forward just before it is
+    all-gathered (asynchronously; FSDP waits for it when that unit's backward starts). The root
+    keeps FSDP2's own prefetch: its backward starts with the loss, and its inputs (the batch) have
+    no gradient to hook."""
+
+    def __init__(self, modules: list[nn.Module], root: nn.Module) -> None:
+        self.order: list[FSDPModule] = []
+        root.register_forward_pre_hook(self._start)
+        for module in modules:
+            if module is root:
+                continue
+            assert isinstance(module, FSDPModule)
+            module.set_modules_to_backward_prefetch([module])  # nothing when its backward starts
+            module.register_forward_hook(self._forward_done, with_kwargs=True)
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        self.order = []
+
+    def _forward_done(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        # not in evaluation, nor in activation checkpointing's recomputation during backward
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        assert isinstance(module, FSDPModule)
+        index = len(self.order)
+        self.order.append(module)
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if index > 0 and inputs:
+            previous = self.order[index - 1]
+
+            def gather_previous(grads: Any) -> None:
+                previous.unshard(async_op=True)
+
+            torch.autograd.graph.register_multi_grad_hook(inputs, gather_previous)
 
 
 def _repoint_optimizers(optimizers: list[torch.optim.Optimizer],

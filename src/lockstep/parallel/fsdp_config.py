@@ -52,7 +52,8 @@ class FSDPConfig:
     """FULL | DEFAULT | PURE (dtypes from the Trainer's precision), or a dict of
     param_dtype/reduce_dtype/buffer_dtype as 'fp32' | 'fp16' | 'bf16'."""
     backward_prefetch: str = "BACKWARD_POST"
-    """BACKWARD_PRE / BACKWARD_POST: gather the next module's parameters during backward; NONE: do not."""
+    """Gather the next unit's parameters when a unit's backward starts (BACKWARD_PRE), once its
+    gradients are computed (BACKWARD_POST), or not ahead at all (NONE)."""
     activation_checkpointing: bool = False
     """Recompute the activations of the modules the activation-checkpointing rules select."""
     activation_cpu_offload: bool = False
