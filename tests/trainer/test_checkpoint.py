@@ -281,6 +281,20 @@ def _two_rank_resume(folder: str) -> dict:
     return out
 
 
+def _nodes_without_a_shared_disk(folder: str) -> dict:
+    """Each rank works in its own folder, as two nodes with their own disks would: only rank 0's
+    holds the checkpoints (under DDP rank 0 writes them), and rank 1 gets them from rank 0."""
+    own = Path(folder) / f"node{dist.get_global_rank()}"
+    own.mkdir()
+    os.chdir(own)
+    out = {"reference": fit("9ba", None, batch=2)}
+    out["autoresume"] = [fit(stop, "ckpt", batch=2, run_name="nodes", autoresume=True, save_interval="3ba")
+                         for stop in ("5ba", "9ba")]
+    out["load_path"] = fit("9ba", None, batch=2, load_path="ckpt/ep0-ba3-rank{rank}.pt")
+    out["own files"] = sorted(os.listdir(own))
+    return out
+
+
 def _load_at_world_size_one(folder: str) -> str:
     return error_of(make, "2ba", None, load_path=folder, expected=(CheckpointError,))
 
@@ -298,6 +312,15 @@ def test_two_ranks_resume_exactly(tmp_path: Path) -> None:
         assert_bitwise(rank["autoresume"][1], reference)
     message = _load_at_world_size_one(str(tmp_path / "a/ep0-ba5-rank0.pt"))
     assert "saved by 2 rank(s) and this run has 1" in message and "load_weights_only=True" in message
+
+
+@pytest.mark.timeout(200)
+def test_ranks_that_do_not_see_rank_0s_disk_resume_from_it(tmp_path: Path) -> None:
+    for rank, out in enumerate(run_distributed(_nodes_without_a_shared_disk, world_size=2, args=(str(tmp_path),),
+                                               timeout=180)):
+        assert_bitwise(out["autoresume"][1], out["reference"])
+        assert_bitwise(out["load_path"], out["reference"])
+        assert ("ckpt" in out["own files"]) == (rank == 0)
 
 
 def _corrupted(source: Path, target: Path, nth_largest: int) -> str:

@@ -8,6 +8,8 @@ reader does not) and unpickles with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import mmap
 import os
 import re
@@ -160,10 +162,16 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> None:
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a folder, not a checkpoint file")
+    with open(path, "rb") as f:
+        # mmap only once ZipFile has read the file: an empty file cannot be mapped
+        _check_records(path, f, lambda: mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), share)
+
+
+def _check_records(path: Path, source: Any, mapped: Callable[[], Any], share: tuple[int, int]) -> None:
     try:
-        with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+        with zipfile.ZipFile(source) as archive:
             records = _part(archive.infolist(), *share)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # not empty: ZipFile read it
+            with mapped() as data:
                 bad = next((r.filename for r in records if not _record_ok(archive, data, r)), None)
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
         raise CheckpointError(
@@ -193,9 +201,10 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip local file header: signature, then (after 22 bytes) the name and extra field lengths."""
 
 
-def _record_ok(archive: zipfile.ZipFile, data: mmap.mmap, record: zipfile.ZipInfo) -> bool:
+def _record_ok(archive: zipfile.ZipFile, data: Any, record: zipfile.ZipInfo) -> bool:
     """The record's stored bytes match its CRC. torch writes records uncompressed, so their CRC is
-    computed straight from the mapped file, copying nothing; other records go through zipfile."""
+    computed straight from the mapped file (or the bytes in memory), copying nothing; other records
+    go through zipfile."""
     if record.compress_type != zipfile.ZIP_STORED:
         with archive.open(record) as f:  # zipfile checks the CRC as it reads
             while f.read(1 << 20):
@@ -216,11 +225,22 @@ def read(path: Path, share: tuple[int, int] = (0, 1)) -> Any:
     """Verify (``share`` of its records, see :func:`verify`) and load ``path`` on CPU with
     ``weights_only=True`` (no arbitrary code runs)."""
     verify(path, share)
+    # mmap: the data was just read for the CRC check, so mapping it copies nothing again.
+    # MAP_PRIVATE whatever the user set: tensors written later must never reach the file.
+    with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
+        return _load(path, path, mmap=True)
+
+
+def read_bytes(data: bytes, path: Path) -> Any:
+    """:func:`read` for the whole content of checkpoint ``path`` in memory (received from a rank
+    that sees the file)."""
+    _check_records(path, io.BytesIO(data), lambda: contextlib.nullcontext(data), (0, 1))
+    return _load(io.BytesIO(data), path)
+
+
+def _load(source: Any, path: Path, **kwargs: Any) -> Any:
     try:
-        # mmap: the data was just read for the CRC check, so mapping it copies nothing again.
-        # MAP_PRIVATE whatever the user set: tensors written later must never reach the file.
-        with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for foreign content
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint {path} with weights_only=True: {first_line}") from None

@@ -57,7 +57,8 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
     """Load the checkpoint ``template`` names into ``state`` on every rank.
 
     With ``optional`` (autoresume), no file on any rank means a fresh start (None), as do per-rank
-    files of a first save that only some ranks published (see :func:`_start_over`). Reading and
+    files of a first save that only some ranks published (see :func:`_start_over`). Ranks that do
+    not see rank 0's single file (another node, no shared file system) get it from rank 0. Reading and
     checking comes first and is agreed on in one all-reduce; only then is anything loaded, since
     FSDP's loads are collectives that every rank must reach. When every rank loaded the same file
     into an unsharded model (DDP), a failure to load it is the same on every rank, so only then is
@@ -84,17 +85,25 @@ def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout:
         except CheckpointError as e:
             error = str(e)
     batch = opened.batch if opened else 0
-    any_missing, any_found, failed, neg_low, high, any_shared, unshared = _agree(
-        [int(path is None), int(path is not None), int(error is not None), -batch, batch, int(shared),
-         int(not shared)], state.device)
+    # rank 0 can send its file to ranks that do not see it (another node's disk)
+    sends = rank == 0 and opened is not None and shared and layout.name == SINGLE and opened.path.is_file()
+    unseen = -(2 ** 62)  # a rank without the file leaves the step range to the others
+    any_missing, any_found, failed, neg_low, high, any_shared, unshared, zero_sends = _agree(
+        [int(path is None), int(path is not None), int(error is not None), unseen if path is None else -batch,
+         unseen if path is None else batch, int(shared), int(path is not None and not shared), int(sends)],
+        state.device)
     if optional and not any_found:
         return None
     if failed:
         _raise_first(error)
     if any_missing and optional and layout.name == LOCAL:
         return _start_over(opened, path, state)
-    if any_missing:
-        _raise_first(missing)
+    if any_missing and zero_sends:
+        opened = _from_rank_zero(opened, state, layout, run_name=run_name, weights_only=weights_only,
+                                 check_run_name=optional)
+    elif any_missing:
+        shared_fs = " while other ranks found theirs: is it on a file system every node sees?" if any_found else ""
+        _raise_first(missing + shared_fs if missing else None)
     if -neg_low != high and optional and layout.name == LOCAL:
         opened = _step_back(opened, -neg_low, path, state, layout, run_name=run_name)
     elif -neg_low != high:
@@ -152,6 +161,34 @@ def _step_back(opened: _Opened | None, low: int, pointer: Path | None, state: An
     return opened
 
 
+def _from_rank_zero(opened: _Opened | None, state: Any, layout: Layout, *, run_name: str, weights_only: bool,
+                    check_run_name: bool) -> _Opened:
+    """Rank 0's single-file checkpoint, sent to the ranks that do not see it: a node whose disk
+    is not the one rank 0 saved to (no shared file system). Every rank takes part in the
+    broadcast; the ranks without the file check and open what it carries, as if read from disk."""
+    header = [(str(opened.path), opened.path.stat().st_size) if opened is not None and dist.get_global_rank() == 0
+              else None]
+    dist.broadcast_object_list(header, src=0)
+    name, size = header[0]
+    if dist.get_global_rank() == 0:
+        assert opened is not None
+        buffer = torch.frombuffer(bytearray(opened.path.read_bytes()), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8)
+    buffer = dist.broadcast(buffer.to(state.device), src=0)
+    error = None
+    if opened is None:
+        try:
+            opened = _open(Path(name), state, layout, run_name=run_name, weights_only=weights_only,
+                           check_run_name=check_run_name, share=(0, 1), data=buffer.cpu().numpy().tobytes())
+        except CheckpointError as e:
+            error = str(e)
+    if _agree([int(error is not None)], state.device)[0]:
+        _raise_first(error)
+    assert opened is not None
+    return opened
+
+
 def _start_over(opened: _Opened | None, pointer: Path | None, state: Any) -> None:
     """Autoresume of per-rank files after a crash in the run's first save, which some ranks
     published and others did not: no step is on every rank, so the run starts fresh, and the ranks
@@ -199,9 +236,13 @@ class _Opened:
 
 
 def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only: bool, check_run_name: bool,
-          share: tuple[int, int]) -> _Opened:
-    target = files.resolve_pointer(path)
-    content = files.read(_meta_file(target), share=share)
+          share: tuple[int, int], data: bytes | None = None) -> _Opened:
+    """Read, check and unpickle ``path`` (or, given ``data``, the file's content received from rank 0)."""
+    if data is None:
+        target = files.resolve_pointer(path)
+        content = files.read(_meta_file(target), share=share)
+    else:
+        target, content = path, files.read_bytes(data, path)
     opened = _Opened(target, content, payload.metadata(content, target))
     meta = opened.meta
     if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
