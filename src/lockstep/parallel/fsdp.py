@@ -307,34 +307,45 @@ def _set_backward_prefetch(setup: FSDPSetup, mode: str, root: nn.Module) -> None
 class _PostBackwardPrefetch:
     """BACKWARD_POST on FSDP2. Each forward records the units in the order their forwards end (the
     reverse of their backward order) and hooks the gradients of each unit's inputs: once they are
-    computed, the unit's backward is done, and the unit that ended its forward just before it is
-    all-gathered (asynchronously; FSDP waits for it when that unit's backward starts). The root
-    keeps FSDP2's own prefetch: its backward starts with the loss, and its inputs (the batch) have
-    no gradient to hook."""
+    computed, the unit's backward is done, and the unit whose forward ended last before this one's
+    began is all-gathered (asynchronously; FSDP waits for it when that unit's backward starts). The
+    root keeps FSDP2's own prefetch: its backward starts with the loss, and its inputs (the batch)
+    have no gradient to hook."""
 
     def __init__(self, modules: list[nn.Module], root: nn.Module) -> None:
-        self.order: list[FSDPModule] = []
+        self.ended: list[FSDPModule] = []
+        self.began: dict[int, list[int]] = {}
+        """id(unit) -> len(ended) when each of its running forwards began (units may nest)."""
         root.register_forward_pre_hook(self._start)
         for module in modules:
             if module is root:
                 continue
             assert isinstance(module, FSDPModule)
             module.set_modules_to_backward_prefetch([module])  # nothing when its backward starts
-            module.register_forward_hook(self._forward_done, with_kwargs=True)
+            module.register_forward_pre_hook(self._forward_begins)
+            module.register_forward_hook(self._forward_ends, with_kwargs=True)
 
     def _start(self, module: nn.Module, args: Any) -> None:
-        self.order = []
+        self.ended, self.began = [], {}
 
-    def _forward_done(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    @staticmethod
+    def _recorded() -> bool:
         # not in evaluation, nor in activation checkpointing's recomputation during backward
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+    def _forward_begins(self, module: nn.Module, args: Any) -> None:
+        if self._recorded():
+            self.began.setdefault(id(module), []).append(len(self.ended))
+
+    def _forward_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._recorded() or not self.began.get(id(module)):
             return
         assert isinstance(module, FSDPModule)
-        index = len(self.order)
-        self.order.append(module)
+        began = self.began[id(module)].pop()
+        self.ended.append(module)
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if index > 0 and inputs:
-            previous = self.order[index - 1]
+        if began > 0 and inputs:
+            previous = self.ended[began - 1]
 
             def gather_previous(grads: Any) -> None:
                 previous.unshard(async_op=True)
