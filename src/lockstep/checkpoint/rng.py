@@ -21,7 +21,8 @@ def capture() -> RNGState:
     """
     version, mt, gauss = random.getstate()
     kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    parts = [torch.tensor(mt, dtype=torch.int64).view(torch.uint8),
+    # np.fromiter: a third of torch.tensor's time for 625 Python ints (a capture may run every batch)
+    parts = [torch.from_numpy(np.fromiter(mt, dtype=np.int64, count=len(mt))).view(torch.uint8),
              torch.from_numpy(key.astype(np.int64)).view(torch.uint8), torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         parts += torch.cuda.get_rng_state_all()
