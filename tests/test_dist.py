@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import random
 import socket
+import string
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +106,84 @@ def test_missing_variable_message_says_how_to_fix(clean_env: pytest.MonkeyPatch)
         dist.get_global_rank()
 
 
+@pytest.mark.parametrize(
+    ("env", "getter", "name"),
+    [
+        ({"WORLD_SIZE": 2}, dist.get_global_rank, "RANK"),
+        ({"RANK": 1}, dist.get_global_rank, "WORLD_SIZE"),
+        ({"WORLD_SIZE": 2, "RANK": 1}, dist.get_local_rank, "LOCAL_RANK"),
+        ({"WORLD_SIZE": 2, "RANK": 1}, dist.get_local_world_size, "LOCAL_WORLD_SIZE"),
+        ({"WORLD_SIZE": 4, "RANK": 3, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2}, dist.get_node_rank, "NODE_RANK"),
+        ({"WORLD_SIZE": 2, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 2}, dist.initialize_dist, "MASTER_ADDR"),
+    ],
+)
+def test_missing_variable_raises_missing_environment_error(
+    clean_env: pytest.MonkeyPatch, env: dict[str, int], getter: object, name: str
+) -> None:
+    _set_env(clean_env, **env)
+    with pytest.raises(dist.MissingEnvironmentError, match=rf"\b{name} is not\b") as info:
+        getter()  # type: ignore[operator]
+    assert isinstance(info.value, ValueError)  # callers that catch ValueError keep working
+
+
+def test_malformed_variable_is_not_a_missing_environment_error(clean_env: pytest.MonkeyPatch) -> None:
+    _set_env(clean_env, WORLD_SIZE=2, RANK="one")
+    with pytest.raises(ValueError) as info:
+        dist.get_global_rank()
+    assert not isinstance(info.value, dist.MissingEnvironmentError)
+
+
+# Composer's public names, parameters and defaults (composer/utils/dist.py), which ported code relies on.
+_COMPOSER_SIGNATURES = {
+    "get_world_size": [],
+    "get_global_rank": [("group", None)],
+    "get_local_rank": [],
+    "get_local_world_size": [],
+    "get_node_rank": [],
+    "is_available": [],
+    "is_initialized": [],
+    "initialize_dist": [("device", None), ("timeout", 300.0)],
+    "barrier": [("group", None)],
+    "all_reduce": [("tensor", inspect.Parameter.empty), ("reduce_operation", "SUM"), ("group", None)],
+    "broadcast": [("tensor", inspect.Parameter.empty), ("src", inspect.Parameter.empty), ("group", None)],
+    "broadcast_object_list": [("object_list", inspect.Parameter.empty), ("src", 0), ("group", None)],
+    "all_gather": [("tensor", inspect.Parameter.empty), ("group", None)],
+    "all_gather_object": [("obj", inspect.Parameter.empty), ("group", None)],
+    "get_sampler": [("dataset", inspect.Parameter.empty), ("drop_last", False), ("shuffle", False),
+                    ("num_replicas", None), ("rank", None), ("seed", 0)],
+    "run_local_rank_zero_first": [],
+    "local_rank_zero_download_and_wait": [("expected_file_path", inspect.Parameter.empty)],
+    "get_node_signal_file_name": [("rng", None)],
+    "write_signal_file": [("signal_file_name", inspect.Parameter.empty), ("dir_path", None)],
+    "busy_wait_for_local_rank_zero": [("dir_path", None)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_COMPOSER_SIGNATURES))
+def test_composer_names_parameters_and_defaults(name: str) -> None:
+    assert name in dist.__all__
+    params = inspect.signature(getattr(dist, name)).parameters
+    # Composer's parameters come first, by the same names; lockstep's extras are keyword-only.
+    expected = _COMPOSER_SIGNATURES[name]
+    assert [(p.name, p.default) for p in list(params.values())[: len(expected)]] == expected
+    extras = list(params.values())[len(expected):]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras), extras
+
+
+def test_collectives_with_group_none_are_noops_at_world_size_one() -> None:
+    tensor = torch.tensor([2.0])
+    assert dist.all_reduce(tensor, "AVG", group=None) is tensor
+    assert dist.broadcast(tensor, 0, group=None) is tensor
+    assert dist.all_gather(tensor, group=None)[0] is tensor
+    assert dist.all_gather_object("x", group=None) == ["x"]
+    object_list = ["a"]
+    dist.broadcast_object_list(object_list=object_list, src=0, group=None)
+    assert object_list == ["a"]
+    dist.barrier(group=None)
+    assert dist.get_global_rank(group=None) == 0
+    assert tensor.tolist() == [2.0]
+
+
 def test_collectives_are_noops_at_world_size_one() -> None:
     tensor = torch.tensor([1.0, -2.0, 3.0])
     for op in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "avg"):
@@ -157,10 +238,23 @@ def test_collectives_refuse_without_process_group_when_env_says_distributed(
 
 def test_get_sampler_world_size_one() -> None:
     dataset = list(range(10))
-    sampler = dist.get_sampler(dataset, shuffle=False)
+    sampler = dist.get_sampler(dataset)
     assert isinstance(sampler, torch.utils.data.DistributedSampler)
-    assert list(sampler) == dataset
-    assert sorted(dist.get_sampler(dataset, seed=3)) == dataset
+    assert (sampler.shuffle, sampler.drop_last, sampler.num_replicas, sampler.rank) == (False, False, 1, 0)
+    assert list(sampler) == dataset  # Composer's default: no shuffling
+    shuffled = list(dist.get_sampler(dataset, shuffle=True, seed=3))
+    assert sorted(shuffled) == dataset and shuffled != dataset
+
+
+def test_get_sampler_explicit_replicas_and_rank(clean_env: pytest.MonkeyPatch) -> None:
+    dataset = list(range(10))
+    assert list(dist.get_sampler(dataset, num_replicas=3, rank=2)) == [2, 5, 8, 1]  # padded to 12
+    assert list(dist.get_sampler(dataset, num_replicas=3, rank=2, drop_last=True)) == [2, 5, 8]
+    with pytest.raises(ValueError, match="rank"):
+        dist.get_sampler(dataset, num_replicas=2, rank=2)
+    # Explicit values win over the environment, and an incomplete environment is then not read.
+    _set_env(clean_env, WORLD_SIZE=4)
+    assert list(dist.get_sampler(dataset, num_replicas=2, rank=1)) == [1, 3, 5, 7, 9]
 
 
 def test_get_sampler_uses_env_rank_without_process_group(clean_env: pytest.MonkeyPatch) -> None:
@@ -218,6 +312,10 @@ def test_local_rank_zero_helpers_at_world_size_one(tmp_path: Path) -> None:
         ran.append(True)
     assert ran == [True]
     dist.local_rank_zero_download_and_wait(tmp_path / "never-created", timeout=0.01)
+    # Composer's form: a context manager.
+    with dist.local_rank_zero_download_and_wait(expected_file_path=tmp_path / "never-created"):
+        ran.append(True)
+    assert ran == [True, True]
 
 
 def test_download_and_wait_on_non_zero_local_rank(
@@ -227,5 +325,49 @@ def test_download_and_wait_on_non_zero_local_rank(
     existing = tmp_path / "data.bin"
     existing.write_bytes(b"x")
     dist.local_rank_zero_download_and_wait(existing, timeout=0.01)
+    with dist.local_rank_zero_download_and_wait(existing, timeout=0.01):
+        pass
     with pytest.raises(TimeoutError, match="Local rank 1 waited"):
         dist.local_rank_zero_download_and_wait(tmp_path / "missing.bin", timeout=0.2)
+    with pytest.raises(TimeoutError, match="Local rank 1 waited"):
+        with dist.local_rank_zero_download_and_wait(tmp_path / "missing.bin", timeout=0.2):
+            pytest.fail("the body must not run before the file exists")
+
+
+def _token(seed: int) -> str:
+    return "".join(random.Random(seed).choices(string.ascii_letters + string.digits, k=6))
+
+
+def test_signal_file_helpers_at_world_size_one(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert dist.get_node_signal_file_name(random.Random(5)) == f"._signal_file_node0_{_token(5)}"
+    assert dist.get_node_signal_file_name() != dist.get_node_signal_file_name()
+
+    folder = tmp_path / "new" / "dir"
+    path = dist.write_signal_file("signal", dir_path=folder)
+    assert path == str(folder / "signal") and (folder / "signal").is_file()
+    clean_env.chdir(tmp_path)
+    assert dist.write_signal_file("here") == str(tmp_path / "here")
+    assert (tmp_path / "here").is_file()
+
+    ran = []
+    with dist.busy_wait_for_local_rank_zero(dir_path=folder):
+        ran.append(True)
+    assert ran == [True]
+    assert sorted(p.name for p in folder.iterdir()) == ["signal"]  # its own signal file is removed
+
+
+def test_write_signal_file_only_on_local_rank_zero(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _set_env(clean_env, RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2)
+    assert dist.write_signal_file("signal", tmp_path / "d") == str(tmp_path / "d" / "signal")
+    assert (tmp_path / "d").is_dir() and not (tmp_path / "d" / "signal").exists()
+
+
+def test_signal_helpers_refuse_without_process_group_when_env_says_distributed(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _set_env(clean_env, RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2)
+    with pytest.raises(RuntimeError, match="initialize_dist"):
+        dist.get_node_signal_file_name()
+    with pytest.raises(RuntimeError, match="initialize_dist"):
+        with dist.busy_wait_for_local_rank_zero(tmp_path):
+            pytest.fail("the body must not run")

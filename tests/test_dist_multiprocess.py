@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import socket
+import string
 import subprocess
 import sys
 import textwrap
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as torch_dist
 
 from lockstep import dist
 from lockstep.testing import run_distributed
@@ -115,6 +118,102 @@ def _local_rank_zero_helpers(folder: str) -> dict[str, Any]:
 def test_local_rank_zero_helpers(tmp_path: Path) -> None:
     results = run_distributed(_local_rank_zero_helpers, WORLD_SIZE, timeout=90, args=(str(tmp_path),))
     assert results == [{"seen_in_body": "written by rank 0", "download": b"data"}] * WORLD_SIZE
+
+
+def _subgroups_and_sampler_replicas() -> dict[str, Any]:
+    rank = dist.get_global_rank()
+    # Every rank must create every group, in the same order; each rank then uses its own singleton.
+    singletons = [torch_dist.new_group([0]), torch_dist.new_group([1])]
+    both = torch_dist.new_group([0, 1])
+    own, other = singletons[rank], singletons[1 - rank]
+    out: dict[str, Any] = {
+        "rank_in": (dist.get_global_rank(own), dist.get_global_rank(other), dist.get_global_rank(both)),
+        "sum": dist.all_reduce(torch.tensor([rank + 1.0]), "SUM", group=own).tolist(),
+        "avg": dist.all_reduce(torch.tensor([rank + 1.0]), "AVG", own).tolist(),
+        "avg_both": dist.all_reduce(torch.tensor([rank + 1.0]), "AVG", group=both).tolist(),
+        # src is a global rank: on rank 1 it is 1 although rank 1 is rank 0 of its group.
+        "broadcast": dist.broadcast(torch.tensor([float(rank)]), src=rank, group=own).tolist(),
+        "broadcast_both": dist.broadcast(torch.tensor([float(rank)]), 1, both).tolist(),
+        "all_gather": [t.tolist() for t in dist.all_gather(torch.tensor([rank]), group=own)],
+        "all_gather_both": [t.tolist() for t in dist.all_gather(torch.tensor([rank]), group=both)],
+        "all_gather_object": dist.all_gather_object(f"r{rank}", group=own),
+    }
+    object_list: list[Any] = [f"from {rank}"]
+    dist.broadcast_object_list(object_list=object_list, src=rank, group=own)
+    out["broadcast_object_list"] = object_list
+    object_list = [f"from {rank}"]
+    dist.broadcast_object_list(object_list, 1, both)
+    out["broadcast_object_list_both"] = object_list
+    dist.barrier(group=own)
+    dist.barrier(both)
+    try:
+        dist.all_reduce(torch.ones(1), group=other)
+    except ValueError as e:
+        out["non_member"] = str(e)
+
+    data = list(range(10))
+    out["samplers"] = {
+        "default": list(dist.get_sampler(data)),
+        "one_replica": list(dist.get_sampler(data, num_replicas=1, rank=0)),
+        "four_replicas": list(dist.get_sampler(data, num_replicas=4, rank=2 * rank + 1)),
+    }
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_collectives_on_subgroups_and_sampler_replicas() -> None:
+    results = run_distributed(_subgroups_and_sampler_replicas, WORLD_SIZE, timeout=90)
+    for rank, out in enumerate(results):
+        assert out["rank_in"] == (0, -1, rank)
+        assert out["sum"] == [rank + 1.0]  # its group is itself: no contribution from the other rank
+        assert out["avg"] == [rank + 1.0]  # divided by the group's size, 1
+        assert out["avg_both"] == [1.5]
+        assert out["broadcast"] == [float(rank)]
+        assert out["broadcast_both"] == [1.0]
+        assert out["all_gather"] == [[rank]]
+        assert out["all_gather_both"] == [[0], [1]]
+        assert out["all_gather_object"] == [f"r{rank}"]
+        assert out["broadcast_object_list"] == [f"from {rank}"]
+        assert out["broadcast_object_list_both"] == ["from 1"]
+        assert f"global rank {rank} is not a member of `group`" in out["non_member"]
+        assert out["samplers"]["default"] == list(range(rank, 10, 2))  # unshuffled by default
+        assert out["samplers"]["one_replica"] == list(range(10))
+        # Replicas 1 and 3 of 4; 10 samples are padded to 12 by repeating indices 0 and 1.
+        assert out["samplers"]["four_replicas"] == [[1, 5, 9], [3, 7, 1]][rank]
+
+
+def _signal_files(folder: str) -> dict[str, Any]:
+    rank = dist.get_global_rank()
+    name = dist.get_node_signal_file_name(random.Random(rank))
+    written = dist.write_signal_file(name, dir_path=Path(folder) / "written")
+    dist.barrier()
+    listed = sorted(os.listdir(Path(folder) / "written"))
+
+    waits = Path(folder) / "waits"
+    marker = Path(folder) / "rank0-body-done"
+    with dist.busy_wait_for_local_rank_zero(dir_path=waits):
+        if rank == 0:
+            time.sleep(0.5)  # rank 1 would leave first if the helper did not wait
+            marker.write_text("done")
+    seen_after = marker.exists()
+    dist.barrier()  # every rank has removed its node's signal file
+    return {"name": name, "written": written, "listed": listed, "seen_after": seen_after,
+            "left_over": sorted(os.listdir(waits))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local_world_size", [2, 1], ids=["one-node", "two-nodes-one-directory"])
+def test_signal_file_helpers(tmp_path: Path, local_world_size: int) -> None:
+    results = run_distributed(_signal_files, WORLD_SIZE, timeout=90, args=(str(tmp_path),),
+                              local_world_size=local_world_size)
+    token = "".join(random.Random(0).choices(string.ascii_letters + string.digits, k=6))  # rank 0's draw
+    names = [f"._signal_file_node{rank // local_world_size}_{token}" for rank in range(WORLD_SIZE)]
+    for rank, out in enumerate(results):
+        assert out["name"] == names[rank]
+        assert out["written"] == str(tmp_path / "written" / names[rank])
+        assert out["listed"] == sorted(set(names))  # only local rank 0 wrote, once per node
+        assert out["seen_after"] is True
+        assert out["left_over"] == []
 
 
 class _Boom(ValueError):

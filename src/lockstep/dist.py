@@ -1,17 +1,29 @@
 """Rank helpers and collectives that behave the same inside and outside a distributed run.
 
+Names and signatures are ``composer.utils.dist``'s, so code ported from Composer runs after renaming
+the import.
+
 Outside a run (none of the launcher's environment variables set) the getters report world size 1 and
 rank 0, and every collective is a no-op that returns its input, so user code needs no
 ``if distributed:`` branches. Inside a run the getters read the environment contract set by the
 ``lockstep`` launcher (and by torchrun): ``RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE NODE_RANK``;
-once a process group exists, torch.distributed's own world size and rank take precedence.
+once a process group exists, torch.distributed's own world size and rank take precedence. An
+inconsistent environment (say WORLD_SIZE=2 and no RANK) raises :class:`MissingEnvironmentError`
+naming the missing variable.
+
+Collectives take ``group=None`` (the default group) or a group made by
+``torch.distributed.new_group``. With a group, sizes and ranks are the group's, as in
+torch.distributed; ``src`` stays a global rank; only the group's members may call them.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
+import random
+import string
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -22,16 +34,19 @@ import torch.distributed as torch_dist
 from torch.utils.data import Dataset, DistributedSampler
 
 __all__ = [
+    "MissingEnvironmentError",
     "all_gather",
     "all_gather_object",
     "all_reduce",
     "barrier",
     "broadcast",
     "broadcast_object_list",
+    "busy_wait_for_local_rank_zero",
     "get_global_rank",
     "get_local_rank",
     "get_local_world_size",
     "get_node_rank",
+    "get_node_signal_file_name",
     "get_sampler",
     "get_world_size",
     "initialize_dist",
@@ -39,6 +54,7 @@ __all__ = [
     "is_initialized",
     "local_rank_zero_download_and_wait",
     "run_local_rank_zero_first",
+    "write_signal_file",
 ]
 
 T = TypeVar("T")
@@ -61,6 +77,14 @@ _atexit_registered = False
 # ----------------------------------------------------------------------------- environment contract
 
 
+class MissingEnvironmentError(ValueError):
+    """A variable of the environment contract is missing although the others say the run is distributed.
+
+    The message names the variable and what it means. Composer's class of the same name derives from
+    Exception; this one derives from ValueError so that ``except ValueError`` still catches it.
+    """
+
+
 def _env_int(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -74,8 +98,8 @@ def _env_int(name: str) -> int | None:
         ) from None
 
 
-def _missing(name: str, world_size: int) -> ValueError:
-    return ValueError(
+def _missing(name: str, world_size: int) -> MissingEnvironmentError:
+    return MissingEnvironmentError(
         f"WORLD_SIZE={world_size} but environment variable {name} is not set; {name} is "
         f"{_VAR_MEANING[name]}. {_LAUNCH_HINT}"
     )
@@ -114,8 +138,14 @@ def get_world_size() -> int:
     return _env_world_size()
 
 
-def get_global_rank() -> int:
-    """Return this process's rank among all processes (0 outside a distributed run)."""
+def get_global_rank(group: torch_dist.ProcessGroup | None = None) -> int:
+    """Return this process's rank among all processes (0 outside a distributed run).
+
+    With ``group``, return its rank within that group (torch.distributed's ``get_rank(group)``),
+    -1 if it is not a member, as Composer does.
+    """
+    if group is not None:
+        return torch_dist.get_rank(group)
     if is_initialized():
         return torch_dist.get_rank()
     world_size = _env_world_size()
@@ -125,7 +155,7 @@ def get_global_rank() -> int:
             raise _missing("RANK", world_size)
         return 0
     if "WORLD_SIZE" not in os.environ and rank != 0:
-        raise ValueError(
+        raise MissingEnvironmentError(
             f"RANK={rank} is set but WORLD_SIZE is not; WORLD_SIZE is {_VAR_MEANING['WORLD_SIZE']}. "
             f"{_LAUNCH_HINT}"
         )
@@ -224,7 +254,7 @@ def _check_existing_backend(device: str | torch.device | None, backend: str) -> 
 def _require_rendezvous_env(world_size: int) -> None:
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
-            raise ValueError(
+            raise MissingEnvironmentError(
                 f"initialize_dist(): WORLD_SIZE={world_size} but environment variable {name} is not "
                 f"set; {name} is {_VAR_MEANING[name]}. {_LAUNCH_HINT}"
             )
@@ -278,9 +308,16 @@ def _register_destroy_at_exit() -> None:
         _atexit_registered = True
 
 
-def _group_ready(caller: str) -> bool:
+def _group_ready(caller: str, group: torch_dist.ProcessGroup | None = None) -> bool:
     """True if a collective must really communicate; False at world size 1; raise if misconfigured."""
     if is_initialized():
+        # torch.distributed only warns on a non-member and skips the collective, which would leave
+        # all_gather's output as uninitialized placeholders: refuse instead.
+        if group is not None and torch_dist.get_rank(group) < 0:
+            raise ValueError(
+                f"lockstep.dist.{caller}(group=...): global rank {torch_dist.get_rank()} is not a member "
+                "of `group`. Call it only on the group's members (where `get_global_rank(group) >= 0`)."
+            )
         return True
     world_size = get_world_size()
     if world_size > 1:
@@ -300,17 +337,19 @@ def _check_src(src: int, caller: str) -> None:
 # ----------------------------------------------------------------------------- collectives
 
 
-def barrier() -> None:
-    """Wait until every rank reaches this call (no-op at world size 1)."""
-    if _group_ready("barrier"):
-        torch_dist.barrier()
+def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank (of ``group``, if given) reaches this call (no-op at world size 1)."""
+    if _group_ready("barrier", group):
+        torch_dist.barrier(group=group)
 
 
-def all_reduce(tensor: torch.Tensor, reduce_operation: str = "SUM") -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place and return it.
+def all_reduce(
+    tensor: torch.Tensor, reduce_operation: str = "SUM", group: torch_dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (of ``group``, if given) in place and return it.
 
     ``reduce_operation`` is one of SUM, PRODUCT, MIN, MAX, AVG (case-insensitive). AVG needs a
-    floating-point or complex tensor.
+    floating-point or complex tensor and divides by the size of ``group``.
     """
     if not isinstance(reduce_operation, str):
         raise TypeError(
@@ -328,66 +367,141 @@ def all_reduce(tensor: torch.Tensor, reduce_operation: str = "SUM") -> torch.Ten
             f"all_reduce(reduce_operation='AVG') needs a floating-point tensor, got {tensor.dtype}. "
             "Convert it first, e.g. `tensor.float()`, or reduce with 'SUM' and divide yourself."
         )
-    if not _group_ready("all_reduce"):
+    if not _group_ready("all_reduce", group):
         return tensor
-    # gloo has no AVG reduction: sum, then divide by the world size.
+    # gloo has no AVG reduction: sum, then divide by the group's size.
     torch_op = torch_dist.ReduceOp.SUM if op_name == "AVG" else getattr(torch_dist.ReduceOp, op_name)
-    torch_dist.all_reduce(tensor, op=torch_op)
+    torch_dist.all_reduce(tensor, op=torch_op, group=group)
     if op_name == "AVG":
-        tensor.div_(get_world_size())
+        tensor.div_(torch_dist.get_world_size(group))
     return tensor
 
 
-def broadcast(tensor: torch.Tensor, src: int) -> torch.Tensor:
-    """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank, in place, and return it."""
+def broadcast(tensor: torch.Tensor, src: int, group: torch_dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank, in place, and return it.
+
+    ``src`` is a global rank also when ``group`` is given (it must be a member of ``group``).
+    """
     _check_src(src, "broadcast")
-    if _group_ready("broadcast"):
-        torch_dist.broadcast(tensor, src=src)
+    if _group_ready("broadcast", group):
+        torch_dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
-def broadcast_object_list(objs: list[Any], src: int = 0) -> None:
-    """Replace the items of ``objs`` on every rank with rank ``src``'s items, in place (pickled)."""
-    if not isinstance(objs, list):
-        raise TypeError(f"broadcast_object_list() needs a list, got {type(objs).__name__}.")
+def broadcast_object_list(
+    object_list: list[Any], src: int = 0, group: torch_dist.ProcessGroup | None = None
+) -> None:
+    """Replace the items of ``object_list`` on every rank with rank ``src``'s items, in place (pickled).
+
+    Every rank passes a list of the same length. ``src`` is a global rank, as in :func:`broadcast`.
+    """
+    if not isinstance(object_list, list):
+        raise TypeError(f"broadcast_object_list() needs a list, got {type(object_list).__name__}.")
     _check_src(src, "broadcast_object_list")
-    if _group_ready("broadcast_object_list"):
-        torch_dist.broadcast_object_list(objs, src=src)
+    if _group_ready("broadcast_object_list", group):
+        torch_dist.broadcast_object_list(object_list, src=src, group=group)
 
 
-def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Return every rank's ``tensor``, ordered by rank; all ranks must pass the same shape and dtype."""
-    if not _group_ready("all_gather"):
+def all_gather(tensor: torch.Tensor, group: torch_dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Return every rank's ``tensor`` (every member's of ``group``, if given), ordered by rank.
+
+    All ranks must pass the same shape and dtype.
+    """
+    if not _group_ready("all_gather", group):
         return [tensor]
     tensor = tensor.contiguous()
-    gathered = [torch.empty_like(tensor) for _ in range(get_world_size())]
-    torch_dist.all_gather(gathered, tensor)
+    gathered = [torch.empty_like(tensor) for _ in range(torch_dist.get_world_size(group))]
+    torch_dist.all_gather(gathered, tensor, group=group)
     return gathered
 
 
-def all_gather_object(obj: T) -> list[T]:
-    """Return every rank's ``obj`` (pickled), ordered by rank."""
-    if not _group_ready("all_gather_object"):
+def all_gather_object(obj: T, group: torch_dist.ProcessGroup | None = None) -> list[T]:
+    """Return every rank's ``obj`` (every member's of ``group``, if given; pickled), ordered by rank."""
+    if not _group_ready("all_gather_object", group):
         return [obj]
-    gathered: list[Any] = [None] * get_world_size()
-    torch_dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [None] * torch_dist.get_world_size(group)
+    torch_dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+# ----------------------------------------------------------------------------- signal files
+
+
+def get_node_signal_file_name(rng: random.Random | None = None) -> str:
+    """Return a fresh file name for a file-based wait within a node, such as
+    :func:`busy_wait_for_local_rank_zero`'s. Every rank must call it (a broadcast from rank 0).
+
+    The random part is drawn from ``rng`` (default: a new ``random.Random()``) on rank 0, so all
+    ranks of a node get the same name. Unlike Composer's, the name carries this rank's own node rank,
+    so nodes that share a directory do not use, and remove, the same file.
+    """
+    if rng is None:
+        rng = random.Random()
+    token = ["".join(rng.choices(string.ascii_letters + string.digits, k=6))]
+    broadcast_object_list(token, src=0)
+    return f"._signal_file_node{get_node_rank()}_{token[0]}"
+
+
+def write_signal_file(signal_file_name: str, dir_path: str | os.PathLike[str] | None = None) -> str:
+    """Create ``signal_file_name`` in ``dir_path`` on local rank 0 and return its path on every rank.
+
+    ``dir_path`` (default: the current directory) is created if missing. Other local ranks write
+    nothing; they are expected to wait for the file, e.g. with :func:`local_rank_zero_download_and_wait`.
+    """
+    if dir_path:
+        os.makedirs(dir_path, exist_ok=True)
+    path = os.path.join(dir_path or os.getcwd(), signal_file_name)
+    if get_local_rank() == 0:
+        with open(path, "w") as file:
+            file.write("local rank 0 done\n")
+    return path
+
+
+@contextlib.contextmanager
+def busy_wait_for_local_rank_zero(dir_path: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Run the ``with`` body on every rank, then hold each rank until its node's local rank 0 has
+    finished the body and every rank has arrived.
+
+    Local rank 0 signals the end of its body with a file in ``dir_path`` (default: the current
+    directory), which the other local ranks poll for every 0.1 s without a time limit; a barrier
+    follows, then local rank 0 removes the file. Every rank must enter it (the file name is agreed by
+    a broadcast), so at world size > 1 it needs a process group. If the body raises on local rank 0,
+    the others wait until the launcher ends them.
+    """
+    signal_file_name = get_node_signal_file_name()
+    yield
+    path = write_signal_file(signal_file_name, dir_path)
+    # Polling a file rather than waiting in a collective: local rank 0's body may outlast the
+    # process group's timeout (a long download, say).
+    local_rank_zero_download_and_wait(path, timeout=math.inf)
+    # Every local rank must have seen the file before local rank 0 removes it.
+    barrier()
+    if get_local_rank() == 0:
+        os.remove(path)
 
 
 # ----------------------------------------------------------------------------- data and files
 
 
 def get_sampler(
-    dataset: Dataset[Any], *, shuffle: bool = True, drop_last: bool = False, seed: int = 0
+    dataset: Dataset[Any],
+    *,
+    drop_last: bool = False,
+    shuffle: bool = False,
+    num_replicas: int | None = None,
+    rank: int | None = None,
+    seed: int = 0,
 ) -> DistributedSampler[Any]:
-    """Return a DistributedSampler that gives this rank its share of ``dataset``.
+    """Return a DistributedSampler that gives rank ``rank`` of ``num_replicas`` its share of ``dataset``.
 
-    Works without a process group. Call ``sampler.set_epoch(epoch)`` each epoch to reshuffle.
+    ``num_replicas`` and ``rank`` default to the world size and this process's global rank. As in
+    Composer, ``shuffle`` defaults to False: pass ``shuffle=True`` for a training set. Works without
+    a process group. Call ``sampler.set_epoch(epoch)`` each epoch to reshuffle.
     """
     return DistributedSampler(
         dataset,
-        num_replicas=get_world_size(),
-        rank=get_global_rank(),
+        num_replicas=get_world_size() if num_replicas is None else num_replicas,
+        rank=get_global_rank() if rank is None else rank,
         shuffle=shuffle,
         drop_last=drop_last,
         seed=seed,
@@ -414,20 +528,26 @@ def run_local_rank_zero_first() -> Iterator[None]:
 
 
 def local_rank_zero_download_and_wait(
-    path: str | os.PathLike[str], *, timeout: float = 300.0, poll_interval: float = 0.1
-) -> None:
-    """On local ranks other than 0, wait until ``path`` exists (local rank 0 is expected to create it).
+    expected_file_path: str | os.PathLike[str], *, timeout: float = 300.0, poll_interval: float = 0.1
+) -> contextlib.AbstractContextManager[None]:
+    """On local ranks other than 0, wait until ``expected_file_path`` exists (local rank 0 is
+    expected to create it).
 
     Local rank 0 returns at once. Raises TimeoutError after ``timeout`` seconds. No-op at world size 1.
+    Needs no process group. Composer's version is a context manager that waits on entry; this one
+    waits in the call and returns an empty context manager, so both
+    ``local_rank_zero_download_and_wait(path)`` and ``with local_rank_zero_download_and_wait(path):``
+    work.
     """
     if get_world_size() == 1 or get_local_rank() == 0:
-        return
+        return contextlib.nullcontext()
     deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
+    while not os.path.exists(expected_file_path):
         if time.monotonic() >= deadline:
             raise TimeoutError(
-                f"Local rank {get_local_rank()} waited {timeout:g} s for {os.fspath(path)!r}, which "
-                "local rank 0 should create, and it does not exist. Check that local rank 0 writes "
+                f"Local rank {get_local_rank()} waited {timeout:g} s for {os.fspath(expected_file_path)!r}, "
+                "which local rank 0 should create, and it does not exist. Check that local rank 0 writes "
                 "this exact path, or raise the timeout."
             )
         time.sleep(poll_interval)
+    return contextlib.nullcontext()

@@ -84,7 +84,7 @@ def evaluate(deepspeed_config: dict | None) -> dict[str, float]:
     eval_set = dataset(27)  # 2 ranks: the sampler pads one rank's share with a repeated sample
     trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
                       progress_bar=False, deepspeed_config=deepspeed_config,
-                      eval_dataloader=DataLoader(eval_set, batch_size=4, sampler=dist.get_sampler(eval_set)))
+                      eval_dataloader=DataLoader(eval_set, batch_size=4, sampler=dist.get_sampler(eval_set, shuffle=True)))
     trainer.fit()
     return trainer.state.eval_metrics
 

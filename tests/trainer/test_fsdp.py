@@ -167,7 +167,7 @@ def _grouped() -> dict[str, object]:
     # every rank draws different data, so a block synchronised over fewer ranks drifts apart
     torch.manual_seed(dist.get_global_rank())
     data = torch.utils.data.TensorDataset(torch.randn(32, 6), torch.randint(0, 3, (32,)))
-    dl = torch.utils.data.DataLoader(data, batch_size=4, sampler=dist.get_sampler(data))
+    dl = torch.utils.data.DataLoader(data, batch_size=4, sampler=dist.get_sampler(data, shuffle=True))
     trainer = Trainer(model=model, train_dataloader=dl, max_duration="4ba", optimizers=sgd(model),
                       progress_bar=False, fsdp_config={})
     trainer.fit()
