@@ -5,19 +5,31 @@ Nothing here starts a process, opens a socket or imports torch, so every rule is
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntFlag
 from pathlib import Path
 
 FORMAT_FIELDS = ("rank", "local_rank", "world_size", "node_rank", "local_world_size")
 DEFAULT_STDOUT = "rank{rank}.stdout.log"
 DEFAULT_STDERR = "rank{rank}.stderr.log"
+ERROR_FILE = "rank{rank}.error.json"
+DEFAULT_RDZV_TIMEOUT = 300.0
 
 
 class LaunchError(ValueError):
     """A usage error: the launcher prints its message on one line and exits 2 before starting anything."""
+
+
+class Stream(IntFlag):
+    """A set of standard streams, numbered as torchrun's ``--tee`` and ``--redirects`` values."""
+
+    NONE = 0
+    STDOUT = 1
+    STDERR = 2
+    BOTH = 3
 
 
 class Mode(str, Enum):
@@ -35,6 +47,10 @@ class RankSpec:
     stdout_path: Path | None
     """None: inherit the launcher's stdout (local rank 0)."""
     stderr_path: Path | None
+    error_file: Path
+    """Where torch's ``@record`` writes the rank's exception (TORCHELASTIC_ERROR_FILE)."""
+    tee: Stream = Stream.NONE
+    """Streams that go to their file and, each line prefixed with the rank, to the console."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,6 +73,18 @@ class LaunchPlan:
     verbose: bool = False
     max_restarts: int = 0
     grace_period: float = 5.0
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    """Seconds a node without rank 0 waits for the master's store before giving up."""
+    tee: Stream = Stream.NONE
+    redirects: Stream = Stream.NONE
+    """Streams of local rank 0 that go to its files instead of the console."""
+    tee_ranks: frozenset[int] | None = None
+    """Local ranks whose teed lines reach the console (None: all); the others' go to files only."""
+    run_id: str | None = None
+    """TORCHELASTIC_RUN_ID; None: the run directory's name."""
+    nnodes: int | None = None
+    """Number of nodes when given (torchrun's --nnodes); else derived from world_size / nproc."""
+    role: str = "default"
     python: str = field(default=sys.executable)
 
     @property
@@ -72,13 +100,26 @@ class LaunchPlan:
     def ranks(self) -> list[RankSpec]:
         return [self._rank_spec(local_rank) for local_rank in range(self.nproc)]
 
+    @property
+    def group_world_size(self) -> int:
+        """Number of nodes (torchrun's GROUP_WORLD_SIZE); nodes of unequal size need --nnodes."""
+        return self.nnodes or math.ceil(self.world_size / self.nproc)
+
     def _rank_spec(self, local_rank: int) -> RankSpec:
-        if local_rank == 0:
-            return RankSpec(self.base_rank, 0, None, None)
+        rank = self.base_rank + local_rank
         fields = self.format_fields(local_rank)
-        stdout = (self.stdout_format or str(self.run_directory / DEFAULT_STDOUT)).format(**fields)
-        stderr = (self.stderr_format or str(self.run_directory / DEFAULT_STDERR)).format(**fields)
-        return RankSpec(self.base_rank + local_rank, local_rank, Path(stdout), Path(stderr))
+        to_file = Stream.BOTH if local_rank else self.redirects | self.tee
+        stdout = stderr = None
+        if to_file & Stream.STDOUT:
+            stdout = Path((self.stdout_format or str(self.run_directory / DEFAULT_STDOUT)).format(**fields))
+        if to_file & Stream.STDERR:
+            stderr = Path((self.stderr_format or str(self.run_directory / DEFAULT_STDERR)).format(**fields))
+        shown = self.tee_ranks is None or local_rank in self.tee_ranks
+        return RankSpec(rank, local_rank, stdout, stderr, self.error_file(rank), self.tee if shown else Stream.NONE)
+
+    def error_file(self, rank: int) -> Path:
+        # Absolute: a script may change its working directory before it fails.
+        return Path(os.path.abspath(self.run_directory / ERROR_FILE.format(rank=rank)))
 
     def format_fields(self, local_rank: int) -> dict[str, int]:
         return {
@@ -113,10 +154,14 @@ class LaunchPlan:
             MASTER_PORT=str(master_port),
             # torchrun's names, so scripts and libraries written for torchrun run unchanged.
             GROUP_RANK=str(self.node_rank),
+            GROUP_WORLD_SIZE=str(self.group_world_size),
+            ROLE_NAME=self.role,
             ROLE_RANK=str(rank),
             ROLE_WORLD_SIZE=str(self.world_size),
+            TORCHELASTIC_RUN_ID=self.run_id or self.run_directory.name,
             TORCHELASTIC_RESTART_COUNT=str(restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
+            TORCHELASTIC_ERROR_FILE=str(self.error_file(rank)),
             # Every rank connects to the store the launcher's node hosts, instead of rank 0
             # binding MASTER_PORT itself (which races with anything else that grabs the port).
             TORCHELASTIC_USE_AGENT_STORE="True",

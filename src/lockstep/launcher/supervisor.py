@@ -12,37 +12,20 @@ import selectors
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections import deque
-from dataclasses import dataclass
-from pathlib import Path
-from typing import IO
+from dataclasses import dataclass, field
 
-from lockstep.launcher.plan import LaunchPlan, Mode, RankSpec
+from lockstep.launcher.output import LinePump, RankLogs, open_logs, prepare_run_directory, start_pumps
+from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode, RankSpec, Stream
+from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
+from lockstep.launcher.report import describe_exit, report_failure, say, shell_code
 from lockstep.launcher.watchdog import Watchdog
 
+__all__ = ["Supervisor", "describe_exit", "shell_code"]
+
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
-_TAIL_LINES = 30
-
-
-def _say(message: str) -> None:
-    print(f"lockstep: {message}", file=sys.stderr, flush=True)
-
-
-def describe_exit(code: int) -> str:
-    """'exit code 3' or 'signal SIGSEGV' for a Popen returncode."""
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
-def shell_code(code: int) -> int:
-    """The exit status a shell reports for a child's returncode (128 + N for signal N)."""
-    return 128 - code if code < 0 else code
+# Test hook: seconds to pause right after each Popen, where a launcher killed used to orphan a rank.
+_PAUSE_AFTER_SPAWN_ENV = "_LOCKSTEP_TEST_PAUSE_AFTER_SPAWN"
 
 
 @dataclass
@@ -50,7 +33,8 @@ class _Rank:
     spec: RankSpec
     proc: subprocess.Popen
     pidfd: int | None
-    files: list[IO]
+    logs: RankLogs
+    pumps: list[LinePump] = field(default_factory=list)
     returncode: int | None = None
 
     @property
@@ -68,6 +52,13 @@ class _Rank:
             os.kill(self.proc.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def close(self) -> None:
+        for pump in self.pumps:
+            pump.close()
+        self.logs.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
 
 
 @dataclass
@@ -97,6 +88,9 @@ class Supervisor:
             if listener and self.plan.mode is Mode.COMMAND:
                 launcher_store = _host_store_here(self.plan, listener)
             return self._run_attempts(port, listener, wake_r, watchdog, launcher_store is None)
+        except LaunchError as e:
+            say(f"error: {e}")
+            return 2
         finally:
             watchdog.close()
             signal.set_wakeup_fd(old_wakeup)
@@ -109,6 +103,10 @@ class Supervisor:
 
     def _run_attempts(self, port: int, listener, wake_r: int, watchdog: Watchdog, pass_fd: bool) -> int:
         for attempt in range(self.plan.max_restarts + 1):
+            if not self.plan.hosts_store:
+                code = self._await_store(port, wake_r)
+                if code is not None:
+                    return code
             store_fd = listener.fileno() if (listener and pass_fd) else None
             ranks = self._spawn_all(port, attempt, store_fd, watchdog)
             outcome = self._monitor(ranks, wake_r)
@@ -119,11 +117,12 @@ class Supervisor:
                 self._teardown(ranks, wake_r, watchdog, None)
                 return 128 + outcome
             self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
-            self._report(outcome, ranks)
+            others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
+            report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
             if self._signals_seen:
                 return 128 + self._signals_seen[0]
             if attempt < self.plan.max_restarts:
-                _say(f"restarting this node's ranks ({attempt + 1} of {self.plan.max_restarts})")
+                say(f"restarting this node's ranks ({attempt + 1} of {self.plan.max_restarts})")
                 continue
             return shell_code(outcome.code)
         raise AssertionError("unreachable")
@@ -141,43 +140,76 @@ class Supervisor:
             sock.bind((host, self.plan.master_port or 0))
         except OSError as e:
             sock.close()
-            _say(f"error: cannot bind the store port {self.plan.master_port} on {host or '*'} "
-                 f"({e.strerror}): pass another --master_port, or none on a single node")
+            say(f"error: cannot bind the store port {self.plan.master_port} on {host or '*'} "
+                f"({e.strerror}): pass another --master_port, or none on a single node")
             return 2
         sock.listen(max(128, self.plan.world_size))
         sock.set_inheritable(False)
         return sock
 
+    def _await_store(self, port: int, wake_r: int) -> int | None:
+        """On a node without rank 0: None once the master's store answers, else the exit code."""
+        plan = self.plan
+        if plan.verbose:
+            say(f"waiting up to {plan.rdzv_timeout:g} s for the rendezvous store at {plan.master_addr}:{port}")
+
+        def interrupted() -> bool:
+            try:
+                self._signals_seen.extend(s for s in os.read(wake_r, 64) if s in _FORWARDED)
+            except BlockingIOError:
+                pass
+            return bool(self._signals_seen)
+
+        state = wait_for_store(plan.master_addr, port, plan.rdzv_timeout, interrupted)
+        if state is StoreState.READY:
+            return None
+        if state is StoreState.INTERRUPTED:
+            say(f"received {signal.Signals(self._signals_seen[0]).name} while waiting for the rendezvous store")
+            return 128 + self._signals_seen[0]
+        say(f"error: {describe(state, plan.master_addr, port, plan.rdzv_timeout)}")
+        return 1
+
     def _spawn_all(self, port: int, attempt: int, store_fd: int | None, watchdog: Watchdog) -> list[_Rank]:
+        prepare_run_directory(self.plan)
+        specs = self.plan.ranks
+        logs = []
+        try:
+            for spec in specs:  # every file opens before any rank starts
+                logs.append(open_logs(spec))
+        except LaunchError:
+            for opened in logs:
+                opened.close()
+            raise
         base_env = {k: v for k, v in os.environ.items() if k != "LOCKSTEP_STORE_FD"}
         ranks = []
-        for spec in self.plan.ranks:
+        for spec, rank_logs in zip(specs, logs):
             env = self.plan.worker_env(spec.local_rank, port, attempt, base_env)
             pass_fds: tuple[int, ...] = ()
             if spec.local_rank == 0 and store_fd is not None:
                 env["LOCKSTEP_STORE_FD"] = str(store_fd)
                 pass_fds = (store_fd,)
-            ranks.append(self._spawn(spec, env, pass_fds, watchdog))
+            ranks.append(self._spawn(spec, rank_logs, env, pass_fds, watchdog))
         if self.plan.verbose:
             for r in ranks:
-                where = "console" if r.spec.stdout_path is None else f"{r.spec.stdout_path}, {r.spec.stderr_path}"
-                _say(f"rank {r.spec.rank} (local {r.spec.local_rank}) pid {r.proc.pid} -> {where}")
+                where = f"{r.spec.stdout_path or 'console'}, {r.spec.stderr_path or 'console'}"
+                say(f"rank {r.spec.rank} (local {r.spec.local_rank}) pid {r.proc.pid} -> {where}")
         return ranks
 
-    def _spawn(self, spec: RankSpec, env: dict[str, str], pass_fds: tuple[int, ...], watchdog: Watchdog) -> _Rank:
-        files = _open_logs(spec)
-        stdout = files[0] if files else None
-        stderr = files[-1] if files else None
+    def _spawn(self, spec: RankSpec, logs: RankLogs, env: dict[str, str], pass_fds: tuple[int, ...],
+               watchdog: Watchdog) -> _Rank:
         proc = subprocess.Popen(
-            self.plan.command(), env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-            pass_fds=pass_fds, start_new_session=True,
+            self.plan.command(), env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if spec.tee & Stream.STDOUT else logs.stdout,
+            stderr=subprocess.PIPE if spec.tee & Stream.STDERR else logs.stderr,
+            pass_fds=pass_fds, start_new_session=True, preexec_fn=watchdog.register_child,
         )
-        watchdog.guard(proc.pid)
+        if pause := os.environ.get(_PAUSE_AFTER_SPAWN_ENV):
+            time.sleep(float(pause))
         try:
             pidfd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
             pidfd = None  # no pidfd on this platform: the monitor polls instead
-        return _Rank(spec, proc, pidfd, files)
+        return _Rank(spec, proc, pidfd, logs, start_pumps(spec, logs, proc.stdout, proc.stderr))
 
     # -- watching -------------------------------------------------------------------------
 
@@ -194,11 +226,11 @@ class Supervisor:
                     if r.returncode != 0:
                         return _Failure(r, r.returncode)
                     if self.plan.verbose:
-                        _say(f"rank {r.spec.rank} finished")
+                        say(f"rank {r.spec.rank} finished")
         return None
 
     def _forward(self, ranks: list[_Rank], signum: int) -> None:
-        _say(f"received {signal.Signals(signum).name}, forwarding it to every rank")
+        say(f"received {signal.Signals(signum).name}, forwarding it to every rank")
         for r in ranks:
             if r.returncode is None:
                 # SIGTERM asks the rank itself to stop (the Trainer saves a checkpoint), so its
@@ -224,7 +256,7 @@ class Supervisor:
                 signals, _ = waiter.wait(remaining)
                 if signals:
                     self._signals_seen.extend(signals)
-                    _say("second signal: killing every rank now")
+                    say("second signal: killing every rank now")
                     break
         for r in ranks:
             # Also when the rank itself is gone: children it left in its group die with it.
@@ -232,38 +264,14 @@ class Supervisor:
             r.proc.wait()
             r.returncode = r.proc.returncode if r.returncode is None else r.returncode
             watchdog.forget(r.pgid)
-            for f in r.files:
-                f.close()
-            if r.pidfd is not None:
-                os.close(r.pidfd)
-
-    # -- reporting ------------------------------------------------------------------------
-
-    def _report(self, failure: _Failure, ranks: list[_Rank]) -> None:
-        r = failure.rank
-        _say(f"rank {r.spec.rank} (local rank {r.spec.local_rank}, pid {r.proc.pid}) failed first "
-             f"with {describe_exit(failure.code)}")
-        if r.spec.stderr_path is not None:
-            shown = r.spec.stderr_path
-            lines = _tail(shown)
-            if not lines and r.spec.stdout_path is not None:
-                shown = r.spec.stdout_path
-                lines = _tail(shown)
-            if lines:
-                _say(f"last {len(lines)} lines of rank {r.spec.rank}'s output ({shown}):")
-                sys.stderr.write("".join(f"  | {line}" for line in lines))
-            else:
-                _say(f"rank {r.spec.rank} wrote nothing to {shown}")
-        else:
-            _say(f"rank {r.spec.rank}'s output is on the console above")
-        stopped = [f"{o.spec.rank} ({describe_exit(o.returncode)})" for o in ranks
-                   if o is not r and o.returncode not in (0, None)]
-        if stopped:
-            _say("other ranks ended: " + ", ".join(stopped))
+            r.close()
 
 
 class _Waiter:
-    """Blocks until a rank exits or a signal arrives; pidfds where the kernel has them, else polling."""
+    """Blocks until a rank exits or a signal arrives, copying teed output meanwhile.
+
+    pidfds where the kernel has them, else polling.
+    """
 
     def __init__(self, ranks: list[_Rank], wake_r: int) -> None:
         self._ranks = ranks
@@ -276,6 +284,9 @@ class _Waiter:
         for r in self._ranks:
             if r.pidfd is not None and r.returncode is None:
                 self._selector.register(r.pidfd, selectors.EVENT_READ)
+            for pump in r.pumps:
+                if not pump.closed:
+                    self._selector.register(pump, selectors.EVENT_READ)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -284,44 +295,27 @@ class _Waiter:
     def wait(self, timeout: float | None) -> tuple[list[int], list[_Rank]]:
         if self._polling:
             timeout = 0.05 if timeout is None else min(timeout, 0.05)
-        ready = {key.fd for key, _ in self._selector.select(timeout)}
+        ready = [key.fileobj for key, _ in self._selector.select(timeout)]
         signals: list[int] = []
-        if self._wake_r in ready:
-            try:
-                signals = [s for s in os.read(self._wake_r, 64) if s in _FORWARDED]
-            except BlockingIOError:
-                pass
+        for source in ready:
+            if isinstance(source, LinePump) and not source.pump():
+                self._selector.unregister(source)
+                source.close()
+            elif source == self._wake_r:
+                try:
+                    signals = [s for s in os.read(self._wake_r, 64) if s in _FORWARDED]
+                except BlockingIOError:
+                    pass
         exited = []
         for r in self._ranks:
             if r.returncode is None and r.proc.poll() is not None:
                 r.returncode = r.proc.returncode
                 if r.pidfd is not None:
                     self._selector.unregister(r.pidfd)
+                for pump in r.pumps:
+                    pump.pump()  # what it printed last appears before the launcher's report
                 exited.append(r)
         return signals, exited
-
-
-def _open_logs(spec: RankSpec) -> list[IO]:
-    if spec.stdout_path is None:
-        return []
-    paths = [spec.stdout_path, spec.stderr_path]
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    out = open(spec.stdout_path, "ab")
-    if spec.stderr_path == spec.stdout_path:
-        return [out]
-    return [out, open(spec.stderr_path, "ab")]
-
-
-def _tail(path: Path, lines: int = _TAIL_LINES) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    return [line + "\n" for line in deque(text.splitlines(), maxlen=lines)]
 
 
 def _host_store_here(plan: LaunchPlan, listener: socket.socket):

@@ -4,6 +4,12 @@ The launcher may be killed with SIGKILL, which it cannot catch. The watchdog hol
 a pipe whose write end only the launcher has; when the launcher dies, for any reason, the kernel
 closes that end, the watchdog reads EOF and SIGKILLs every process group it was told about. It
 runs in its own session so that killing the launcher's process group does not take it along.
+
+Each rank registers *itself*, between fork and exec (Popen's ``preexec_fn``), so no instant exists
+in which a rank runs unguarded: had the launcher registered the pid after Popen returned, a SIGKILL
+in between would leave the rank running forever. The child still holds a copy of the pipe's write
+end until exec closes it, so even if the launcher dies first, the watchdog reads the registration
+before it sees EOF.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ class Watchdog:
 
     def guard(self, pgid: int) -> None:
         self._send(f"+{pgid}\n")
+
+    def register_child(self) -> None:
+        """Popen's ``preexec_fn`` for a rank started with ``start_new_session``: guard own group."""
+        # Only a pipe write of a few bytes (atomic below PIPE_BUF): safe between fork and exec.
+        os.write(self._write_fd, b"+%d\n" % os.getpid())
 
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}\n")

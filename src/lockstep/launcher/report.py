@@ -1,0 +1,90 @@
+"""The launcher's messages: exit descriptions and the report on the rank that failed first."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+from lockstep.launcher.output import console_streams, tail
+from lockstep.launcher.plan import RankSpec, Stream
+
+TAIL_LINES = 30
+
+
+def say(message: str) -> None:
+    print(f"lockstep: {message}", file=sys.stderr, flush=True)
+
+
+def describe_exit(code: int) -> str:
+    """'exit code 3' or 'signal SIGSEGV' for a Popen returncode."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def shell_code(code: int) -> int:
+    """The exit status a shell reports for a child's returncode (128 + N for signal N)."""
+    return 128 - code if code < 0 else code
+
+
+def read_error_file(path: Path) -> tuple[str, str] | None:
+    """(message, traceback) from the file torch's ``@record`` writes, or None if there is none.
+
+    ``record`` writes {"message": {"message": "ValueError: ...", "extraInfo": {"py_callstack":
+    traceback}}}; a plain string message is the newer format that some handlers write.
+    """
+    try:
+        data = json.loads(path.read_text(errors="replace"))["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if isinstance(data, str):
+        return data, ""
+    if not isinstance(data, dict):
+        return None
+    extra = data.get("extraInfo")
+    trace = extra.get("py_callstack", "") if isinstance(extra, dict) else ""
+    return str(data.get("message", "")), str(trace)
+
+
+def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, int]]) -> None:
+    """Name the rank that failed first, then show its error and output; ``others``: (rank, code)."""
+    say(f"rank {spec.rank} (local rank {spec.local_rank}, pid {pid}) failed first with {describe_exit(code)}")
+    error = read_error_file(spec.error_file)
+    if error is not None:
+        say(f"rank {spec.rank} raised {error[0]}")
+    if console_streams(spec) & Stream.STDERR:
+        also = f" (and in {spec.stderr_path})" if spec.stderr_path else ""
+        say(f"rank {spec.rank}'s output is on the console above{also}")
+    elif error is not None and error[1]:
+        _show(f"traceback of rank {spec.rank} (from {spec.error_file}):", error[1].splitlines(True))
+        say(f"rank {spec.rank}'s full output: {spec.stderr_path}"
+            + (f" and {spec.stdout_path}" if spec.stdout_path not in (None, spec.stderr_path) else ""))
+    else:
+        _show_tail(spec)
+    stopped = [f"{rank} ({describe_exit(c)})" for rank, c in others if c not in (0, None)]
+    if stopped:
+        say("other ranks ended: " + ", ".join(stopped))
+
+
+def _show_tail(spec: RankSpec) -> None:
+    shown = spec.stderr_path
+    lines = tail(shown, TAIL_LINES) if shown else []
+    if not lines and spec.stdout_path is not None:
+        shown = spec.stdout_path
+        lines = tail(shown, TAIL_LINES)
+    if lines:
+        _show(f"last {len(lines)} lines of rank {spec.rank}'s output ({shown}):", lines)
+    else:
+        say(f"rank {spec.rank} wrote nothing to {shown}")
+
+
+def _show(title: str, lines: list[str]) -> None:
+    lines = lines[-TAIL_LINES:]
+    say(title)
+    sys.stderr.write("".join("  | " + line.rstrip("\n") + "\n" for line in lines))
+    sys.stderr.flush()
