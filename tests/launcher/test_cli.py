@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from lockstep.launcher.cli import parse_plan
-from lockstep.launcher.plan import LaunchError, Mode
+from lockstep.launcher.plan import LaunchError, Mode, Stream
 
 
 @pytest.fixture
@@ -110,7 +112,11 @@ def test_worker_env_contract(script: str) -> None:
     env = plan.worker_env(1, 5, restart_count=2, base_env={"KEEP": "1"})
     expected = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "NODE_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "5", "PYTHONUNBUFFERED": "1",
-                "LOCKSTEP_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "KEEP": "1"}
+                "LOCKSTEP_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "KEEP": "1",
+                "TORCHELASTIC_RUN_ID": plan.run_directory.name, "TORCHELASTIC_RESTART_COUNT": "2",
+                "TORCHELASTIC_MAX_RESTARTS": "0", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+                "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
+                "TORCHELASTIC_ERROR_FILE": str((plan.run_directory / "rank3.error.json").absolute())}
     assert expected.items() <= env.items()
     assert int(env["OMP_NUM_THREADS"]) >= 1
     assert plan.worker_env(0, 5, 0, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
@@ -139,3 +145,200 @@ def test_version_and_help() -> None:
                  "--world_size", "--base_rank", "--node_rank", "--master_addr", "--master_port",
                  "--run_directory", "--max_restarts"):
         assert flag in out.stdout
+
+
+# -- torchrun's command line -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--nproc-per-node", "2"], {}, {"nproc": 2, "world_size": 2}),
+        (["--nproc_per_node", "3"], {}, {"nproc": 3}),
+        (["--nnodes", "1", "--nproc-per-node", "2", "--standalone"], {}, {"nproc": 2, "world_size": 2, "nnodes": 1}),
+        (["--nnodes", "2:2", "--nproc-per-node", "2", "--node-rank", "1", "--master-addr", "h",
+          "--master-port", "5"], {}, {"world_size": 4, "base_rank": 2, "node_rank": 1, "master_addr": "h",
+                                       "master_port": 5, "nnodes": 2, "group_world_size": 2}),
+        (["--nnodes", "2", "-n", "2", "--node_rank", "1", "--rdzv-endpoint", "h:29600"], {},
+         {"master_addr": "h", "master_port": 29600}),
+        (["--nnodes", "2", "-n", "2", "--node_rank", "1", "--rdzv_endpoint", "h"], {},
+         {"master_addr": "h", "master_port": 29400}),
+        (["--nnodes", "2", "-n", "2", "--node_rank", "1", "--rdzv-endpoint", "[::1]:7"], {},
+         {"master_addr": "::1", "master_port": 7}),
+        (["--rdzv-backend", "c10d", "--rdzv_backend", "static", "--rdzv-id", "job"], {}, {"run_id": "job"}),
+        (["--log-dir", "logs"], {}, {"run_directory": Path("logs")}),
+        (["--log_dir", "logs"], {}, {"run_directory": Path("logs")}),
+        (["--max-restarts", "2"], {}, {"max_restarts": 2}),
+        (["--shutdown-timeout", "7"], {}, {"grace_period": 7.0}),
+        (["--rdzv-conf", "join_timeout=12"], {}, {"rdzv_timeout": 12.0}),
+        (["--rdzv_timeout", "3"], {"LOCKSTEP_RDZV_TIMEOUT": "9"}, {"rdzv_timeout": 3.0}),
+        ([], {"LOCKSTEP_RDZV_TIMEOUT": "9"}, {"rdzv_timeout": 9.0}),
+        ([], {}, {"rdzv_timeout": 300.0, "tee": Stream.NONE, "redirects": Stream.NONE, "role": "default"}),
+        (["--tee", "3"], {}, {"tee": Stream.BOTH}),
+        (["-t", "1", "-r", "2"], {}, {"tee": Stream.STDOUT, "redirects": Stream.STDERR}),
+        (["--monitor-interval", "0.1", "--start-method", "fork", "--event-log-handler", "null",
+          "--role", "worker"], {}, {"role": "worker"}),
+        # --standalone: one node with a port lockstep picks; rank variables in the env do not apply
+        (["--standalone", "-n", "2"], {"WORLD_SIZE": "8", "NODE_RANK": "3", "MASTER_PORT": "1234",
+                                        "MASTER_ADDR": "10.1.1.1"},
+         {"world_size": 2, "node_rank": 0, "master_port": None, "master_addr": "127.0.0.1"}),
+    ],
+)
+def test_torchrun_flags(script, argv, env, expected) -> None:
+    plan = parse_plan([*argv, script], env=env)
+    assert {k: getattr(plan, k) for k in expected} == expected
+
+
+def test_torchrun_modes() -> None:
+    assert parse_plan(["--no-python", "true"], env={}).mode is Mode.COMMAND
+    assert parse_plan(["--no_python", "true"], env={}).command() == ["true"]
+    assert parse_plan(["--module", "json.tool"], env={}).mode is Mode.MODULE
+
+
+def test_torchrun_nproc_words(script) -> None:
+    cores = os.cpu_count()
+    assert parse_plan(["--nproc-per-node", "cpu", script], env={"CUDA_VISIBLE_DEVICES": "0"}).nproc == cores
+    assert parse_plan(["--nproc-per-node", "auto", script], env={"CUDA_VISIBLE_DEVICES": "0,1"}).nproc == 2
+    assert parse_plan(["--nproc-per-node", "auto", script], env={"CUDA_VISIBLE_DEVICES": ""}).nproc == cores
+    assert parse_plan(["--nproc-per-node", "gpu", script], env={"CUDA_VISIBLE_DEVICES": "3"}).nproc == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--nnodes", "1:4"], {}, "elastic node ranges are not supported; lockstep runs a fixed number"),
+        (["--nnodes", "x"], {}, "--nnodes: expected N or N:N"),
+        (["--nnodes", "1", "-n", "2", "--world_size", "3"], {}, "is not --nnodes 1 x nproc 2"),
+        (["--nnodes", "2", "-n", "2"], {"MASTER_ADDR": "a", "MASTER_PORT": "1"}, "needs --node_rank or --base_rank"),
+        (["--standalone", "--nnodes", "2", "--node-rank", "1"], {}, "--standalone runs one node"),
+        (["--rdzv-backend", "etcd"], {}, "--rdzv-backend etcd: not supported"),
+        (["--rdzv-endpoint", "h:99999"], {}, "port 1-65535"),
+        (["--rdzv-endpoint", "a:1", "--master_addr", "b"], {}, "disagrees with --master_addr"),
+        (["--rdzv-conf", "read_timeout=3"], {}, "--rdzv-conf 'read_timeout' is not supported"),
+        (["--rdzv-conf", "join_timeout=inf"], {}, "join_timeout: expected seconds > 0"),
+        (["--nproc-per-node", "xpu"], {}, "counts CUDA devices only"),
+        (["--nproc-per-node", "gpu"], {"CUDA_VISIBLE_DEVICES": ""}, "no CUDA device is visible"),
+        (["--nproc-per-node", "many"], {}, "one of auto, cpu, gpu, xpu"),
+        (["--tee", "0:1,1:2"], {}, "per-rank values like '0:1,1:2' are not supported"),
+        (["--tee", "5"], {}, "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
+        (["--redirects", "x"], {}, "--redirects: expected 0 (none)"),
+        (["--local-ranks-filter", "0"], {}, "add --tee 3"),
+        (["--tee", "3", "-n", "2", "--local-ranks-filter", "2"], {}, "local ranks are 0..1"),
+        (["--event-log-handler", "console"], {}, "only null"),
+        (["--start-method", "thread"], {}, "invalid choice"),
+        (["--run-path"], {}, "--run-path: lockstep starts every rank in a fresh interpreter"),
+        (["--run_path"], {}, "--run_path: lockstep starts"),
+        (["--local-addr", "x"], {}, "--local-addr: ranks reach the master at --master_addr"),
+        (["--logs-specs", "x"], {}, "--stdout/--stderr"),
+        (["--numa-binding", "node"], {}, "NUMA binding is not supported"),
+        (["--signals-to-handle", "SIGUSR1"], {}, "forwards SIGINT and SIGTERM"),
+        (["--virtual-local-rank"], {}, "LOCAL_RANK"),
+        (["--duplicate-stdout-filters", "a"], {}, "duplicate filters are not supported"),
+        (["--module", "--no-python"], {}, "not allowed with"),
+    ],
+)
+def test_torchrun_usage_errors(script, argv, env, needle) -> None:
+    with pytest.raises(LaunchError) as info:
+        parse_plan([*argv, script], env=env)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_every_torchrun_flag_is_accepted_or_refused_with_a_reason(script) -> None:
+    from torch.distributed.run import get_args_parser
+
+    known = {"--nproc-per-node": "2", "--nproc_per_node": "2", "--nnodes": "1", "--start-method": "spawn",
+             "--start_method": "spawn", "--numa-binding": "node", "--numa_binding": "node",
+             "-t": "1", "--tee": "1", "-r": "1", "--redirects": "1", "--rdzv-backend": "c10d",
+             "--rdzv_backend": "c10d", "--event-log-handler": "null", "--event_log_handler": "null",
+             "--rdzv-conf": "join_timeout=5", "--rdzv_conf": "join_timeout=5",
+             "--local-ranks-filter": "0", "--local_ranks_filter": "0", "--node-rank": "0",
+             "--node_rank": "0", "--master-port": "29500", "--master_port": "29500",
+             "--max-restarts": "1", "--max_restarts": "1", "--monitor-interval": "1",
+             "--monitor_interval": "1", "--shutdown-timeout": "3", "--shutdown_timeout": "3",
+             "--rdzv-endpoint": "127.0.0.1:29400", "--rdzv_endpoint": "127.0.0.1:29400"}
+    for action in get_args_parser()._actions:
+        for flag in action.option_strings:
+            if flag in ("-h", "--help"):
+                continue
+            argv = [flag] if action.nargs == 0 else [flag, known.get(flag, "x")]
+            if flag in ("--local-ranks-filter", "--local_ranks_filter"):
+                argv += ["--tee", "3"]
+            target = {"-m": "json.tool", "--module": "json.tool", "--no-python": "true",
+                      "--no_python": "true"}.get(flag, script)
+            try:
+                parse_plan([*argv, target], env={})
+            except LaunchError as e:  # refused: the message starts with the flag and says why
+                assert str(e).startswith(flag + ":"), (flag, str(e))
+
+
+def test_tee_and_redirects_decide_where_each_stream_goes(script) -> None:
+    plain = parse_plan(["-n", "2", script], env={}).ranks
+    assert plain[0].stdout_path is None and plain[0].tee == Stream.NONE
+    teed = parse_plan(["-n", "2", "--tee", "3", script], env={}).ranks
+    assert all(r.tee == Stream.BOTH and r.stdout_path and r.stderr_path for r in teed)
+    out_only = parse_plan(["-n", "2", "-r", "1", script], env={}).ranks[0]
+    assert out_only.stdout_path is not None and out_only.stderr_path is None and out_only.tee == Stream.NONE
+    filtered = parse_plan(["-n", "2", "--tee", "2", "--local-ranks-filter", "1", script], env={}).ranks
+    assert filtered[0].tee == Stream.NONE and filtered[0].stderr_path is not None  # to its file only
+    assert filtered[1].tee == Stream.STDERR
+
+
+# -- bad input: one line naming the argument and the fix, before anything starts ---------------
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e308", "0", "-1", "-inf", "86401"])
+def test_grace_period_must_be_finite_positive_and_sane(script, value) -> None:
+    with pytest.raises(LaunchError, match="--grace_period: expected seconds > 0 and at most 86400"):
+        parse_plan([f"--grace_period={value}", script], env={})
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_rdzv_timeout_must_be_finite_and_positive(script, value) -> None:
+    with pytest.raises(LaunchError, match="expected seconds > 0"):
+        parse_plan(["--rdzv_timeout", value, script], env={})
+    with pytest.raises(LaunchError, match="env LOCKSTEP_RDZV_TIMEOUT"):
+        parse_plan([script], env={"LOCKSTEP_RDZV_TIMEOUT": value})
+
+
+def test_run_directory_and_log_paths_must_be_writable(script, tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    cases = [
+        (["--run_directory", str(a_file)], "--run_directory '%s' is a file, not a folder: pass a folder" % a_file),
+        (["--run_directory", str(a_file / "sub")], "is under '%s', which is a file" % a_file),
+        (["-n", "2", "--stdout", str(a_file / "{rank}.out")], "--stdout: rank 1's log file"),
+        (["-n", "2", "--stderr", str(tmp_path)], "--stderr: rank 1's log file '%s' is a folder" % tmp_path),
+    ]
+    for argv, needle in cases:
+        with pytest.raises(LaunchError) as info:
+            parse_plan([*argv, script], env={})
+        assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_run_directory_without_write_permission(script, tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(LaunchError, match="is not writable"):
+        parse_plan(["--run_directory", str(locked / "run"), script], env={})
+
+
+def test_binary_or_non_utf8_training_script_is_refused(tmp_path: Path) -> None:
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(2000))
+    with pytest.raises(LaunchError, match="is a binary file, not Python source: run a program with -c/--no-python"):
+        parse_plan([str(binary)], env={})
+    latin = tmp_path / "latin.py"
+    latin.write_bytes("print('caf\u00e9')\n".encode("latin-1"))
+    with pytest.raises(LaunchError, match=r"is not UTF-8 text \(byte 0xe9 at offset 10\)"):
+        parse_plan([str(latin)], env={})
+    declared = tmp_path / "declared.py"
+    declared.write_bytes("# -*- coding: latin-1 -*-\nprint('caf\u00e9')\n".encode("latin-1"))
+    assert parse_plan([str(declared)], env={}).target == str(declared)
+    cut = tmp_path / "cut.py"  # a multi-byte character across the 1 KiB boundary is fine
+    cut.write_bytes(b"#" * 1023 + "\u00e9\n".encode())
+    assert parse_plan([str(cut)], env={}).target == str(cut)
+    app = tmp_path / "app.zip"
+    with zipfile.ZipFile(app, "w") as z:
+        z.writestr("__main__.py", "print('zip app')\n")
+    assert parse_plan([str(app)], env={}).target == str(app)
+    assert parse_plan(["-c", "true"], env={}).mode is Mode.COMMAND  # commands are not read

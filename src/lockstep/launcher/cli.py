@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
+import math
 import os
-import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from lockstep import __version__
-from lockstep.launcher.plan import FORMAT_FIELDS, LaunchError, LaunchPlan, Mode
+from lockstep.launcher import inputs, torchrun
+from lockstep.launcher.plan import DEFAULT_RDZV_TIMEOUT, FORMAT_FIELDS, LaunchError, LaunchPlan, Mode, Stream
 
 _DESCRIPTION = """\
 Start NPROC copies of a training script on this node, each with the torch.distributed environment
@@ -30,14 +30,15 @@ class _Parser(argparse.ArgumentParser):
         raise LaunchError(message)
 
 
-def _number(kind: type, low: float, high: float | None, expected: str):
-    """An argparse type: parse as ``kind`` and require low <= value (<= high)."""
+def _number(kind: type, low: float, high: float | None, expected: str, low_inclusive: bool = True):
+    """An argparse type: parse as ``kind``, finite, and require low <= value (<= high)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or value < low or (high is not None and value > high):
+        if (value is None or not math.isfinite(value) or value < low or (value == low and not low_inclusive)
+                or (high is not None and value > high)):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
     return parse
@@ -46,7 +47,9 @@ def _number(kind: type, low: float, high: float | None, expected: str):
 _positive_int = _number(int, 1, None, "a positive integer")
 _non_negative_int = _number(int, 0, None, "an integer >= 0")
 _port = _number(int, 1, 65535, "a port number 1-65535")
-_non_negative_float = _number(float, 0.0, None, "seconds >= 0")
+# Bounded so that a typo (inf, 1e308) cannot make a teardown or a wait last forever.
+_grace_seconds = _number(float, 0.0, 86400.0, "seconds > 0 and at most 86400", low_inclusive=False)
+_rdzv_seconds = _number(float, 0.0, 604800.0, "seconds > 0 and at most 604800", low_inclusive=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_restarts", type=_non_negative_int, default=None,
                    help="When a rank fails, stop and restart this node's ranks up to this many "
                         "times (env LOCKSTEP_MAX_RESTARTS). Default: 0.")
-    p.add_argument("--grace_period", type=_non_negative_float, default=5.0,
+    p.add_argument("--grace_period", type=_grace_seconds, default=5.0,
                    help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
+    p.add_argument("-t", "--tee", type=torchrun.stream_value, default=Stream.NONE,
+                   help="Also show every rank's stdout (1), stderr (2) or both (3) on the console, "
+                        "each line prefixed [rank N], while its log files are still written. Default: 0.")
     p.add_argument("training_script", help="Script (or module with -m, command with -c) to run.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER,
                    help="Arguments passed on to the training script.")
@@ -94,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     multi.add_argument("--master_port", type=_port, default=None,
                        help="Port of the c10d store on the master (env MASTER_PORT). Default on "
                             "one node: a free port the launcher holds.")
+    multi.add_argument("--rdzv_timeout", "--rdzv-timeout", type=_rdzv_seconds, default=None,
+                       help="Seconds a node without rank 0 waits for the master's store before it "
+                            f"gives up (env LOCKSTEP_RDZV_TIMEOUT). Default: {DEFAULT_RDZV_TIMEOUT:g}.")
+    torchrun.add_arguments(p, mode, {"node_rank": _non_negative_int, "master_port": _port,
+                                     "max_restarts": _non_negative_int, "grace_period": _grace_seconds})
     return p
 
 
@@ -114,33 +125,6 @@ def _visible_cuda_devices(env: Mapping[str, str]) -> int:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     gpus = Path("/proc/driver/nvidia/gpus")
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
-
-
-def _check_format(name: str, fmt: str | None) -> None:
-    if fmt is None:
-        return
-    try:
-        fmt.format(**{f: 0 for f in FORMAT_FIELDS})
-    except (KeyError, IndexError, ValueError) as e:
-        fields = ", ".join("{%s}" % f for f in FORMAT_FIELDS)
-        raise LaunchError(f"--{name} {fmt!r} is not a valid format: {e}; use only {fields}") from None
-
-
-def _check_target(mode: Mode, target: str) -> None:
-    if mode is Mode.SCRIPT and not Path(target).is_file():
-        raise LaunchError(f"training script {target!r} does not exist (use -m for a module, -c for a command)")
-    if mode is Mode.COMMAND and shutil.which(target) is None:
-        raise LaunchError(f"command {target!r} was not found on PATH or is not executable")
-    if mode is Mode.MODULE:
-        sys.path.insert(0, os.getcwd())
-        try:
-            found = importlib.util.find_spec(target) is not None
-        except (ImportError, ValueError):
-            found = False
-        finally:
-            sys.path.pop(0)
-        if not found:
-            raise LaunchError(f"module {target!r} was not found (run from the folder that contains it)")
 
 
 def _resolve_ranks(nproc: int, world_size: int, base_rank: int | None, node_rank: int | None) -> tuple[int, int]:
@@ -170,44 +154,98 @@ def _resolve_ranks(nproc: int, world_size: int, base_rank: int | None, node_rank
     return base_rank, node_rank
 
 
+def _nproc(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    cuda_devices = _visible_cuda_devices(env)
+    if args.nproc is not None:
+        return torchrun.resolve_nproc(args.nproc, cuda_devices)
+    return _from_env(env, "LOCAL_WORLD_SIZE", _positive_int, "-n") or max(1, cuda_devices)
+
+
+def _world(args: argparse.Namespace, env: Mapping[str, str], nproc: int) -> tuple[int, int | None]:
+    """(world_size, nnodes); torchrun's --nnodes N means world_size = N x nproc."""
+    text = getattr(args, "nnodes", None)
+    nnodes = torchrun.parse_nnodes(text) if text is not None else None
+    if nnodes is None:
+        return args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size") or nproc, None
+    if args.world_size is not None and args.world_size != nnodes * nproc:
+        raise LaunchError(f"--world_size {args.world_size} is not --nnodes {nnodes} x nproc {nproc}: "
+                          f"pass only one of them")
+    return nnodes * nproc, nnodes
+
+
+def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool) -> tuple[str | None, int | None]:
+    addr, port = args.master_addr, args.master_port
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    if endpoint is not None:
+        host, endpoint_port = torchrun.parse_endpoint(endpoint)
+        if addr not in (None, host) or port not in (None, endpoint_port):
+            raise LaunchError(f"--rdzv-endpoint {endpoint} disagrees with --master_addr/--master_port: "
+                              f"pass only one of them")
+        addr, port = host, endpoint_port
+    addr = addr or env.get("MASTER_ADDR") or None
+    port = port or _from_env(env, "MASTER_PORT", _port, "--master_port")
+    if multinode and addr is None:
+        raise LaunchError("multi-node run needs --master_addr (or env MASTER_ADDR): the address of the node with rank 0")
+    if multinode and port is None:
+        raise LaunchError("multi-node run needs --master_port (or env MASTER_PORT): a port open on the node with rank 0")
+    return addr, port
+
+
+def _standalone(args: argparse.Namespace, nproc: int, world_size: int) -> None:
+    if world_size > nproc or (args.node_rank or 0) or (args.base_rank or 0):
+        raise LaunchError(f"--standalone runs one node, but world_size {world_size} > nproc {nproc} or a "
+                          f"node/base rank was given: drop --standalone for a multi-node run")
+    # As torchrun does, --standalone picks the store's address and port itself.
+    args.master_addr = args.master_port = args.rdzv_endpoint = None
+
+
+def _rdzv_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
+    conf = getattr(args, "rdzv_conf", None)
+    timeout = args.rdzv_timeout or (torchrun.parse_rdzv_conf(conf) if conf else None)
+    return timeout or _from_env(env, "LOCKSTEP_RDZV_TIMEOUT", _rdzv_seconds, "--rdzv_timeout") or DEFAULT_RDZV_TIMEOUT
+
+
 def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.datetime | None = None) -> LaunchPlan:
     """Turn the command line and environment into a LaunchPlan; raise LaunchError on bad input."""
     args = build_parser().parse_args(list(argv))
     if args.training_script.startswith("-"):
         raise LaunchError(f"unknown option {args.training_script!r} (see lockstep --help)")
-    nproc = args.nproc or _from_env(env, "LOCAL_WORLD_SIZE", _positive_int, "-n")
-    nproc = nproc or max(1, _visible_cuda_devices(env))
-    world_size = args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size") or nproc
+    torchrun.check_accepted(args)
+    standalone = getattr(args, "standalone", False)
+    if standalone:
+        env = torchrun.standalone_env(env)
+    nproc = _nproc(args, env)
+    world_size, nnodes = _world(args, env, nproc)
+    if standalone:
+        _standalone(args, nproc, world_size)
     base_rank = args.base_rank if args.base_rank is not None else _from_env(env, "BASE_RANK", _non_negative_int, "--base_rank")
     node_rank = args.node_rank if args.node_rank is not None else _from_env(env, "NODE_RANK", _non_negative_int, "--node_rank")
     base_rank, node_rank = _resolve_ranks(nproc, world_size, base_rank, node_rank)
-
-    master_addr = args.master_addr or env.get("MASTER_ADDR") or None
-    master_port = args.master_port or _from_env(env, "MASTER_PORT", _port, "--master_port")
-    if world_size > nproc:
-        if master_addr is None:
-            raise LaunchError("multi-node run needs --master_addr (or env MASTER_ADDR): the address of the node with rank 0")
-        if master_port is None:
-            raise LaunchError("multi-node run needs --master_port (or env MASTER_PORT): a port open on the node with rank 0")
+    master_addr, master_port = _master(args, env, world_size > nproc)
 
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = _from_env(env, "LOCKSTEP_MAX_RESTARTS", _non_negative_int, "--max_restarts") or 0
-
-    _check_format("stdout", args.stdout)
-    _check_format("stderr", args.stderr)
+    inputs.check_format("stdout", args.stdout)
+    inputs.check_format("stderr", args.stderr)
     mode = Mode.MODULE if args.module_mode else Mode.COMMAND if args.command_mode else Mode.SCRIPT
-    _check_target(mode, args.training_script)
+    inputs.check_target(mode, args.training_script)
 
     stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%dT%H-%M-%S-%f")
-    return LaunchPlan(
+    plan = LaunchPlan(
         nproc=nproc, world_size=world_size, base_rank=base_rank, node_rank=node_rank,
         master_addr=master_addr or "127.0.0.1", master_port=master_port,
         run_directory=Path(args.run_directory or Path("runs") / stamp),
         stdout_format=args.stdout, stderr_format=args.stderr,
         mode=mode, target=args.training_script, target_args=tuple(args.training_script_args),
         verbose=args.verbose, max_restarts=max_restarts, grace_period=args.grace_period,
+        rdzv_timeout=_rdzv_timeout(args, env), tee=args.tee,
+        redirects=getattr(args, "redirects", Stream.NONE),
+        tee_ranks=torchrun.parse_local_ranks(getattr(args, "local_ranks_filter", None), nproc),
+        run_id=getattr(args, "rdzv_id", None), nnodes=nnodes, role=getattr(args, "role", "default"),
     )
+    inputs.check_paths(plan)
+    return plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -114,7 +114,7 @@ def _exec_as_main(code: CodeType, **attrs: Any) -> None:
 
 
 def _run_script(path: str) -> None:
-    if not os.path.isfile(path):  # a folder or zip with __main__.py
+    if not os.path.isfile(path) or _is_zip(path):  # a folder or zip with __main__.py
         runpy.run_path(path, run_name="__main__")
         return
     sys.path[0] = os.path.dirname(os.path.abspath(path))
@@ -122,6 +122,12 @@ def _run_script(path: str) -> None:
         code = compile(f.read(), path, "exec", dont_inherit=True)
     loader = importlib.machinery.SourceFileLoader("__main__", path)
     _exec_as_main(code, __file__=path, __cached__=None, __spec__=None, __loader__=loader)
+
+
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    return zipfile.is_zipfile(path)
 
 
 def _run_module(name: str) -> None:

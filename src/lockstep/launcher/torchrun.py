@@ -1,0 +1,220 @@
+"""torchrun's command line, accepted by ``lockstep``: its flags as aliases, the rest refused.
+
+A torchrun flag either means something lockstep does (``--nproc-per-node`` is ``-n``,
+``--rdzv-endpoint HOST:PORT`` is ``--master_addr HOST --master_port PORT``), is accepted because it
+changes nothing for a script (``--start-method``, ``--monitor-interval``), or is a usage error whose
+one line names the lockstep way. Pure parsing, like the rest of cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+
+from lockstep.launcher.plan import LaunchError, Stream
+
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+RDZV_BACKENDS = ("c10d", "static")
+_DEFAULT_RDZV_PORT = 29400  # torchrun's port for an endpoint given without one
+_RANK_ENV = ("WORLD_SIZE", "NODE_RANK", "BASE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+_REFUSED: dict[tuple[str, ...], tuple[int, str]] = {
+    ("--run-path", "--run_path"): (
+        0, "lockstep starts every rank in a fresh interpreter; drop --run-path"),
+    ("--local-addr", "--local_addr"): (
+        1, "ranks reach the master at --master_addr, so --local-addr is not used; drop it"),
+    ("--logs-specs", "--logs_specs"): (
+        1, "custom LogsSpecs are not supported; name the log files with --stdout/--stderr and --run_directory"),
+    ("--duplicate-stdout-filters", "--duplicate_stdout_filters"): (
+        1, "duplicate filters are not supported; search the rank logs under --run_directory instead"),
+    ("--duplicate-stderr-filters", "--duplicate_stderr_filters"): (
+        1, "duplicate filters are not supported; search the rank logs under --run_directory instead"),
+    ("--numa-binding", "--numa_binding"): (
+        1, "NUMA binding is not supported; bind in the script (os.sched_setaffinity by LOCAL_RANK)"),
+    ("--signals-to-handle", "--signals_to_handle"): (
+        1, "lockstep forwards SIGINT and SIGTERM to every rank and does not take another list; drop it"),
+    ("--virtual-local-rank", "--virtual_local_rank"): (
+        0, "not supported; select the device from LOCAL_RANK in the script"),
+}
+
+
+class _Refuse(argparse.Action):
+    """A torchrun flag lockstep cannot honour: a usage error as soon as it is seen."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, message: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise LaunchError(f"{option_string}: {self.message}")
+
+
+def nproc_value(text: str) -> int | str:
+    """torchrun's --nproc-per-node: a positive integer or one of NPROC_WORDS."""
+    if text in NPROC_WORDS:
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive integer or one of {', '.join(NPROC_WORDS)}, got {text!r}")
+
+
+def stream_value(text: str) -> Stream:
+    """torchrun's --tee / --redirects: 0 none, 1 stdout, 2 stderr, 3 both."""
+    if text in ("0", "1", "2", "3"):
+        return Stream(int(text))
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"per-rank values like {text!r} are not supported; give one value for every rank: "
+            f"0 none, 1 stdout, 2 stderr, 3 both")
+    raise argparse.ArgumentTypeError(f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), got {text!r}")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclusiveGroup, types) -> None:
+    """torchrun's flags; ``types`` holds lockstep's own argparse types by flag dest."""
+    group = parser.add_argument_group("torchrun's flags, accepted as aliases (see the README)")
+
+    def alias(*names: str, dest: str, **kwargs) -> None:
+        (mode if dest in ("module_mode", "command_mode") else group).add_argument(
+            *names, dest=dest, default=argparse.SUPPRESS, **kwargs)
+
+    alias("--nproc-per-node", "--nproc_per_node", dest="nproc", type=nproc_value,
+          help="= -n; also auto (CUDA devices, else CPU cores), cpu (CPU cores), gpu (CUDA devices)")
+    alias("--nnodes", dest="nnodes", help="nodes: N or N:N (world_size = nnodes x nproc)")
+    alias("--node-rank", dest="node_rank", type=types["node_rank"], help="= --node_rank")
+    alias("--master-addr", dest="master_addr", help="= --master_addr")
+    alias("--master-port", dest="master_port", type=types["master_port"], help="= --master_port")
+    alias("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+          help="HOST[:PORT] = --master_addr HOST --master_port PORT (default port 29400)")
+    alias("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", help="c10d or static (both mean the same)")
+    alias("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="TORCHELASTIC_RUN_ID (default: the run directory's name)")
+    alias("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", help="join_timeout=SECONDS = --rdzv_timeout")
+    alias("--standalone", dest="standalone", action="store_true", help="one node, the launcher picks the port")
+    alias("--max-restarts", dest="max_restarts", type=types["max_restarts"], help="= --max_restarts")
+    alias("--shutdown-timeout", "--shutdown_timeout", dest="grace_period", type=types["grace_period"],
+          help="= --grace_period")
+    alias("--log-dir", "--log_dir", dest="run_directory", help="= --run_directory")
+    alias("--module", dest="module_mode", action="store_true", help="torchrun's name for -m")
+    alias("--no-python", "--no_python", dest="command_mode", action="store_true", help="torchrun's name for -c")
+    alias("-r", "--redirects", dest="redirects", type=stream_value,
+          help="0-3: local rank 0's stdout (1), stderr (2) or both (3) go to its log files only")
+    alias("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter",
+          help="with --tee: the local ranks (e.g. 0,1) whose lines are shown")
+    alias("--role", dest="role", help="ROLE_NAME of every rank (default: default)")
+    alias("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_positive_seconds,
+          help="accepted and ignored: lockstep sees a rank exit at once")
+    alias("--start-method", "--start_method", dest="start_method", choices=("spawn", "fork", "forkserver"),
+          help="accepted and ignored: every rank is a fresh process")
+    alias("--event-log-handler", "--event_log_handler", dest="event_log_handler",
+          help="only null (torchrun's default)")
+    for names, (nargs, message) in _REFUSED.items():
+        parser.add_argument(*names, action=_Refuse, nargs=nargs, message=message)
+
+
+def resolve_nproc(value: int | str, cuda_devices: int) -> int:
+    """A number for torchrun's words, counted as torchrun counts them."""
+    if isinstance(value, int):
+        return value
+    if value == "xpu":
+        raise LaunchError("--nproc-per-node xpu: lockstep counts CUDA devices only; pass a number")
+    if value == "gpu" and cuda_devices == 0:
+        raise LaunchError("--nproc-per-node gpu: no CUDA device is visible; pass a number or cpu")
+    if value == "cpu" or (value == "auto" and cuda_devices == 0):
+        return os.cpu_count() or 1
+    return cuda_devices
+
+
+def parse_nnodes(text: str) -> int:
+    """torchrun's --nnodes N or N:N; an elastic range is refused."""
+    low, _, high = text.partition(":")
+    try:
+        low_n, high_n = int(low), int(high or low)
+    except ValueError:
+        raise LaunchError(f"--nnodes: expected N or N:N, got {text!r}") from None
+    if low_n < 1 or high_n < 1:
+        raise LaunchError(f"--nnodes: expected a positive number of nodes, got {text!r}")
+    if low_n != high_n:
+        raise LaunchError(
+            f"--nnodes {text}: elastic node ranges are not supported; lockstep runs a fixed number of "
+            f"nodes: pass --nnodes N (and --max_restarts K to restart after a failure)")
+    return low_n
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """HOST[:PORT] or [IPv6]:PORT of --rdzv-endpoint."""
+    host, port = text, _DEFAULT_RDZV_PORT
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if rest:
+            port = _endpoint_port(text, rest.removeprefix(":"))
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+        port = _endpoint_port(text, port_text)
+    if not host:
+        raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT, got {text!r}")
+    return host, port
+
+
+def _endpoint_port(text: str, port: str) -> int:
+    if port.isdigit() and 1 <= int(port) <= 65535:
+        return int(port)
+    raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT with a port 1-65535, got {text!r}")
+
+
+def parse_rdzv_conf(text: str) -> float | None:
+    """The join timeout from --rdzv-conf key=value pairs; other keys are refused."""
+    timeout = None
+    for pair in filter(None, text.split(",")):
+        key, _, value = pair.partition("=")
+        if key.strip() != "join_timeout":
+            raise LaunchError(
+                f"--rdzv-conf {key.strip()!r} is not supported; only join_timeout=SECONDS "
+                f"(the same as --rdzv_timeout)")
+        try:
+            timeout = _positive_seconds(value.strip())
+        except argparse.ArgumentTypeError as e:
+            raise LaunchError(f"--rdzv-conf join_timeout: {e}") from None
+    return timeout
+
+
+def check_accepted(args: argparse.Namespace) -> None:
+    """Usage errors for torchrun values lockstep cannot honour."""
+    backend = getattr(args, "rdzv_backend", None)
+    if backend is not None and backend not in RDZV_BACKENDS:
+        raise LaunchError(
+            f"--rdzv-backend {backend}: not supported; lockstep's rendezvous is a c10d store on the "
+            f"master: use --rdzv-backend c10d or --master_addr/--master_port")
+    handler = getattr(args, "event_log_handler", None)
+    if handler not in (None, "null"):
+        raise LaunchError(f"--event-log-handler {handler}: not supported; only null")
+    if getattr(args, "local_ranks_filter", None) is not None and not getattr(args, "tee", None):
+        raise LaunchError("--local-ranks-filter picks the ranks --tee shows: add --tee 3 "
+                          "(without --tee only local rank 0 reaches the console)")
+
+
+def parse_local_ranks(text: str | None, nproc: int) -> frozenset[int] | None:
+    """--local-ranks-filter 0,2 -> {0, 2}."""
+    if text is None:
+        return None
+    try:
+        ranks = frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise LaunchError(f"--local-ranks-filter: expected local ranks like 0,1, got {text!r}") from None
+    if not ranks or any(not 0 <= r < nproc for r in ranks):
+        raise LaunchError(f"--local-ranks-filter {text}: local ranks are 0..{nproc - 1}")
+    return ranks
+
+
+def standalone_env(env: Mapping[str, str]) -> dict[str, str]:
+    """--standalone is one node on its own: rank variables in the launcher's env do not apply."""
+    return {k: v for k, v in env.items() if k not in _RANK_ENV}

@@ -1,0 +1,102 @@
+"""torchrun compatibility end to end: the torchelastic environment, @record error files, torchrun's
+command line and --tee, with real worker processes."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.conftest import launch
+
+pytestmark = pytest.mark.timeout(120)
+
+ELASTIC_KEYS = ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                "TORCHELASTIC_ERROR_FILE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "RANK", "WORLD_SIZE"]
+
+ELASTIC_DUMP = textwrap.dedent(f"""
+    import json, os, sys
+    import torch.distributed as dist
+    env = {{k: os.environ.get(k) for k in {ELASTIC_KEYS!r}}}
+    env["launched"] = dist.is_torchelastic_launched()
+    json.dump(env, open(os.path.join(sys.argv[1], "env" + os.environ["RANK"] + ".json"), "w"))
+""")
+
+RECORD = textwrap.dedent("""
+    import os, sys, time
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if os.environ["RANK"] == sys.argv[1] and attempt == 0:
+            raise ValueError("rank broke on purpose: the answer is 42")
+        if os.environ["RANK"] == sys.argv[1]:
+            sys.exit(3)  # no exception, so no error file this time
+        time.sleep(60)
+
+    main()
+""")
+
+
+def test_workers_see_the_torchelastic_environment(tmp_path: Path, write_script) -> None:
+    script = write_script("elastic.py", ELASTIC_DUMP)
+    result = launch(["--nproc-per-node", "2", "--rdzv-id", "job7", "--max-restarts", "1", "--role", "trainer",
+                     "--run_directory", "run", str(script), str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        env = json.loads((tmp_path / f"env{rank}.json").read_text())
+        assert env["launched"] is True
+        assert env == {
+            "launched": True, "RANK": str(rank), "WORLD_SIZE": "2",
+            "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "1",
+            "TORCHELASTIC_ERROR_FILE": str(tmp_path / "run" / f"rank{rank}.error.json"),
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "trainer",
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "2",
+        }
+
+
+@pytest.mark.parametrize("failing_rank", ["1", "0"])
+def test_record_error_file_reaches_the_failure_report(tmp_path: Path, write_script, failing_rank) -> None:
+    script = write_script("record.py", RECORD)
+    result = launch(["-n", "2", "--run_directory", "run", str(script), failing_rank], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert f"rank {failing_rank} raised ValueError: rank broke on purpose: the answer is 42" in result.stderr
+    if failing_rank == "1":  # its output is in files: the report shows the traceback from the error file
+        assert f"traceback of rank 1 (from {tmp_path / 'run' / 'rank1.error.json'})" in result.stderr
+        assert 'raise ValueError("rank broke on purpose' in result.stderr
+    else:  # local rank 0's traceback is on the console already
+        assert "rank 0's output is on the console above" in result.stderr
+        assert result.stderr.count("Traceback (most recent call last)") == 1
+
+
+def test_an_error_file_from_an_earlier_attempt_is_not_reported(tmp_path: Path, write_script) -> None:
+    script = write_script("record.py", RECORD)
+    result = launch(["-n", "2", "--max_restarts", "1", "--run_directory", "run", str(script), "1"], cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.count("raised ValueError") == 1  # attempt 0 only
+    last_report = result.stderr.rsplit("restarting this node's ranks", 1)[1]
+    assert "failed first with exit code 3" in last_report and "raised" not in last_report
+
+
+ALL_REDUCE = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():g}")
+    print(f"err from rank {dist.get_rank()}", file=sys.stderr)
+""")
+
+
+def test_torchrun_command_line_runs_two_ranks(tmp_path: Path, write_script) -> None:
+    script = write_script("allreduce.py", ALL_REDUCE)
+    result = launch(["--nnodes", "1", "--nproc-per-node", "2", "--standalone", "--log-dir", "logs",
+                     str(script)], cwd=tmp_path, env={"WORLD_SIZE": "8", "MASTER_PORT": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "rank 0 of 2 sum 3"
+    assert (tmp_path / "logs" / "rank1.stdout.log").read_text().strip() == "rank 1 of 2 sum 3"
