@@ -4,6 +4,9 @@ command line and --tee, with real worker processes."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -100,3 +103,47 @@ def test_torchrun_command_line_runs_two_ranks(tmp_path: Path, write_script) -> N
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "rank 0 of 2 sum 3"
     assert (tmp_path / "logs" / "rank1.stdout.log").read_text().strip() == "rank 1 of 2 sum 3"
+
+
+TALKER = textwrap.dedent("""
+    import os, sys, time
+    rank = os.environ["RANK"]
+    print(f"out {rank}", flush=True)
+    print(f"err {rank}", file=sys.stderr, flush=True)
+    go = os.path.join(sys.argv[1], "go")
+    while not os.path.exists(go):  # the test creates it once it saw both ranks' lines live
+        time.sleep(0.05)
+    sys.stdout.write(f"last words of {rank} without a newline")
+""")
+
+
+def test_tee_streams_every_rank_live_with_a_prefix(tmp_path: Path, write_script) -> None:
+    script = write_script("talker.py", TALKER)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "-n", "2", "--tee", "3", "--run_directory", "run",
+         str(script), str(tmp_path)],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = {launcher.stdout.readline().strip(), launcher.stdout.readline().strip()}
+    assert seen == {"[rank 0] out 0", "[rank 1] out 1"}  # while both ranks still run
+    (tmp_path / "go").write_text("")
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
+    assert sorted(out.splitlines()) == ["[rank 0] last words of 0 without a newline",
+                                        "[rank 1] last words of 1 without a newline"]
+    assert "[rank 0] err 0" in err and "[rank 1] err 1" in err
+    for rank in range(2):  # the log files get the same output, unprefixed
+        log = tmp_path / "run" / f"rank{rank}.stdout.log"
+        assert log.read_text() == f"out {rank}\nlast words of {rank} without a newline"
+        assert (tmp_path / "run" / f"rank{rank}.stderr.log").read_text() == f"err {rank}\n"
+
+
+def test_tee_of_stdout_only_and_the_local_ranks_filter(tmp_path: Path, write_script) -> None:
+    script = write_script("talker.py", TALKER)
+    (tmp_path / "go").write_text("")
+    result = launch(["-n", "2", "--tee", "1", "--local-ranks-filter", "1", "--run_directory", "run",
+                     str(script), str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[rank 1] out 1", "[rank 1] last words of 1 without a newline"]
+    assert result.stderr.splitlines() == ["err 0"]  # local rank 0's stderr, as without --tee
+    assert (tmp_path / "run" / "rank0.stdout.log").read_text().startswith("out 0\n")
