@@ -303,10 +303,10 @@ def test_run_directory_and_log_paths_must_be_writable(script, tmp_path: Path) ->
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     cases = [
-        (["--run_directory", str(a_file)], "--run_directory '%s' is a file, not a folder: pass a folder" % a_file),
-        (["--run_directory", str(a_file / "sub")], "is under '%s', which is a file" % a_file),
+        (["--run_directory", str(a_file)], f"--run_directory '{a_file}' is a file, not a folder: pass a folder"),
+        (["--run_directory", str(a_file / "sub")], f"is under '{a_file}', which is a file"),
         (["-n", "2", "--stdout", str(a_file / "{rank}.out")], "--stdout: rank 1's log file"),
-        (["-n", "2", "--stderr", str(tmp_path)], "--stderr: rank 1's log file '%s' is a folder" % tmp_path),
+        (["-n", "2", "--stderr", str(tmp_path)], f"--stderr: rank 1's log file '{tmp_path}' is a folder"),
     ]
     for argv, needle in cases:
         with pytest.raises(LaunchError) as info:

@@ -13,7 +13,14 @@ from typing import NoReturn
 
 from lockstep import __version__
 from lockstep.launcher import inputs, torchrun
-from lockstep.launcher.plan import DEFAULT_RDZV_TIMEOUT, FORMAT_FIELDS, LaunchError, LaunchPlan, Mode, Stream
+from lockstep.launcher.plan import (
+    DEFAULT_RDZV_TIMEOUT,
+    FORMAT_FIELDS,
+    LaunchError,
+    LaunchPlan,
+    Mode,
+    Stream,
+)
 
 _DESCRIPTION = """\
 Start NPROC copies of a training script on this node, each with the torch.distributed environment
@@ -53,6 +60,7 @@ _rdzv_seconds = _number(float, 0.0, 604800.0, "seconds > 0 and at most 604800", 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """lockstep's flags, then torchrun's names for them (torchrun.py)."""
     fields = ", ".join("{%s}" % f for f in FORMAT_FIELDS)
 
     def fmt_help(stream: str) -> str:
@@ -86,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("training_script", help="Script (or module with -m, command with -c) to run.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER,
                    help="Arguments passed on to the training script.")
+    _add_multinode_arguments(p)
+    torchrun.add_arguments(p, mode, {"node_rank": _non_negative_int, "master_port": _port,
+                                     "max_restarts": _non_negative_int, "grace_period": _grace_seconds})
+    return p
+
+
+def _add_multinode_arguments(p: argparse.ArgumentParser) -> None:
     multi = p.add_argument_group("multi-node arguments (needed when world_size > nproc)")
     multi.add_argument("--world_size", type=_positive_int, default=None,
                        help="Processes over all nodes (env WORLD_SIZE). Default: nproc.")
@@ -103,9 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     multi.add_argument("--rdzv_timeout", "--rdzv-timeout", type=_rdzv_seconds, default=None,
                        help="Seconds a node without rank 0 waits for the master's store before it "
                             f"gives up (env LOCKSTEP_RDZV_TIMEOUT). Default: {DEFAULT_RDZV_TIMEOUT:g}.")
-    torchrun.add_arguments(p, mode, {"node_rank": _non_negative_int, "master_port": _port,
-                                     "max_restarts": _non_negative_int, "grace_period": _grace_seconds})
-    return p
 
 
 def _from_env(env: Mapping[str, str], name: str, parse, flag: str):
@@ -173,6 +185,17 @@ def _world(args: argparse.Namespace, env: Mapping[str, str], nproc: int) -> tupl
     return nnodes * nproc, nnodes
 
 
+def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_size: int) -> tuple[int, int]:
+    """(base_rank, node_rank) from flags, else env, checked against the world."""
+    base_rank = args.base_rank
+    if base_rank is None:
+        base_rank = _from_env(env, "BASE_RANK", _non_negative_int, "--base_rank")
+    node_rank = args.node_rank
+    if node_rank is None:
+        node_rank = _from_env(env, "NODE_RANK", _non_negative_int, "--node_rank")
+    return _resolve_ranks(nproc, world_size, base_rank, node_rank)
+
+
 def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool) -> tuple[str | None, int | None]:
     addr, port = args.master_addr, args.master_port
     endpoint = getattr(args, "rdzv_endpoint", None)
@@ -218,14 +241,12 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     world_size, nnodes = _world(args, env, nproc)
     if standalone:
         _standalone(args, nproc, world_size)
-    base_rank = args.base_rank if args.base_rank is not None else _from_env(env, "BASE_RANK", _non_negative_int, "--base_rank")
-    node_rank = args.node_rank if args.node_rank is not None else _from_env(env, "NODE_RANK", _non_negative_int, "--node_rank")
-    base_rank, node_rank = _resolve_ranks(nproc, world_size, base_rank, node_rank)
+    base_rank, node_rank = _node(args, env, nproc, world_size)
     master_addr, master_port = _master(args, env, world_size > nproc)
-
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = _from_env(env, "LOCKSTEP_MAX_RESTARTS", _non_negative_int, "--max_restarts") or 0
+
     inputs.check_format("stdout", args.stdout)
     inputs.check_format("stderr", args.stderr)
     mode = Mode.MODULE if args.module_mode else Mode.COMMAND if args.command_mode else Mode.SCRIPT

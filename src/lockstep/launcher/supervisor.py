@@ -15,7 +15,13 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from lockstep.launcher.output import LinePump, RankLogs, open_logs, prepare_run_directory, start_pumps
+from lockstep.launcher.output import (
+    LinePump,
+    RankLogs,
+    open_logs,
+    prepare_run_directory,
+    start_pumps,
+)
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode, RankSpec, Stream
 from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
 from lockstep.launcher.report import describe_exit, report_failure, say, shell_code
@@ -197,11 +203,13 @@ class Supervisor:
 
     def _spawn(self, spec: RankSpec, logs: RankLogs, env: dict[str, str], pass_fds: tuple[int, ...],
                watchdog: Watchdog) -> _Rank:
+        # preexec_fn with threads (-c's launcher-hosted store): register_child only formats a few
+        # bytes and writes them, taking no lock another thread could hold.
         proc = subprocess.Popen(
             self.plan.command(), env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE if spec.tee & Stream.STDOUT else logs.stdout,
             stderr=subprocess.PIPE if spec.tee & Stream.STDERR else logs.stderr,
-            pass_fds=pass_fds, start_new_session=True, preexec_fn=watchdog.register_child,
+            pass_fds=pass_fds, start_new_session=True, preexec_fn=watchdog.register_child,  # noqa: PLW1509
         )
         if pause := os.environ.get(_PAUSE_AFTER_SPAWN_ENV):
             time.sleep(float(pause))
