@@ -83,7 +83,7 @@ def save_load(dataset: TensorDataset, rounds: int) -> None:
     is_zero = dist.get_global_rank() == 0
 
     def ours_save(durable: bool) -> None:
-        saver.save(state, trainer.scaler, {"rng": rng.capture(), "epoch_rng": None, "fetch_rng": None},
+        saver.save(state, {"rng": rng.capture(), "epoch_rng": None, "fetch_rng": None},
                    trainer.layout, wait=durable)
         if durable:
             saver.wait()
@@ -99,7 +99,7 @@ def save_load(dataset: TensorDataset, rounds: int) -> None:
                 os.fsync(f.fileno())
 
     def ours_load() -> None:
-        loader.load(str(ours_path), state, None, trainer.layout, run_name=state.run_name, weights_only=False,
+        loader.load(str(ours_path), state, trainer.layout, run_name=state.run_name, weights_only=False,
                     strict=True)
 
     def plain_load() -> None:

@@ -16,7 +16,7 @@ _LAZY = {
     "dist": "lockstep.dist",
     "testing": "lockstep.testing",
     "Trainer": "lockstep.trainer.trainer",
-    "State": "lockstep.trainer.state",
+    "State": "lockstep.state",
     "Model": "lockstep.model",
     "Callback": "lockstep.callbacks",
     "Event": "lockstep.callbacks",

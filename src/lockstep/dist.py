@@ -551,3 +551,33 @@ def local_rank_zero_download_and_wait(
             )
         time.sleep(poll_interval)
     return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- agreement
+
+
+def first_error(error: str | None, *, device: str | torch.device = "cpu") -> tuple[int, str] | None:
+    """Agree on success, or on the first failing rank: ``(rank, message)`` on every rank.
+
+    ``error`` is this rank's failure message (None when it succeeded). Every rank must call this
+    at the same point, so that a step that fails on one rank is known to all of them instead of
+    a rank waiting in the next collective for a peer that gave up. Success costs one one-element
+    MAX all-reduce on ``device`` (NCCL reduces only CUDA tensors); the messages are gathered only
+    when some rank failed.
+    """
+    if get_world_size() == 1 or not is_initialized():
+        return None if error is None else (get_global_rank(), error)
+    flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
+    if not int(all_reduce(flag, "MAX")[0]):
+        return None
+    return next((rank, m) for rank, m in enumerate(all_gather_object(error)) if m is not None)
+
+
+def raise_first_error(error: str | None, exception: type[Exception] = RuntimeError, *,
+                      device: str | torch.device = "cpu") -> None:
+    """:func:`first_error`, raised as ``exception`` on every rank; with several ranks the message
+    starts with ``rank N:``."""
+    first = first_error(error, device=device)
+    if first is not None:
+        rank, message = first
+        raise exception(message if get_world_size() == 1 else f"rank {rank}: {message}")

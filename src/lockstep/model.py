@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.trainer.microbatch import batch_num_samples, split_batch
+from lockstep.batch import batch_num_samples, split_batch
 
 
 class Model(nn.Module):

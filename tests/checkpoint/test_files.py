@@ -16,31 +16,36 @@ from lockstep.checkpoint import files
 from lockstep.checkpoint.files import CheckpointError
 
 
-def test_atomic_save_leaves_only_the_file(tmp_path: Path) -> None:
+def save(obj, path: Path) -> None:
+    """What the saver does: write a temporary file beside ``path``, then publish it."""
+    files.publish(files.write_temp(obj, path), path)
+
+
+def test_publish_leaves_only_the_file(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "ck.pt"
-    files.atomic_save({"w": torch.arange(4)}, path)
+    save({"w": torch.arange(4)}, path)
     assert os.listdir(path.parent) == ["ck.pt"]
     assert torch.equal(files.read(path)["w"], torch.arange(4))
 
 
 def test_failed_save_leaves_previous_file_and_no_temp(tmp_path: Path) -> None:
     path = tmp_path / "ck.pt"
-    files.atomic_save({"w": torch.zeros(2)}, path)
+    save({"w": torch.zeros(2)}, path)
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        files.atomic_save({"w": Unpicklable()}, path)
+        save({"w": Unpicklable()}, path)
     assert os.listdir(tmp_path) == ["ck.pt"]
     assert torch.equal(files.read(path)["w"], torch.zeros(2))
 
 
 def test_latest_pointer_is_a_relative_symlink_replaced_atomically(tmp_path: Path) -> None:
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
-    files.atomic_save({"x": torch.ones(1)}, a)
-    files.atomic_save({"x": torch.zeros(1)}, b)
+    save({"x": torch.ones(1)}, a)
+    save({"x": torch.zeros(1)}, b)
     latest = tmp_path / "latest.pt"
     files.point_latest(latest, a)
     files.point_latest(latest, b)
@@ -54,7 +59,7 @@ def test_latest_pointer_is_a_relative_symlink_replaced_atomically(tmp_path: Path
 
 def test_truncated_file_is_named(tmp_path: Path) -> None:
     path = tmp_path / "ck.pt"
-    files.atomic_save({"w": torch.randn(1000)}, path)
+    save({"w": torch.randn(1000)}, path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"ck\.pt is truncated or not a torch checkpoint"):
@@ -63,7 +68,7 @@ def test_truncated_file_is_named(tmp_path: Path) -> None:
 
 def test_corrupt_tensor_bytes_are_caught_by_crc(tmp_path: Path) -> None:
     path = tmp_path / "ck.pt"
-    files.atomic_save({"w": torch.randn(10000)}, path)
+    save({"w": torch.randn(10000)}, path)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # torch.load alone would return silently wrong weights
     path.write_bytes(bytes(data))
@@ -115,10 +120,12 @@ def test_kill_9_between_write_and_rename_keeps_previous_checkpoint(tmp_path: Pat
         from pathlib import Path
         from lockstep.checkpoint import files
         folder = Path({str(tmp_path)!r})
-        files.atomic_save({{"step": torch.tensor(1)}}, folder / "ba1.pt")
+        def save(obj, path):
+            files.publish(files.write_temp(obj, path), path)
+        save({{"step": torch.tensor(1)}}, folder / "ba1.pt")
         files.point_latest(folder / "latest.pt", folder / "ba1.pt")
         files._before_publish = lambda path: os.kill(os.getpid(), signal.SIGKILL)
-        files.atomic_save({{"step": torch.tensor(2)}}, folder / "ba2.pt")
+        save({{"step": torch.tensor(2)}}, folder / "ba2.pt")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
     assert proc.returncode == -9, proc.stderr
@@ -133,7 +140,7 @@ def test_kill_9_between_write_and_rename_keeps_previous_checkpoint(tmp_path: Pat
 def test_crc_shares_cover_every_record_once(tmp_path: Path) -> None:
     import zipfile
     path = tmp_path / "ck.pt"
-    files.atomic_save({f"w{i}": torch.randn(100 * (i + 1)) for i in range(7)}, path)
+    save({f"w{i}": torch.randn(100 * (i + 1)) for i in range(7)}, path)
     with zipfile.ZipFile(path) as archive:
         records = archive.infolist()
     parts = [files._part(records, i, 3) for i in range(3)]

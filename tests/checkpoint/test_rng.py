@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from lockstep.checkpoint import rng
+from lockstep import rng
 
 
 def _draws() -> tuple:

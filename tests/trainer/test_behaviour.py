@@ -161,7 +161,7 @@ def test_run_folder_gets_rank_log_metrics_and_loss_curve(tmp_path: Path) -> None
 def test_mixed_precision_trains_close_to_fp32(precision) -> None:
     reference = fit_steps("1ep")
     trainer = fit_steps("1ep", precision=precision)
-    assert (trainer.scaler is not None) == (precision == "amp_fp16")
+    assert (trainer.state.scaler is not None) == (precision == "amp_fp16")
     for k, v in params(trainer.state.model).items():
         assert v.dtype == torch.float32  # autocast keeps fp32 master weights
         assert not torch.equal(v, params(reference.state.model)[k]) or "bias" in k

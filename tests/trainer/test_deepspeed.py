@@ -112,7 +112,7 @@ def _bf16() -> tuple[dict, torch.dtype, list[float]]:
     before = next(iter(model.parameters())).detach().float().clone()
     trainer.fit()
     after = next(iter(model.parameters())).detach().float()
-    return trainer.deepspeed_config, next(iter(model.parameters())).dtype, [float((after - before).abs().max())]
+    return trainer.strategy.config, next(iter(model.parameters())).dtype, [float((after - before).abs().max())]
 
 
 @needs_deepspeed

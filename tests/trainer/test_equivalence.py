@@ -120,7 +120,7 @@ def _count_allreduce_passes(strategy):
     trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="3ba", optimizers=sgd(model),
                       progress_bar=False, device_train_microbatch_size=1, ddp_sync_strategy=strategy,
                       callbacks=[PerStep()])
-    trainer.state.wrapped_model.register_comm_hook(None, counting_hook)
+    trainer.strategy.module.register_comm_hook(None, counting_hook)
     trainer.fit()
     return per_step
 

@@ -120,7 +120,7 @@ def _dict_settings() -> tuple[bool, bool]:
     model = DictRules()
     trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="1ba", optimizers=sgd(model),
                       progress_bar=False, fsdp_config={"sharding_strategy": "FULL_SHARD"})
-    units = {u.name: u for u in trainer.fsdp.units}
+    units = {u.name: u for u in trainer.strategy.fsdp.units}
     return units["net.0"].strategy == "SHARD_GRAD_OP", units[""].strategy == "FULL_SHARD"
 
 
@@ -264,7 +264,7 @@ def _fp16_runs() -> list[tuple[dict[str, torch.Tensor], float]]:
                           max_duration="2ep", optimizers=sgd(model), progress_bar=False, precision="amp_fp16",
                           fsdp_config=config)
         trainer.fit()
-        results.append((full_params(model), trainer.scaler.get_scale()))
+        results.append((full_params(model), trainer.state.scaler.get_scale()))
     return results
 
 
@@ -288,7 +288,7 @@ def test_amp_fp16_skips_the_same_steps_as_ddp() -> None:
     ({"sharding_strategy": "ZERO3"}, "'ZERO3' is not supported; use one of FULL_SHARD"),
     ({"mixed_precision": "HALF"}, "'HALF' is not supported; use one of FULL, DEFAULT, PURE"),
     ({"mixed_precision": {"param_dtype": "fp8"}}, "'fp8' is not supported; use one of fp32, fp16, bf16"),
-    ({"mixed_precision": {"grad_dtype": "fp32"}}, "unknown key 'grad_dtype'"),
+    ({"mixed_precision": {"grad_dtype": "fp32"}}, "unknown key(s) 'grad_dtype'"),
     ({"backward_prefetch": "EARLY"}, "use one of BACKWARD_PRE, BACKWARD_POST, NONE"),
     ({"state_dict_type": "shard"}, "use one of full, local, sharded"),
     ({"cpu_offload": "yes"}, "'cpu_offload'] must be True or False"),

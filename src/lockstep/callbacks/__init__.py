@@ -20,7 +20,7 @@ Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
     FIT_END
 
 A callback overrides the methods named after the events it cares about; each receives the
-Trainer's :class:`~lockstep.trainer.state.State`.
+Trainer's :class:`~lockstep.state.State`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lockstep.trainer.state import State
+    from lockstep.state import State
 
 
 class Event(StrEnum):

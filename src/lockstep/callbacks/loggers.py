@@ -12,7 +12,7 @@ from typing import Any
 from lockstep import dist
 from lockstep.callbacks import Callback
 from lockstep.time import fraction_done
-from lockstep.trainer.state import State
+from lockstep.state import State
 
 
 class ProgressBar(Callback):

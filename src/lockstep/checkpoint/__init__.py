@@ -18,7 +18,7 @@ __all__ = ["CheckpointError", "export_safetensors", "export_state_dict"]
 
 
 def __getattr__(name: str) -> Any:
-    # lazy: the trainer's data module imports lockstep.checkpoint.rng without the rest
+    # lazy: a submodule (files, say) can be imported without the rest and its dependencies
     if name == "CheckpointError":
         from lockstep.checkpoint.files import CheckpointError
         return CheckpointError

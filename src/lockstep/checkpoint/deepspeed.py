@@ -27,6 +27,8 @@ from lockstep.checkpoint import files
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.states import DEEPSPEED, SHARDED_META, Layout, misfit
 
+INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that pins "
+                "torch==2.13.0 (DeepSpeed builds against the installed torch)")
 TAG = "deepspeed"
 """The engine's checkpoint tag: the subfolder its files go in."""
 _ALLOWED_GLOBALS = frozenset({
@@ -136,7 +138,6 @@ def export_weights(folder: Path) -> dict[str, torch.Tensor]:
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as e:
-        from lockstep.parallel.deepspeed import INSTALL_HINT
         raise ImportError(f"{folder} is a DeepSpeed checkpoint; reading it needs DeepSpeed ({e}): "
                           f"{INSTALL_HINT}") from None
     weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)

@@ -92,16 +92,13 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
         raise ValueError(f"out={str(out)!r} should end with .safetensors")
     data = to_bytes(weights, metadata={"format": "pt"})
     out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    temp = files.temp_path(out)
     try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, out)
+        temp.write_bytes(data)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+    files.publish(temp, out)  # fsync, rename over ``out``, fsync the folder
     return out
 
 

@@ -104,11 +104,6 @@ def save_durably(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` so that readers only ever see the old file or the whole new one."""
-    publish(write_temp(obj, path), path)
-
-
 def point_latest(pointer: Path, target: Path) -> None:
     """Make ``pointer`` a symlink to ``target`` (relative when they share a folder), atomically."""
     pointer.parent.mkdir(parents=True, exist_ok=True)

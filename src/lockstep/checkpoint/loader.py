@@ -1,11 +1,15 @@
 """Loading a checkpoint into a Trainer on every rank: ``load_path`` and ``autoresume``.
 
-Every step that can fail on one rank is agreed on by all ranks first, so a missing or damaged file
-is an error on every rank, never a rank waiting forever for another that gave up.
+Probe, agree, decide, act. Each rank first looks on its own, without collectives: which file it
+found, at which batch, whether it reads and checks (a :class:`Probe`). One all-gather gives every
+rank the same list of probes, from which the pure function :func:`decide` picks one action, the
+same on every rank. Only then does any rank act. So a missing or damaged file is an error on every
+rank, never a rank waiting forever for a peer that gave up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,16 +22,149 @@ from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.states import (
     DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, Layout, rekey_optimizer)
 
-
 @dataclass(slots=True)
 class Loaded:
     """What a load left for the training loop: this rank's RNG/data entry and the save history."""
 
-    path: Path
+    batch: int = 0
+    """The batch the checkpoint was saved at (0 for weights only)."""
     rank_entry: dict[str, Any] | None = None
     """None when the checkpoint is of another world size (a sharded one, resharded)."""
     history: list[str] = field(default_factory=list)
     weights_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What one rank found on its own."""
+
+    found: bool = False
+    """This rank has a checkpoint to read: its own file, or rank 0's."""
+    shared: bool = False
+    """It reads rank 0's file, which (under DDP) every rank reads: the ranks split its CRC check."""
+    batch: int = 0
+    """The batch that checkpoint was saved at."""
+    saves: int = 0
+    """How many checkpoints of the run its save history holds."""
+    path: str = ""
+    error: str | None = None
+    """Reading or checking the checkpoint failed; or, when nothing was found, what was missing."""
+    can_send: bool = False
+    """Rank 0 holds a single-file checkpoint it can send to ranks that do not see its disk."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fresh:
+    """Nothing to resume from: the run starts at batch 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartOver:
+    """Per-rank files of a first save that only some ranks published: those ranks delete theirs,
+    and the run starts at batch 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepBack:
+    """Per-rank files of a save some ranks published and others not: the ranks ahead go back to
+    ``batch``, the step every rank has."""
+
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    receive: bool = False
+    """Ranks without the file receive rank 0's."""
+    check_whole: bool = False
+    """Some ranks read rank 0's file and others their own, so the split CRC check is void: the
+    ranks that read rank 0's file check it whole."""
+    agree: bool = False
+    """Applying may fail on some ranks only (they read different files, or the layout's loads are
+    collectives): agree on it afterwards."""
+
+
+Action = Fresh | Fail | StartOver | StepBack | Load
+
+
+def decide(probes: Sequence[Probe], *, optional: bool, per_rank_files: bool, collective: bool,
+           template: str) -> Action:
+    """The one action every rank takes, from every rank's probe (the same list on every rank).
+    ``optional``: autoresume, where finding nothing means a fresh start."""
+    def on_rank(rank: int, message: str) -> str:
+        return message if len(probes) == 1 else f"rank {rank}: {message}"
+
+    found = [p for p in probes if p.found]
+    if optional and not found:
+        return Fresh()
+    failed = next(((r, p) for r, p in enumerate(probes) if p.found and p.error), None)
+    if failed:
+        return Fail(on_rank(failed[0], failed[1].error or ""))
+    missing = [(r, p) for r, p in enumerate(probes) if not p.found]
+    if missing and optional and per_rank_files:
+        return _start_over_or_fail(probes, on_rank)
+    if missing and not probes[0].can_send:
+        rank, probe = missing[0]
+        elsewhere = " while other ranks found theirs: is it on a file system every node sees?" if found else ""
+        return Fail(on_rank(rank, f"{probe.error}{elsewhere}"))
+    low, high = min(p.batch for p in found), max(p.batch for p in found)
+    if low != high and optional and per_rank_files:
+        return StepBack(low)
+    if low != high:
+        return Fail(f"the ranks loaded checkpoints of different steps (batches {low} to {high}): the "
+                    f"per-rank files of {template!r} are not from one save")
+    unshared = any(p.found and not p.shared for p in probes)
+    return Load(receive=bool(missing), check_whole=unshared and any(p.shared for p in probes),
+                agree=unshared or collective)
+
+
+def _start_over_or_fail(probes: Sequence[Probe], on_rank: Any) -> Action:
+    ahead = next(((r, p) for r, p in enumerate(probes) if p.saves > 1), None)
+    if ahead is None:
+        return StartOver()
+    rank, probe = ahead
+    return Fail(on_rank(rank, f"{probe.path} is this rank's checkpoint number {probe.saves} of the run, yet "
+                              f"other ranks find no latest pointer at all: their files are gone (save_folder "
+                              f"must be the same folder for every rank, e.g. on a shared file system)"))
+
+
+def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_only: bool, strict: bool,
+         optional: bool = False, what: str = "load_path") -> Loaded | None:
+    """Load the checkpoint ``template`` names into ``state`` on every rank (a collective).
+
+    With ``optional`` (autoresume), no file on any rank means a fresh start (None). Ranks that do
+    not see rank 0's single file (another node, no shared file system) get it from rank 0.
+    """
+    templates.check_template(template, what, time_fields=False)
+    mine = _probe(template, state, layout, run_name=run_name, weights_only=weights_only, optional=optional,
+                  what=what)
+    action = decide(dist.all_gather_object(mine.probe), optional=optional, per_rank_files=layout.name == LOCAL,
+                    collective=layout.collective, template=template)
+    opened = mine.opened
+    match action:
+        case Fresh():
+            return None
+        case Fail(message):
+            raise CheckpointError(message)
+        case StartOver():
+            mine.start_over()
+            return None
+        case StepBack(batch):
+            opened = _step_back(mine, batch, state, layout, run_name=run_name)
+            agree = True  # each rank applies its own file
+        case Load(receive=receive, check_whole=check_whole, agree=agree):
+            if receive:
+                opened = _from_rank_zero(opened, state, layout, run_name=run_name, weights_only=weights_only,
+                                         check_run_name=optional)
+            if check_whole:
+                dist.raise_first_error(_checked(opened.path) if mine.probe.shared else None, CheckpointError,
+                                       device=state.device)
+    return _apply_agreed(opened, state, layout, weights_only=weights_only, strict=strict, agree=agree)
 
 
 def candidates(template: str, run_name: str) -> tuple[Path, Path]:
@@ -38,125 +175,86 @@ def candidates(template: str, run_name: str) -> tuple[Path, Path]:
     return own, zero
 
 
-def _agree(flags: list[int], device: torch.device) -> list[int]:
-    """One small MAX all-reduce of per-rank integer flags. On the training device: NCCL reduces
-    only CUDA tensors."""
-    return dist.all_reduce(torch.tensor(flags, dtype=torch.int64, device=device), "MAX").tolist()
+@dataclass(slots=True)
+class _Local:
+    """This rank's probe, and what stays on this rank: the pointer it followed and the opened file."""
+
+    probe: Probe
+    pointer: Path | None = None
+    opened: _Opened | None = None
+
+    def start_over(self) -> None:
+        """Delete the pointer and file that this rank published (no other rank's files match them)."""
+        if self.opened is not None and self.pointer is not None:
+            if self.pointer.is_symlink():
+                self.pointer.unlink()
+            files.remove(self.opened.path)
 
 
-def _raise_first(error: str | None) -> None:
-    errors = dist.all_gather_object(error)
-    for rank, message in enumerate(errors):
-        if message is not None:
-            prefix = "" if len(errors) == 1 else f"rank {rank}: "
-            raise CheckpointError(prefix + message)
-
-
-def load(template: str, state: Any, scaler: torch.amp.GradScaler | None, layout: Layout, *, run_name: str,
-         weights_only: bool, strict: bool, optional: bool = False, what: str = "load_path") -> Loaded | None:
-    """Load the checkpoint ``template`` names into ``state`` on every rank.
-
-    With ``optional`` (autoresume), no file on any rank means a fresh start (None), as do per-rank
-    files of a first save that only some ranks published (see :func:`_start_over`). Ranks that do
-    not see rank 0's single file (another node, no shared file system) get it from rank 0. Reading and
-    checking comes first and is agreed on in one all-reduce; only then is anything loaded, since
-    FSDP's loads are collectives that every rank must reach. When every rank loaded the same file
-    into an unsharded model (DDP), a failure to load it is the same on every rank, so only then is
-    there no second agreement.
-    """
-    templates.check_template(template, what, time_fields=False)
+def _probe(template: str, state: Any, layout: Layout, *, run_name: str, weights_only: bool, optional: bool,
+           what: str) -> _Local:
     own, zero = candidates(template, run_name)
     if layout.name == LOCAL:  # per-rank files: rank 0's never serves another rank
         zero = own
     path = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
-    rank, world = dist.get_global_rank(), dist.get_world_size()
-    # Usually every rank reads rank 0's file; then they split its CRC check. The agreement
-    # confirms it: a rank that read its own file voids the split, and the file is checked whole.
-    shared = path == zero and layout.name != LOCAL
-    missing = error = None
-    opened = None
     if path is None:
         tried = str(own) if own == zero else f"{own} (nor rank 0's {zero})"
-        missing = f"{what} {template!r}: {tried} does not exist"
-    else:
-        try:
-            opened = _open(path, state, layout, run_name=run_name, weights_only=weights_only,
-                           check_run_name=optional, share=(rank, world) if shared else (0, 1))
-        except CheckpointError as e:
-            error = str(e)
-    batch = opened.batch if opened else 0
-    # rank 0 can send its file to ranks that do not see it (another node's disk)
-    sends = rank == 0 and opened is not None and shared and layout.name == SINGLE and opened.path.is_file()
-    unseen = -(2 ** 62)  # a rank without the file leaves the step range to the others
-    any_missing, any_found, failed, neg_low, high, any_shared, unshared, zero_sends = _agree(
-        [int(path is None), int(path is not None), int(error is not None), unseen if path is None else -batch,
-         unseen if path is None else batch, int(shared), int(path is not None and not shared), int(sends)],
-        state.device)
-    if optional and not any_found:
-        return None
-    if failed:
-        _raise_first(error)
-    if any_missing and optional and layout.name == LOCAL:
-        return _start_over(opened, path, state)
-    if any_missing and zero_sends:
-        opened = _from_rank_zero(opened, state, layout, run_name=run_name, weights_only=weights_only,
-                                 check_run_name=optional)
-    elif any_missing:
-        shared_fs = " while other ranks found theirs: is it on a file system every node sees?" if any_found else ""
-        _raise_first(missing + shared_fs if missing else None)
-    if -neg_low != high and optional and layout.name == LOCAL:
-        opened = _step_back(opened, -neg_low, path, state, layout, run_name=run_name)
-    elif -neg_low != high:
-        raise CheckpointError(f"the ranks loaded checkpoints of different steps (batches {-neg_low} to {high}): "
-                              f"the per-rank files of {template!r} are not from one save")
-    if any_shared and unshared and world > 1:  # rare: the CRC split assumed every rank read this file
-        error = _checked(path) if shared else None
-        if _agree([int(error is not None)], state.device)[0]:
-            _raise_first(error)
-    assert opened is not None
-    loaded = None
+        return _Local(Probe(error=f"{what} {template!r}: {tried} does not exist"))
+    # Usually every rank reads rank 0's file; then they split its CRC check.
+    shared = path == zero and layout.name != LOCAL
+    rank, world = dist.get_global_rank(), dist.get_world_size()
     try:
-        loaded = _apply(opened, state, scaler, layout, weights_only=weights_only, strict=strict)
+        opened = _open(path, state, layout, run_name=run_name, weights_only=weights_only, check_run_name=optional,
+                       share=(rank, world) if shared else (0, 1))
+    except CheckpointError as e:
+        return _Local(Probe(found=True, shared=shared, path=str(path), error=str(e)), path)
+    can_send = rank == 0 and shared and layout.name == SINGLE and opened.path.is_file()
+    probe = Probe(found=True, shared=shared, batch=opened.batch, saves=len((opened.meta or {}).get("history", [])),
+                  path=str(opened.path), can_send=can_send)
+    return _Local(probe, path, opened)
+
+
+def _apply_agreed(opened: _Opened, state: Any, layout: Layout, *, weights_only: bool, strict: bool,
+                  agree: bool) -> Loaded:
+    """Apply the opened checkpoint. When every rank loaded the same file into an unsharded model,
+    a failure is the same on every rank, so only otherwise is there an agreement."""
+    if not agree:
+        return _apply(opened, state, layout, weights_only=weights_only, strict=strict)
+    loaded, error = None, None
+    try:
+        loaded = _apply(opened, state, layout, weights_only=weights_only, strict=strict)
     except CheckpointError as e:
         error = str(e)
-        if not unshared and not layout.collective:
-            raise
-    if (unshared or layout.collective) and _agree([int(error is not None)], state.device)[0]:
-        _raise_first(error)
-    assert loaded is not None
-    return loaded
+    dist.raise_first_error(error, CheckpointError, device=state.device)
+    return loaded  # type: ignore[return-value]  # None only where raise_first_error raised
 
 
-def _step_back(opened: _Opened | None, low: int, pointer: Path | None, state: Any, layout: Layout, *,
-               run_name: str) -> _Opened:
+def _step_back(mine: _Local, low: int, state: Any, layout: Layout, *, run_name: str) -> _Opened:
     """Autoresume of per-rank files after a crash between two ranks' publishes: the ranks whose
     latest pointer is one save ahead open their previous checkpoint (kept until every rank had
     published: see CheckpointSaver._prune), so that all resume from the step every rank has. Once
     all agree, those ranks point their latest pointer back and delete the newer file, which no
     other rank's files match."""
-    error = None
-    ahead = opened
-    if opened is not None and opened.batch != low:
-        history = (opened.meta or {}).get("history", [])
-        previous = opened.path.parent / history[-2] if len(history) >= 2 else None
+    ahead: _Opened = mine.opened  # type: ignore[assignment]  # every rank found its file
+    opened, error = ahead, None
+    if ahead.batch != low:
+        history = (ahead.meta or {}).get("history", [])
+        previous = ahead.path.parent / history[-2] if len(history) >= 2 else None
         try:
             if previous is None or not previous.exists():
-                raise CheckpointError(f"{opened.path} is at batch {opened.batch} and other ranks' latest "
+                raise CheckpointError(f"{ahead.path} is at batch {ahead.batch} and other ranks' latest "
                                       f"checkpoints at batch {low}, and this rank no longer has that one")
             opened = _open(previous, state, layout, run_name=run_name, weights_only=False, check_run_name=True,
                            share=(0, 1))
         except CheckpointError as e:
             error = str(e)
-    batch = opened.batch if opened is not None and error is None else low
-    failed, neg_low, high = _agree([int(error is not None), -batch, batch], state.device)
-    if failed:
-        _raise_first(error)
-    if -neg_low != high:
-        raise CheckpointError(f"autoresume found per-rank checkpoints of batches {-neg_low} to {high}, and "
-                              f"no step that every rank has: pass load_path to choose one")
-    assert opened is not None and ahead is not None
-    if ahead is not opened and pointer is not None and pointer.is_symlink():
-        files.point_latest(pointer, opened.path)
+    dist.raise_first_error(error, CheckpointError, device=state.device)
+    batches = {b for b in dist.all_gather_object(opened.batch)}
+    if len(batches) > 1:
+        raise CheckpointError(f"autoresume found per-rank checkpoints of batches {min(batches)} to "
+                              f"{max(batches)}, and no step that every rank has: pass load_path to choose one")
+    if opened is not ahead and mine.pointer is not None and mine.pointer.is_symlink():
+        files.point_latest(mine.pointer, opened.path)
         files.remove(ahead.path)
     return opened
 
@@ -166,13 +264,12 @@ def _from_rank_zero(opened: _Opened | None, state: Any, layout: Layout, *, run_n
     """Rank 0's single-file checkpoint, sent to the ranks that do not see it: a node whose disk
     is not the one rank 0 saved to (no shared file system). Every rank takes part in the
     broadcast; the ranks without the file check and open what it carries, as if read from disk."""
-    header = [(str(opened.path), opened.path.stat().st_size) if opened is not None and dist.get_global_rank() == 0
-              else None]
+    sender = opened if dist.get_global_rank() == 0 else None
+    header = [(str(sender.path), sender.path.stat().st_size) if sender is not None else None]
     dist.broadcast_object_list(header, src=0)
     name, size = header[0]
-    if dist.get_global_rank() == 0:
-        assert opened is not None
-        buffer = torch.frombuffer(bytearray(opened.path.read_bytes()), dtype=torch.uint8)
+    if sender is not None:
+        buffer = torch.frombuffer(bytearray(sender.path.read_bytes()), dtype=torch.uint8)
     else:
         buffer = torch.empty(size, dtype=torch.uint8)
     buffer = dist.broadcast(buffer.to(state.device), src=0)
@@ -183,29 +280,8 @@ def _from_rank_zero(opened: _Opened | None, state: Any, layout: Layout, *, run_n
                            check_run_name=check_run_name, share=(0, 1), data=buffer.cpu().numpy().tobytes())
         except CheckpointError as e:
             error = str(e)
-    if _agree([int(error is not None)], state.device)[0]:
-        _raise_first(error)
-    assert opened is not None
-    return opened
-
-
-def _start_over(opened: _Opened | None, pointer: Path | None, state: Any) -> None:
-    """Autoresume of per-rank files after a crash in the run's first save, which some ranks
-    published and others did not: no step is on every rank, so the run starts fresh, and the ranks
-    that published delete their pointer and file (which no other rank's files match)."""
-    error = None
-    if opened is not None:
-        saves = len((opened.meta or {}).get("history", []))
-        if saves > 1:
-            error = (f"{opened.path} is this rank's checkpoint number {saves} of the run, yet other ranks find "
-                     f"no latest pointer at all: their files are gone (save_folder must be the same folder "
-                     f"for every rank, e.g. on a shared file system)")
-    if _agree([int(error is not None)], state.device)[0]:
-        _raise_first(error)
-    if opened is not None and pointer is not None:
-        if pointer.is_symlink():
-            pointer.unlink()
-        files.remove(opened.path)
+    dist.raise_first_error(error, CheckpointError, device=state.device)
+    return opened  # type: ignore[return-value]  # opened on every rank once no rank failed
 
 
 def _checked(path: Path) -> str | None:
@@ -305,12 +381,12 @@ def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
                                   f"{dist.get_global_rank()}'s: give load_path a {{rank}} field")
 
 
-def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, layout: Layout, *,
+def _apply(opened: _Opened, state: Any, layout: Layout, *,
            weights_only: bool, strict: bool) -> Loaded:
     content, meta, path = opened.content, opened.meta, opened.path
     if meta is None:
         layout.full_reader().load_model(content, path, strict)
-        return Loaded(path, weights_only=True)
+        return Loaded(weights_only=True)
     if opened.layout == DEEPSPEED and weights_only:
         from lockstep.checkpoint.deepspeed import export_weights
         layout.full_reader().load_model(export_weights(path), path, strict)
@@ -326,8 +402,8 @@ def _apply(opened: _Opened, state: Any, scaler: torch.amp.GradScaler | None, lay
                               for sd, o in zip(optimizers, layout.optimizers)]
             reader.load_optimizers(optimizers, path)
     if weights_only:
-        return Loaded(path, weights_only=True)
-    entry = payload.apply(content, state, scaler, path, dist.get_global_rank(), dist.get_world_size())
+        return Loaded(weights_only=True)
+    entry = payload.apply(content, state, path, dist.get_global_rank(), dist.get_world_size())
     if entry and entry.get("buffers"):
         layout.load_rank_buffers(entry["buffers"])
-    return Loaded(path, entry, list(meta.get("history", [])))
+    return Loaded(opened.batch, entry, list(meta.get("history", [])))

@@ -31,7 +31,7 @@ from lockstep.time import Timestamp
 VERSION = 1
 
 
-def build(state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str, Any]], history: list[str],
+def build(state: Any, ranks: list[dict[str, Any]], history: list[str],
           layout: Layout, model: dict[str, Any], optimizers: list[Any], rank: int = 0) -> dict[str, Any]:
     """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position;
     ``model`` and ``optimizers`` come from ``layout.gather()``."""
@@ -43,7 +43,7 @@ def build(state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str,
         "model": model,
         "optimizers": optimizers,
         "schedulers": [s.state_dict() for s in state.schedulers],
-        "scaler": scaler.state_dict() if scaler is not None else {},
+        "scaler": state.scaler.state_dict() if state.scaler is not None else {},
         "ranks": ranks,
     }
 
@@ -86,16 +86,15 @@ def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: A
             f"to start from its weights")
 
 
-def apply(payload: dict[str, Any], state: Any, scaler: torch.amp.GradScaler | None, path: Path,
-          rank: int, world_size: int) -> dict[str, Any] | None:
+def apply(payload: dict[str, Any], state: Any, path: Path, rank: int, world_size: int) -> dict[str, Any] | None:
     """Load schedulers, scaler and timestamp into ``state`` (the model and optimizers are the
     layout's to load); return this rank's entry
     (RNG and data position) for the training loop to apply when it starts, or None when the
     checkpoint came from another world size. The caller has run :func:`check_complete` and
     checked the world size with :func:`check_world_size`."""
     _load_list("schedulers", state.schedulers, payload["schedulers"], path)
-    if scaler is not None and payload["scaler"]:
-        scaler.load_state_dict(payload["scaler"])
+    if state.scaler is not None and payload["scaler"]:
+        state.scaler.load_state_dict(payload["scaler"])
     try:
         state.timestamp = Timestamp.from_state_dict(payload["timestamp"])
     except (TypeError, ValueError) as e:

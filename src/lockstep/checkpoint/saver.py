@@ -5,22 +5,22 @@ from __future__ import annotations
 import glob
 import os
 import string
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep import dist
 from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, staging, states, templates
+from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
-SaveInterval = Time | str | int | Callable[[Any, Event], bool]
-
+if TYPE_CHECKING:
+    from lockstep.checkpoint.loader import Loaded
 
 class CheckpointSaver:
     """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
@@ -35,36 +35,30 @@ class CheckpointSaver:
     checkpoint is durable.
     """
 
-    def __init__(self, *, folder: str, filename: str, latest_filename: str | None,
-                 interval: SaveInterval, num_to_keep: int, overwrite: bool, run_name: str,
-                 max_duration: Time | None, layout: str = SINGLE,
-                 device: torch.device | str = "cpu") -> None:
-        templates.check_template(folder, "save_folder", time_fields=False)
-        templates.check_template(filename, "save_filename")
-        if latest_filename is not None:
-            templates.check_template(latest_filename, "save_latest_filename", time_fields=False)
+    def __init__(self, config: CheckpointConfig, *, run_name: str, max_duration: Time | None,
+                 layout: str = SINGLE, device: torch.device | str = "cpu") -> None:
+        if config.save_folder is None:
+            raise ValueError("CheckpointSaver needs config.save_folder")
         if layout == LOCAL:
-            for name, value in (("save_filename", filename), ("save_latest_filename", latest_filename)):
+            for name in ("save_filename", "save_latest_filename"):
+                value = getattr(config, name)
                 if value is not None and "rank" not in templates.fields_of(value, name):
                     raise ValueError(f"fsdp_config state_dict_type='local' writes one file per rank, so "
                                      f"{name}={value!r} must contain {{rank}}")
-        self.layout = layout
+        if isinstance(config.save_interval, Time) and config.save_interval.unit is TimeUnit.DURATION \
+                and max_duration is None:
+            raise ValueError(f"save_interval='{config.save_interval}' is a fraction of max_duration, so "
+                             f"max_duration is needed")
+        self.config, self.layout, self.max_duration = config, layout, max_duration
         self._device = torch.device(device)
         """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
-        if isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep == 0 or num_to_keep < -1:
-            raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {num_to_keep!r}")
-        self.interval = _check_interval(interval, max_duration)
-        self.max_duration = max_duration
-        place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
-        self.place = place
+        self.place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
         """Values of the place fields in names: this rank's for per-rank files, else rank 0's."""
-        self.folder = Path(templates.format_name(folder, place))
-        self.filename = filename
-        self.latest = None if latest_filename is None else self.folder / templates.format_name(latest_filename, place)
-        self.latest_template = None if latest_filename is None else os.path.join(folder, latest_filename)
+        self.folder = Path(templates.format_name(config.save_folder, self.place))
+        latest = config.save_latest_filename
+        self.latest = None if latest is None else self.folder / templates.format_name(latest, self.place)
+        self.latest_template = None if latest is None else os.path.join(config.save_folder, latest)
         """The pointer as a template, so that each rank can look for its own before rank 0's."""
-        self.num_to_keep = num_to_keep
-        self.overwrite = overwrite
         self.history: list[str] = []
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
         self.last_saved_batch: int | None = None
@@ -73,19 +67,31 @@ class CheckpointSaver:
         self._publisher: Future[None] | None = None
         self._failure: BaseException | None = None
         self._stager = staging.Stager()
-        self.may_replace_own = False
+        self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
+
+    def begin(self, resumed: Loaded | None) -> None:
+        """Before training: continue the save history of the checkpoint the run resumed from, or,
+        starting fresh, refuse a folder that holds checkpoints this run would mix with."""
+        config = self.config
+        self._may_replace_own = config.autoresume
+        if not config.autoresume and config.load_path is None:
+            self._refuse_existing()
+        if resumed is not None and not resumed.weights_only:
+            self.last_saved_batch = resumed.batch
+            if config.autoresume:
+                self.history = resumed.history
 
     @property
     def writes(self) -> bool:
         """Whether this rank publishes files (in folder layouts every rank also writes into the folder)."""
         return self.layout == LOCAL or dist.get_global_rank() == 0
 
-    def refuse_existing(self) -> None:
+    def _refuse_existing(self) -> None:
         """Before training: refuse a folder that already holds checkpoints this run would mix with."""
-        if self.overwrite or not self.writes:
+        if self.config.save_overwrite or not self.writes:
             return
-        pattern = str(self.folder / _glob(self.filename, self.place))
+        pattern = str(self.folder / _glob(self.config.save_filename, self.place))
         found = sorted(glob.glob(pattern))
         if self.latest is not None and (self.latest.exists() or self.latest.is_symlink()):
             found.insert(0, str(self.latest))
@@ -96,17 +102,18 @@ class CheckpointSaver:
                 f"another save_folder")
 
     def due(self, before: Timestamp, after: Timestamp, event: Event, state: Any) -> bool:
-        if callable(self.interval):
-            return bool(self.interval(state, event))
-        unit = self.interval.unit
+        interval = self.config.save_interval
+        if callable(interval):
+            return bool(interval(state, event))
+        unit = interval.unit
         if unit is TimeUnit.DURATION:
             unit = self.max_duration.unit  # type: ignore[union-attr]
         if (unit is TimeUnit.EPOCH) != (event is Event.EPOCH_END):
             return False
-        return is_interval_due(before, after, self.interval, self.max_duration)
+        return is_interval_due(before, after, interval, self.max_duration)
 
-    def save(self, state: Any, scaler: torch.amp.GradScaler | None, rank_entry: dict[str, Any],
-             layout: states.Layout, *, wait: bool = False) -> Path | None:
+    def save(self, state: Any, rank_entry: dict[str, Any], layout: states.Layout, *,
+             wait: bool = False) -> Path | None:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it).
 
         Training waits for one small all-gather and a copy of the state in memory; a thread writes
@@ -115,7 +122,7 @@ class CheckpointSaver:
         end of training, preemption) there is nothing to overlap, so the state is written and
         published straight away, without the copy.
         """
-        name = templates.format_name(self.filename, self.place, state.timestamp)
+        name = templates.format_name(self.config.save_filename, self.place, state.timestamp)
         path = self.folder / name
         if self.layout == LOCAL:  # so that export finds every rank's file from any one of them
             rank_entry = {**rank_entry, "file": name}
@@ -123,12 +130,12 @@ class CheckpointSaver:
         if buffers:
             rank_entry = {**rank_entry, "buffers": buffers}
         failure = self._join() if self.writes else None  # the previous save's publish updates the history
-        clash = self.writes and (path.exists() or path.is_symlink()) and not (self.overwrite or self.may_replace_own)
+        clash = self.writes and (path.exists() or path.is_symlink()) and not (self.config.save_overwrite or self._may_replace_own)
         # One gather, so that a refusal or a failed earlier write raises on every rank rather than
         # leaving the others in the next collective; it also hands every rank the pid that names a
         # temporary folder.
         gathered = dist.all_gather_object((_to_wire(rank_entry), clash, os.getpid(), failure))
-        self._raise_failures([f for *_, f in gathered])
+        self._raise_failure(next(((r, f) for r, (*_, f) in enumerate(gathered) if f is not None), None))
         if self.layout == LOCAL:  # only now is the previous save published on every rank
             self._prune()
         if any(c for _, c, _, _ in gathered):
@@ -143,9 +150,9 @@ class CheckpointSaver:
         history = [n for n in self.history if n != name] + [name]
         temp, staged = None, None  # written already, or the copy the thread writes
         if self.layout in FOLDER_LAYOUTS:
-            temp = self._write_folder(state, scaler, ranks, history, layout, model, optimizers, path, gathered[0][2])
+            temp = self._write_folder(state, ranks, history, layout, model, optimizers, path, gathered[0][2])
         elif self.writes:
-            content = payload.build(state, scaler, ranks, history, layout, model, optimizers,
+            content = payload.build(state, ranks, history, layout, model, optimizers,
                                     rank=dist.get_global_rank())
             if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
                 staged = self._stager.stage(content)
@@ -160,14 +167,14 @@ class CheckpointSaver:
         self.last_saved_batch = state.timestamp.batch
         return path if self.writes else None
 
-    def _write_folder(self, state: Any, scaler: torch.amp.GradScaler | None, ranks: list[dict[str, Any]],
+    def _write_folder(self, state: Any, ranks: list[dict[str, Any]],
                       history: list[str], layout: states.Layout, model: dict[str, Any],
                       optimizers: list[Any], path: Path, pid: int) -> Path:
         """Every rank writes its part into one temporary folder; rank 0 adds lockstep.pt."""
         temp = files.temp_path(path, pid)
         rests = layout.write_folder(temp, model, optimizers)  # type: ignore[attr-defined]
         if dist.get_global_rank() == 0:
-            rest = payload.build(state, scaler, ranks, history, layout, {}, rests)
+            rest = payload.build(state, ranks, history, layout, {}, rests)
             files.save_durably(rest, temp / states.SHARDED_META)
         return temp
 
@@ -191,21 +198,17 @@ class CheckpointSaver:
             return None
         return f"{type(self._failure).__name__}: {self._failure}"
 
-    def _raise_failures(self, failures: list[str | None]) -> None:
-        for rank, failure in enumerate(failures):
-            if failure is not None:
-                cause, self._failure = self._failure, None
-                where = "" if len(failures) == 1 else f" on rank {rank}"
-                raise RuntimeError(f"writing a checkpoint in {self.folder} failed{where}: {failure}") from cause
+    def _raise_failure(self, first: tuple[int, str] | None) -> None:
+        if first is not None:
+            cause, self._failure = self._failure, None
+            where = "" if dist.get_world_size() == 1 else f" on rank {first[0]}"
+            raise RuntimeError(f"writing a checkpoint in {self.folder} failed{where}: {first[1]}") from cause
 
     def wait(self) -> None:
         """Return on every rank once the newest checkpoint is durable and the latest pointer names
         it; raise on every rank if writing it failed on any."""
         failure = self._join() if self.writes else None
-        flag = torch.tensor([int(failure is not None)], dtype=torch.int64, device=self._device)
-        if dist.get_world_size() > 1 and int(dist.all_reduce(flag, "MAX")[0]):
-            self._raise_failures(dist.all_gather_object(failure))
-        self._raise_failures([failure])
+        self._raise_failure(dist.first_error(failure, device=self._device))
         if self.layout == LOCAL:
             self._prune()
 
@@ -213,19 +216,11 @@ class CheckpointSaver:
         """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only
         once every rank has published the newest, so that after a crash between two ranks'
         publishes the ranks ahead still hold the step the others are at (the loader goes back to it)."""
-        if self.num_to_keep == -1:
+        keep = self.config.save_num_checkpoints_to_keep
+        if keep == -1:
             return
-        while len(self.history) > self.num_to_keep:
+        while len(self.history) > keep:
             files.remove(self.folder / self.history.pop(0))
-
-
-def _check_interval(interval: SaveInterval, max_duration: Time | None) -> Time | Callable[[Any, Event], bool]:
-    if callable(interval) and not isinstance(interval, (str, Time)):
-        return interval
-    time = Time.from_input(interval).require_positive("save_interval")  # type: ignore[arg-type]
-    if time.unit is TimeUnit.DURATION and max_duration is None:
-        raise ValueError(f"save_interval='{time}' is a fraction of max_duration, so max_duration is needed")
-    return time
 
 
 def _glob(template: str, place: dict[str, Any]) -> str:

@@ -158,6 +158,11 @@ class FullLayout(_OwnBuffers):
                 raise _optimizermisfit(path, i, optimizer, e) from None
 
 
+def _gathering_reader(self: Layout) -> Layout:
+    """A sharded model loads a single file's full tensors the way FSDP's ``full`` layout does."""
+    return FullLayout(self.model, self.optimizers, self.buffer_dtypes)
+
+
 class LocalLayout(Layout):
     """FSDP, ``state_dict_type='local'``: this rank's shards as plain tensors, one file per rank.
 
@@ -167,9 +172,7 @@ class LocalLayout(Layout):
 
     name = LOCAL
     optimizer_keys = NAME
-
-    def full_reader(self) -> Layout:
-        return FullLayout(self.model, self.optimizers, self.buffer_dtypes)
+    full_reader = _gathering_reader
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = {k: _local(v) for k, v in self.model.state_dict().items()}
@@ -242,9 +245,7 @@ class ShardedLayout(_OwnBuffers):
     name = SHARDED
     optimizer_keys = NAME
     collective = True
-
-    def full_reader(self) -> Layout:
-        return FullLayout(self.model, self.optimizers, self.buffer_dtypes)
+    full_reader = _gathering_reader
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = self._restore_buffer_dtypes(get_model_state_dict(self.model))
@@ -300,13 +301,3 @@ def join_tensors(tensors: Any, rest: Any) -> Any:
         return {k: join_tensors(tensors.get(k), rest.get(k)) for k in tensors.keys() | rest.keys()}
     return tensors if tensors is not None else rest
 
-
-def layout_for(model: nn.Module, optimizers: list[torch.optim.Optimizer], state_dict_type: str | None,
-               deepspeed: Any = None, buffer_dtypes: dict[str, torch.dtype] | None = None) -> Layout:
-    """The run's layout: from FSDP's ``state_dict_type`` (and the dtypes of the buffers FSDP keeps
-    lower, which local files keep as they are), or DeepSpeed's (a DeepSpeedSetup)."""
-    if deepspeed is not None:
-        from lockstep.checkpoint.deepspeed import DeepSpeedLayout
-        return DeepSpeedLayout(model, optimizers, deepspeed.engine, deepspeed.stage)
-    kinds = {None: Layout, "full": FullLayout, "local": LocalLayout, "sharded": ShardedLayout}
-    return kinds[state_dict_type](model, optimizers, buffer_dtypes)

@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lockstep import dist
+from lockstep.checks import check_choice
+from lockstep.parallel.strategy import Strategy
 
 
 class DDPSyncStrategy(StrEnum):
@@ -32,31 +35,42 @@ class DDPSyncStrategy(StrEnum):
 def resolve_sync_strategy(strategy: str | None, find_unused_parameters: bool) -> DDPSyncStrategy:
     if strategy is None:
         return DDPSyncStrategy.MULTI_AUTO_SYNC if find_unused_parameters else DDPSyncStrategy.SINGLE_AUTO_SYNC
-    try:
-        return DDPSyncStrategy(strategy)
-    except ValueError:
-        valid = ", ".join(s.value for s in DDPSyncStrategy)
-        raise ValueError(f"ddp_sync_strategy={strategy!r} is not supported; use one of {valid}") from None
+    check_choice("ddp_sync_strategy", strategy, [s.value for s in DDPSyncStrategy])
+    return DDPSyncStrategy(strategy)
 
 
-def prepare_ddp(model: nn.Module, find_unused_parameters: bool, device: torch.device) -> nn.Module:
-    """Wrap in DDP when the world size is > 1 and some parameter is trainable; else return as is."""
-    if dist.get_world_size() == 1 or not any(p.requires_grad for p in model.parameters()):
-        return model
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+class DDPStrategy(Strategy):
+    """DDP at any world size: the model is wrapped only when there is more than one rank and some
+    parameter is trainable; at world size 1 (or with nothing to train) it runs as it is."""
 
+    def __init__(self, device: torch.device, precision: str, *, sync_strategy: DDPSyncStrategy,
+                 find_unused_parameters: bool = False) -> None:
+        super().__init__(device, precision)
+        self.sync_strategy, self.find_unused_parameters = sync_strategy, find_unused_parameters
 
-@contextlib.contextmanager
-def sync_context(model: nn.Module, strategy: DDPSyncStrategy, is_last_microbatch: bool) -> Iterator[None]:
-    """Wrap one microbatch's forward and backward according to the sync strategy."""
-    if not isinstance(model, DistributedDataParallel):
-        yield
-        return
-    auto_sync = strategy is DDPSyncStrategy.MULTI_AUTO_SYNC or (
-        strategy is DDPSyncStrategy.SINGLE_AUTO_SYNC and is_last_microbatch)
-    with contextlib.nullcontext() if auto_sync else model.no_sync():
-        yield
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if dist.get_world_size() == 1 or not any(p.requires_grad for p in model.parameters()):
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids,
+                                       find_unused_parameters=self.find_unused_parameters)
+
+    @contextlib.contextmanager
+    def sync_context(self, is_last_microbatch: bool) -> Iterator[None]:
+        if not isinstance(self.module, DistributedDataParallel):
+            yield
+            return
+        strategy = self.sync_strategy
+        auto_sync = strategy is DDPSyncStrategy.MULTI_AUTO_SYNC or (
+            strategy is DDPSyncStrategy.SINGLE_AUTO_SYNC and is_last_microbatch)
+        with contextlib.nullcontext() if auto_sync else self.module.no_sync():
+            yield
+        if is_last_microbatch and strategy is DDPSyncStrategy.FORCED_SYNC:
+            forced_sync_gradients(self.model.parameters())
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "wrapped": isinstance(self.module, DistributedDataParallel),
+                "sync_strategy": self.sync_strategy.value}
 
 
 def forced_sync_gradients(params: Iterable[nn.Parameter]) -> None:

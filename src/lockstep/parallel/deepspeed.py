@@ -23,34 +23,23 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from lockstep import batch as batches
 from lockstep import dist
+from lockstep.checkpoint.deepspeed import INSTALL_HINT
+from lockstep.parallel.strategy import Strategy
 
-INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that pins "
-                "torch==2.13.0 (DeepSpeed builds against the installed torch)")
+if TYPE_CHECKING:
+    from lockstep.checkpoint.states import Layout
+
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _OWN_KEYS = {"optimizer": "optimizers=", "scheduler": "schedulers="}
 _HALF = {"amp_fp16": "fp16", "amp_bf16": "bf16"}
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class DeepSpeedSetup:
-    """The engine the Trainer steps, the config it was built with, and the dtype its parameters
-    hold (float batches are cast to it; None in fp32)."""
-
-    engine: Any
-    config: dict[str, Any]
-    dtype: torch.dtype | None
-
-    @property
-    def stage(self) -> int:
-        return int(self.config.get("zero_optimization", {}).get("stage", 0))
 
 
 def import_deepspeed(device: torch.device) -> Any:
@@ -162,50 +151,79 @@ def _unset(value: Any) -> bool:
     return value is None or value == "auto"
 
 
-def prepare_deepspeed(model: nn.Module, optimizers: list[torch.optim.Optimizer], config: dict[str, Any],
-                      device: torch.device) -> DeepSpeedSetup:
-    """Build the engine (a collective). ``config`` comes from :func:`fill_config`."""
-    deepspeed = import_deepspeed(device)
-    half = next((s for s in ("fp16", "bf16") if config.get(s, {}).get("enabled")), None)
-    if half == "fp16":
-        from deepspeed.accelerator import get_accelerator
-        if not get_accelerator().is_fp16_supported():
-            raise ValueError(f"precision='amp_fp16' under DeepSpeed needs fp16 support, which DeepSpeed's "
-                             f"{device.type} accelerator lacks on this machine: use precision='amp_bf16'")
-    # DeepSpeed calls these torch collectives under their old names on every step; the warning is
-    # for DeepSpeed to act on, and would otherwise flood the user's log.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-    # DeepSpeed reads the rank from the environment, which a run without a launcher lacks.
-    for name, value in (("LOCAL_RANK", dist.get_local_rank()), ("RANK", dist.get_global_rank()),
-                        ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_WORLD_SIZE", dist.get_local_world_size())):
-        os.environ.setdefault(name, str(value))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizers[0] if optimizers else None,
-                                           config=copy.deepcopy(config), dist_init_required=False)
-    return DeepSpeedSetup(engine=engine, config=config, dtype=_DTYPES.get(half) if half else None)
+class DeepSpeedStrategy(Strategy):
+    """A DeepSpeed engine around the model and its one optimizer (ZeRO stages 0-3).
 
+    ``config`` comes from :func:`fill_config`. DeepSpeed is imported here, before any process
+    group exists, so that a missing install is an error before the rendezvous.
+    """
 
-@contextlib.contextmanager
-def accumulation_boundary(engine: Any, is_last_microbatch: bool) -> Iterator[None]:
-    """DeepSpeed reduces (stage 1) or finishes reducing (stages 2, 3) gradients in the backward of
-    the microbatch marked as the boundary, and steps only then."""
-    engine.set_gradient_accumulation_boundary(is_last_microbatch)
-    yield
+    needs_process_group = True
 
+    def __init__(self, device: torch.device, precision: str, config: dict[str, Any]) -> None:
+        super().__init__(device, precision)
+        self.scaler = None  # the engine scales an fp16 loss itself
+        self.config = config
+        self.stage = int(config.get("zero_optimization", {}).get("stage", 0))
+        self.gathers_in_forward = self.stage == 3
+        half = next((s for s in ("fp16", "bf16") if config.get(s, {}).get("enabled")), None)
+        self.dtype = _DTYPES.get(half) if half else None
+        """The dtype the engine keeps parameters in (float batches are cast to it); None in fp32."""
+        self._deepspeed = import_deepspeed(device)
+        if half == "fp16":
+            from deepspeed.accelerator import get_accelerator
+            if not get_accelerator().is_fp16_supported():
+                raise ValueError(f"precision='amp_fp16' under DeepSpeed needs fp16 support, which DeepSpeed's "
+                                 f"{device.type} accelerator lacks on this machine: use precision='amp_bf16'")
+        self.engine: Any = None
 
-def cast_batch(batch: Any, dtype: torch.dtype | None) -> Any:
-    """Float tensors of a batch in the engine's half dtype (its parameters are in it)."""
-    if dtype is None:
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, Mapping):
-        return type(batch)({k: cast_batch(v, dtype) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(cast_batch(v, dtype) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(cast_batch(v, dtype) for v in batch)
-    return batch
+    def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Build the engine (a collective)."""
+        # DeepSpeed calls these torch collectives under their old names on every step; the warning is
+        # for DeepSpeed to act on, and would otherwise flood the user's log.
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+        # DeepSpeed reads the rank from the environment, which a run without a launcher lacks.
+        for name, value in (("LOCAL_RANK", dist.get_local_rank()), ("RANK", dist.get_global_rank()),
+                            ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_WORLD_SIZE", dist.get_local_world_size())):
+            os.environ.setdefault(name, str(value))
+        self.model, self.optimizers = model.to(self.device), optimizers
+        self.engine, _, _, _ = self._deepspeed.initialize(
+            model=self.model, optimizer=optimizers[0] if optimizers else None, config=copy.deepcopy(self.config),
+            dist_init_required=False)
+        self.module = self.engine
+
+    def prepare_batch(self, batch: Any) -> Any:
+        batch = super().prepare_batch(batch)
+        return batch if self.dtype is None else batches.cast_floats(batch, self.dtype)
+
+    @contextlib.contextmanager
+    def sync_context(self, is_last_microbatch: bool) -> Iterator[None]:
+        # DeepSpeed reduces (stage 1) or finishes reducing (stages 2, 3) gradients in the backward
+        # of the microbatch marked as the boundary, and steps only then.
+        self.engine.set_gradient_accumulation_boundary(is_last_microbatch)
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loss carries the Trainer's own share
+
+    def clip_gradients_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        raise ValueError("under DeepSpeed, gradients are clipped by the engine: set deepspeed_config"
+                         "['gradient_clipping'] instead")
+
+    def clip_gradients_value(self, clip_value: float) -> None:
+        raise ValueError("DeepSpeed clips gradients by norm only (deepspeed_config['gradient_clipping']): "
+                         "clipping by value is not available under deepspeed_config")
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # the optimizer step and zero_grad
+
+    def layout(self) -> Layout:
+        from lockstep.checkpoint.deepspeed import DeepSpeedLayout
+        return DeepSpeedLayout(self.model, self.optimizers, self.engine, self.stage)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "zero_stage": self.stage, "config": self.config}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ before are pointed at the new parameters here.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -359,13 +358,3 @@ def _repoint_optimizers(optimizers: list[torch.optim.Optimizer],
         for group in optimizer.param_groups:
             group["params"] = [getattr(*owners[id(p)]) if id(p) in owners else p for p in group["params"]]
 
-
-# -- the training step --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
-    """Reduce gradients only in the last microbatch's backward; earlier ones accumulate locally."""
-    assert isinstance(model, FSDPModule)
-    model.set_requires_gradient_sync(is_last_microbatch)
-    yield

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lockstep.checks import check_choice, check_keys
+
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 MIXED_PRECISIONS = ("FULL", "DEFAULT", "PURE")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
@@ -80,32 +82,24 @@ def parse_config(config: Mapping[str, Any]) -> FSDPConfig:
     """Check the user's ``fsdp_config`` dict; an unknown key is an error listing the valid ones."""
     if not isinstance(config, Mapping):
         raise TypeError(f"fsdp_config must be a dict, got {type(config).__name__}")
-    valid = [f.name for f in dataclasses.fields(FSDPConfig)]
-    unknown = sorted(set(config) - set(valid), key=str)
-    if unknown:
-        raise ValueError(f"fsdp_config has unknown key(s) {', '.join(map(repr, unknown))}; "
-                         f"valid keys: {', '.join(valid)}")
+    check_keys("fsdp_config", config, [f.name for f in dataclasses.fields(FSDPConfig)])
     return FSDPConfig(**config)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"fsdp_config[{name!r}]={value!r} is not supported; use one of {', '.join(choices)}")
+    check_choice(f"fsdp_config[{name!r}]", value, choices)
 
 
 def check_mixed_precision(spec: Any, where: str) -> None:
     if isinstance(spec, str):
         if spec.upper() not in MIXED_PRECISIONS:
-            raise ValueError(f"{where}={spec!r} is not supported; use one of {', '.join(MIXED_PRECISIONS)} "
-                             f"or a dict of {', '.join(_MP_DICT_KEYS)}")
+            check_choice(where, spec, MIXED_PRECISIONS, also=f" or a dict of {', '.join(_MP_DICT_KEYS)}")
         return
     if not isinstance(spec, Mapping):
         raise ValueError(f"{where} must be a string or a dict, got {type(spec).__name__}")
+    check_keys(where, spec, _MP_DICT_KEYS)
     for key, value in spec.items():
-        if key not in _MP_DICT_KEYS:
-            raise ValueError(f"{where} has unknown key {key!r}; valid keys: {', '.join(_MP_DICT_KEYS)}")
-        if value not in DTYPES:
-            raise ValueError(f"{where}[{key!r}]={value!r} is not supported; use one of {', '.join(DTYPES)}")
+        check_choice(f"{where}[{key!r}]", value, DTYPES)
 
 
 def resolve_precision(spec: MixedPrecisionSpec, trainer_precision: str) -> Precision:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lockstep import dist
-from lockstep.checkpoint import rng
+from lockstep import rng
 
 
 def _sampler(loader: Any) -> Any:
@@ -36,7 +36,7 @@ def check_distributed_sampler(loader: Any, name: str) -> None:
         raise ValueError(
             f"{name} has a map-style dataset but its sampler is {type(_sampler(loader)).__name__}, "
             f"so every rank would train on the same data: build it with "
-            f"DataLoader(dataset, batch_size=..., sampler=lockstep.dist.get_sampler(dataset))")
+            f"DataLoader(dataset, batch_size=..., sampler=lockstep.dist.get_sampler(dataset, shuffle=True))")
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

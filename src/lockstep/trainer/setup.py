@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import datetime
 import os
-import random
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from lockstep import dist
 from lockstep.callbacks import Callback
 from lockstep.model import Model
+from lockstep.trainer import data
 
-DEVICES = ("cpu", "gpu")
+
+def check_inputs(model: Any, optimizers: Any, train_dataloader: Any,
+                 eval_dataloader: Any) -> list[torch.optim.Optimizer]:
+    """Check what the Trainer is given to train; returns the optimizers as a list."""
+    check_model(model)
+    optimizer_list = as_list(optimizers)
+    check_optimizers(model, optimizer_list)
+    for name, loader in (("train_dataloader", train_dataloader), ("eval_dataloader", eval_dataloader)):
+        if loader is not None:
+            data.check_distributed_sampler(loader, name)
+    return optimizer_list
 
 
 def check_model(model: Any) -> None:
@@ -26,35 +34,6 @@ def check_model(model: Any) -> None:
     for name in ("loss", "num_samples", "split_batch", "eval_forward"):
         if not callable(getattr(model, name, None)):
             raise TypeError(f"model must define {name}(...): subclass lockstep.Model")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """'cpu' | 'gpu' | None (gpu when CUDA is available); gpu means this local rank's CUDA device."""
-    if isinstance(device, torch.device):
-        return device
-    if device is None:
-        device = "gpu" if torch.cuda.is_available() else "cpu"
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} is not supported; use one of {', '.join(DEVICES)} or None (auto)")
-    if device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='gpu' but torch.cuda.is_available() is False; use device='cpu'")
-    return torch.device("cuda", dist.get_local_rank())
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def check_positive_int(name: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-    return value
 
 
 def as_list(value: Any) -> list[Any]:
@@ -110,15 +89,3 @@ def default_callbacks(run_folder: Path | None, progress_bar: bool) -> list[Callb
         callbacks += [FileLogger(run_folder / "trainer-rank{rank}.log"), MetricsJSONL(run_folder),
                       LossCurve(run_folder)]
     return callbacks
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch  # dataloaders already yield CPU tensors; skip the tree walk
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch

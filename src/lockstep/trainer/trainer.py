@@ -11,23 +11,17 @@ from typing import Any
 
 import torch
 
-from lockstep import dist
+from lockstep import dist, rng
+from lockstep.batch import take
 from lockstep.callbacks import Callback, Event
-from lockstep.checkpoint import rng
-from lockstep.checkpoint.saver import SaveInterval
-from lockstep.checkpoint.states import layout_for
+from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
 from lockstep.model import Model
-from lockstep.parallel import deepspeed as ds
-from lockstep.parallel.ddp import (
-    DDPSyncStrategy, forced_sync_gradients, prepare_ddp, resolve_sync_strategy, sync_context)
-from lockstep.parallel.fsdp import gradient_sync, prepare_fsdp
-from lockstep.parallel.fsdp_config import parse_config
-from lockstep.time import Time, check_max_duration, is_interval_due, is_reached
+from lockstep.parallel.config import ParallelConfig, build_strategy
+from lockstep.state import State
+from lockstep.time import Time, is_interval_due, is_reached
 from lockstep.trainer import checkpointing, data, setup
-from lockstep.trainer.microbatch import take_first
-from lockstep.trainer.precision import autocast, check_precision, make_grad_scaler
+from lockstep.trainer.config import LoopConfig
 from lockstep.trainer.preemption import Preempted, StopSignal
-from lockstep.trainer.state import State
 
 
 class Trainer:
@@ -85,86 +79,59 @@ class Trainer:
         fsdp_config: dict | None = None,
         deepspeed_config: dict | None = None,
     ) -> None:
-        if fsdp_config is not None and deepspeed_config is not None:
-            raise ValueError("fsdp_config and deepspeed_config were both given: pick one way to shard the model")
-        self.fsdp_config = None if fsdp_config is None else parse_config(fsdp_config)
-        setup.check_model(model)
-        self.device = setup.resolve_device(device)
-        self.precision = check_precision(precision)
-        self.microbatch_size = setup.check_positive_int("device_train_microbatch_size", device_train_microbatch_size)
-        self.grad_accum = setup.check_positive_int("grad_accum", grad_accum)
-        if self.microbatch_size is not None and self.grad_accum is not None:
-            raise ValueError("give device_train_microbatch_size or grad_accum, not both")
-        self.sync_strategy = resolve_sync_strategy(ddp_sync_strategy, find_unused_parameters)
-        self.max_duration = None if max_duration is None else check_max_duration(max_duration)
-        self.eval_interval = Time.from_input(eval_interval).require_positive("eval_interval")
-        optimizer_list = setup.as_list(optimizers)
-        setup.check_optimizers(model, optimizer_list)
-        for name, loader in (("train_dataloader", train_dataloader), ("eval_dataloader", eval_dataloader)):
-            if loader is not None:
-                data.check_distributed_sampler(loader, name)
-        self.deepspeed_config = None if deepspeed_config is None else ds.fill_config(
-            deepspeed_config, batch_size=ds.batch_size_of(train_dataloader), microbatch_size=self.microbatch_size,
-            grad_accum=self.grad_accum, world_size=dist.get_world_size(), precision=self.precision,
-            optimizers=len(optimizer_list))
-        if self.deepspeed_config is not None:
-            ds.import_deepspeed(self.device)  # not installed: say how, before any process group exists
-
-        sharding = self.fsdp_config is not None or self.deepspeed_config is not None
-        dist.initialize_dist(self.device, single_process_group=sharding)
-        if seed is not None:
-            setup.seed_everything(seed + dist.get_global_rank())
-        model.to(self.device)
-        self.fsdp = None if self.fsdp_config is None else prepare_fsdp(
-            model, self.fsdp_config, self.precision, self.device, optimizer_list)
-        self.deepspeed = None if self.deepspeed_config is None else ds.prepare_deepspeed(
-            model, optimizer_list, self.deepspeed_config, self.device)
-        self._engine = self.deepspeed.engine if self.deepspeed else None
-        # Under FSDP and ZeRO-3 each forward gathers parameters: every rank must run every one.
-        self._gathering_forward = bool(self.fsdp) or bool(self.deepspeed and self.deepspeed.stage == 3)
-        self.train_dataloader = train_dataloader
-        self.eval_dataloader = eval_dataloader
-        self.scaler = None if self.deepspeed else make_grad_scaler(self.precision, self.device)
-        self.eval_metrics = {k: m.to(self.device) for k, m in model.get_metrics(is_train=False).items()}
-        self._step_sync = dist.get_world_size() > 1 and not (
-            data.equal_batches_guaranteed(train_dataloader) and not setup.counts_tokens(model))
-        run_folder = setup.resolve_run_folder(run_folder)
-        self.state = State(
-            model=model,
-            wrapped_model=self._wrap(model, find_unused_parameters),
-            optimizers=optimizer_list,
-            schedulers=setup.as_list(schedulers),
-            max_duration=self.max_duration,
-            run_name=setup.resolve_run_name(run_name),
-            device=self.device,
-            precision=self.precision,
-            batches_per_epoch=setup.safe_len(train_dataloader),
-        )
-        self.layout = layout_for(model, optimizer_list, self.fsdp_config and self.fsdp_config.state_dict_type,
-                                 self.deepspeed, buffer_dtypes=self.fsdp.buffer_dtypes if self.fsdp else None)
-        self.saver = checkpointing.make_saver(
+        self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
+                               precision=precision, device_train_microbatch_size=device_train_microbatch_size,
+                               grad_accum=grad_accum, seed=seed)
+        self.checkpoints = CheckpointConfig(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
-            save_overwrite=save_overwrite, run_name=self.state.run_name, max_duration=self.max_duration,
-            layout=self.layout, device=self.state.device)
-        loaded = checkpointing.load_at_start(
-            self.state, self.scaler, self.saver, self.layout, load_path=load_path, autoresume=autoresume,
-            run_name_given=run_name is not None, weights_only=load_weights_only,
-            strict=load_strict_model_weights)
-        self._resume_entry = None if loaded is None or loaded.weights_only else loaded.rank_entry or {}
-        if self._resume_entry is not None and dist.get_global_rank() == 0:
-            caveat = data.resume_caveat(train_dataloader, self.state.timestamp.epoch)
-            if caveat:
-                warnings.warn(caveat, stacklevel=2)
+            save_overwrite=save_overwrite, load_path=load_path, load_weights_only=load_weights_only,
+            load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
+        parallel = ParallelConfig(ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters,
+                                  fsdp_config=fsdp_config, deepspeed_config=deepspeed_config)
+        optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, eval_dataloader)
+        self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
+        self.strategy = build_strategy(
+            parallel, device=self.loop.device, precision=precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
+            microbatch_size=device_train_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
+        self.state = self._start_distributed(model, optimizer_list, schedulers, run_name)
+        self.layout = self.strategy.layout()
+        self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
+                                              max_duration=self.state.max_duration, layout=self.layout,
+                                              device=self.state.device)
+        self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
+        self._step_sync = dist.get_world_size() > 1 and not (
+            data.equal_batches_guaranteed(train_dataloader) and not setup.counts_tokens(model))
         self._position = data.DataPosition()
-        self.callbacks = setup.default_callbacks(run_folder, progress_bar) + list(callbacks)
+        self.callbacks = setup.default_callbacks(setup.resolve_run_folder(run_folder), progress_bar) + list(callbacks)
         self._run_event(Event.INIT)
 
-    def _wrap(self, model: Model, find_unused_parameters: bool) -> torch.nn.Module:
-        """What the step calls: the DeepSpeed engine, the FSDP-sharded model itself, or DDP."""
-        if self._engine is not None:
-            return self._engine
-        return model if self.fsdp else prepare_ddp(model, find_unused_parameters, self.device)
+    def _start_distributed(self, model: Model, optimizers: list[torch.optim.Optimizer], schedulers: Any,
+                           run_name: str | None) -> State:
+        """Join the process group, seed, and prepare the model on every rank (collectives)."""
+        loop = self.loop
+        dist.initialize_dist(loop.device, single_process_group=self.strategy.needs_process_group)
+        if loop.seed is not None:
+            rng.seed_everything(loop.seed + dist.get_global_rank())
+        self.strategy.setup(model, optimizers)
+        self.eval_metrics = {k: m.to(loop.device) for k, m in model.get_metrics(is_train=False).items()}
+        return State(model=model, optimizers=optimizers, schedulers=setup.as_list(schedulers),
+                     max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
+                     device=loop.device, precision=loop.precision, scaler=self.strategy.scaler,  # type: ignore[arg-type]
+                     batches_per_epoch=setup.safe_len(self.train_dataloader))
+
+    def _load_checkpoint(self, run_name_given: bool) -> dict[str, Any] | None:
+        """Load ``autoresume``'s or ``load_path``'s checkpoint; returns this rank's RNG and data
+        entry for ``fit`` to apply (None when nothing, or only weights, were loaded)."""
+        loaded = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
+                                             run_name_given=run_name_given)
+        if loaded is None or loaded.weights_only:
+            return None
+        if dist.get_global_rank() == 0:
+            caveat = data.resume_caveat(self.train_dataloader, self.state.timestamp.epoch)
+            if caveat:
+                warnings.warn(caveat, stacklevel=3)
+        return loaded.rank_entry or {}
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -183,7 +150,7 @@ class Trainer:
                 data.set_epoch(self.train_dataloader, s.timestamp.epoch)
                 self._run_event(Event.EPOCH_START)
                 batches = data.epoch_batches(
-                    self.train_dataloader, self._count, self._step_sync, self.device,
+                    self.train_dataloader, self._count, self._step_sync, s.device,
                     track=self._position if self.saver else None, resume=resume)
                 trained, resume = resume is not None, None
                 for batch, samples, tokens, is_last in batches:
@@ -198,7 +165,7 @@ class Trainer:
                     if is_last:
                         self._run_event(Event.EPOCH_END)
                     if self.eval_dataloader is not None and is_interval_due(
-                            before, s.timestamp, self.eval_interval, s.max_duration):
+                            before, s.timestamp, self.loop.eval_interval, s.max_duration):
                         self.eval()
                     if self.saver and (self.saver.due(before, s.timestamp, Event.BATCH_END, s) or (
                             is_last and self.saver.due(before, s.timestamp, Event.EPOCH_END, s))):
@@ -217,61 +184,30 @@ class Trainer:
         self._run_event(Event.FIT_END)
 
     def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
-        s = self.state
-        batch = setup.to_device(batch, self.device)
-        if self.deepspeed:
-            batch = ds.cast_batch(batch, self.deepspeed.dtype)
-        microbatches = self._split(batch)
-        world_size = dist.get_world_size()
-        local_samples = 0
-        loss_sum = torch.zeros((), device=self.device)
+        """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync)."""
+        s, strategy = self.state, self.strategy
+        microbatches = self._split(strategy.prepare_batch(batch))
+        share = dist.get_world_size() / global_samples  # gradients are averaged over ranks
+        loss_sum, local_samples = torch.zeros((), device=s.device), 0
         for i, micro in enumerate(microbatches):
             n = s.model.num_samples(micro)
-            with self._gradient_sync(i == len(microbatches) - 1):
-                with autocast(self.precision, self.device):
-                    outputs = s.wrapped_model(micro)
-                    loss = s.model.loss(outputs, micro)
-                # DDP averages over ranks, so scale by world_size * this microbatch's share.
-                scaled = loss * (n * world_size / global_samples)
-                if self._engine is not None:  # it scales an fp16 loss itself; the share is ours
-                    self._engine.backward(scaled, scale_wrt_gas=False)
-                else:
-                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            with strategy.sync_context(i == len(microbatches) - 1):
+                with strategy.autocast():
+                    loss = s.model.loss(strategy.module(micro), micro)
+                strategy.backward(loss * (n * share))  # weighted by its share of the global batch
             loss_sum += loss.detach().float() * n
             local_samples += n
-        if self._engine is not None:
-            self._engine.step()  # the optimizer step and zero_grad
-            for scheduler in s.schedulers:
-                scheduler.step()
-            return loss_sum / max(local_samples, 1)
-        if self.sync_strategy is DDPSyncStrategy.FORCED_SYNC and world_size > 1 and not self.fsdp:
-            forced_sync_gradients(s.model.parameters())
-        for optimizer in s.optimizers:
-            if self.scaler:
-                self.scaler.step(optimizer)
-            else:
-                optimizer.step()
-        if self.scaler:
-            self.scaler.update()
+        strategy.optimizer_step()
         for scheduler in s.schedulers:
             scheduler.step()
-        for optimizer in s.optimizers:
-            optimizer.zero_grad(set_to_none=True)
         return loss_sum / max(local_samples, 1)
 
-    def _gradient_sync(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[None]:
-        if self.fsdp:
-            return gradient_sync(self.state.model, is_last_microbatch)
-        if self._engine is not None:
-            return ds.accumulation_boundary(self._engine, is_last_microbatch)
-        return sync_context(self.state.wrapped_model, self.sync_strategy, is_last_microbatch)
-
     def _split(self, batch: Any) -> list[Any]:
-        model = self.state.model
-        if self.microbatch_size is not None:
-            return model.split_batch(batch, self.microbatch_size)
-        if self.grad_accum is not None:
-            return model.split_batch(batch, math.ceil(model.num_samples(batch) / self.grad_accum))
+        model, loop = self.state.model, self.loop
+        if loop.device_train_microbatch_size is not None:
+            return model.split_batch(batch, loop.device_train_microbatch_size)
+        if loop.grad_accum is not None:
+            return model.split_batch(batch, math.ceil(model.num_samples(batch) / loop.grad_accum))
         return [batch]
 
     def _count(self, batch: Any) -> tuple[int, int]:
@@ -296,22 +232,21 @@ class Trainer:
         for metric in self.eval_metrics.values():
             metric.reset()
         remaining = data.real_eval_samples(self.eval_dataloader)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        totals = torch.zeros(2, dtype=torch.float64, device=s.device)  # loss sum, samples
+        module = self.strategy.eval_module  # the bare module: no DDP hooks, nothing to hang on
         for batch in self.eval_dataloader:
-            batch = setup.to_device(batch, self.device)
-            if self.deepspeed:
-                batch = ds.cast_batch(batch, self.deepspeed.dtype)
+            batch = self.strategy.prepare_batch(batch)
             n = s.model.num_samples(batch)
             if remaining is not None:
                 if remaining <= 0:
-                    if self._gathering_forward:  # every rank must take part in each gather
-                        s.model(batch)
+                    if self.strategy.gathers_in_forward:  # every rank must take part in each gather
+                        module(batch)
                     continue
                 if n > remaining:
-                    batch, n = take_first(batch, remaining), remaining
+                    batch, n = take(batch, 0, remaining), remaining
                 remaining -= n
-            with autocast(self.precision, self.device):
-                outputs = s.model(batch)  # the bare module: no DDP hooks, nothing to hang on
+            with self.strategy.autocast():
+                outputs = module(batch)
                 totals[0] += s.model.loss(outputs, batch).double() * n
                 totals[1] += n
                 eval_outputs = s.model.eval_forward(batch, outputs)
@@ -348,7 +283,7 @@ class Trainer:
                  "epoch_rng": None if at_epoch_end else position.epoch_rng,
                  "fetch_rng": None if at_epoch_end else position.fetch_rng,
                  "loader_state": None if at_epoch_end else position.loader_state}
-        self.saver.save(self.state, self.scaler, entry, self.layout, wait=wait)  # type: ignore[union-attr]
+        self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
 
     def _preempt(self, at_epoch_end: bool) -> None:
         s = self.state

@@ -11,12 +11,6 @@ PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 _DTYPES = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}
 
 
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}")
-    return precision
-
-
 @contextlib.contextmanager
 def autocast(precision: str, device: torch.device) -> Iterator[None]:
     """Mixed-precision autocast for forward and loss; nothing for fp32."""

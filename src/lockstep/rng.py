@@ -59,3 +59,10 @@ def _restore_cuda(states: list[torch.Tensor]) -> None:
         raise ValueError(f"the checkpoint holds {len(states)} CUDA generator states but this "
                          f"process sees {torch.cuda.device_count()} devices")
     torch.cuda.set_rng_state_all(states)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's generators (every CUDA device's too)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -13,17 +13,18 @@ from lockstep.time import Time, Timestamp
 
 @dataclass(kw_only=True, slots=True)
 class State:
-    """The Trainer's live state. ``model`` is the user's module (sharded in place under FSDP);
-    ``wrapped_model`` is what the step calls: a DDP wrapper, or ``model`` itself."""
+    """The Trainer's live state, shared with callbacks. ``model`` is the user's module (sharded in
+    place under FSDP); the module the training step calls is the Trainer's ``strategy.module``."""
 
     model: nn.Module
-    wrapped_model: nn.Module
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[Any]
     max_duration: Time | None
     run_name: str
     device: torch.device
     precision: str
+    scaler: torch.amp.GradScaler | None = None
+    """The loss scaler of ``amp_fp16`` (None otherwise, and under DeepSpeed, which scales itself)."""
     timestamp: Timestamp = field(default_factory=Timestamp)
     batches_per_epoch: int | None = None
     eval_metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,77 @@
+"""Batches: counting their samples, splitting them into microbatches, mapping their tensors.
+
+A batch is a tensor, or a tuple, list, namedtuple or dict of batches; other leaves (strings,
+numbers) are carried along unchanged. ``lockstep.Model`` teaches the Trainer any other type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it, keeping each container's type."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
+        try:
+            return type(batch)(mapped)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return mapped
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def batch_num_samples(batch: Any) -> int:
+    """Size of the first dimension of the first tensor found in a tensor/tuple/list/dict batch."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ValueError("cannot count samples in a 0-d tensor batch; give the batch a leading dimension")
+        return batch.shape[0]
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else None
+    if items is not None:
+        for item in items:
+            try:
+                return batch_num_samples(item)
+            except TypeError:
+                continue
+    raise TypeError(
+        f"cannot count the samples in a batch of type {type(batch).__name__}: override "
+        f"Model.num_samples and Model.split_batch for it")
+
+
+def split_batch(batch: Any, microbatch_size: int) -> list[Any]:
+    """Split along the first dimension into chunks of ``microbatch_size`` (the last may be smaller).
+
+    Tensors are split; tuples, lists and dicts are split element-wise, keeping their type;
+    non-tensor leaves (strings, numbers) are repeated in every microbatch.
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch size must be >= 1, got {microbatch_size}")
+    n = batch_num_samples(batch)
+    chunks = -(-n // microbatch_size)
+    return [take(batch, i * microbatch_size, min(n, (i + 1) * microbatch_size)) for i in range(chunks)]
+
+
+def take(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start`` to ``stop`` of a batch."""
+    return map_tensors(batch, lambda t: t[start:stop])
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch's tensors on ``device``."""
+    if device.type == "cpu":
+        return batch  # dataloaders already yield CPU tensors; skip the tree walk
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """The batch with its floating-point tensors in ``dtype``."""
+    return map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)

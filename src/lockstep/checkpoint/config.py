@@ -1,0 +1,53 @@
+"""The Trainer's checkpoint arguments, checked, under Composer's names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.checkpoint import templates
+from lockstep.time import Time
+
+SaveInterval = Time | str | int | Callable[[Any, Any], bool]
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where and when checkpoints are written, and what the run starts from."""
+
+    save_folder: str | None = None
+    """Where checkpoints go (a template: ``{run_name}``, ``{rank}``, ...); None saves nothing."""
+    save_filename: str = "ep{epoch}-ba{batch}-rank{rank}.pt"
+    """Each checkpoint's name inside ``save_folder`` (time fields: ``{epoch}``, ``{batch}``, ...)."""
+    save_latest_filename: str | None = "latest-rank{rank}.pt"
+    """A pointer to the newest checkpoint, which autoresume reads; None writes none."""
+    save_interval: SaveInterval = "1ep"
+    """A Time (``'1ep'``, ``'100ba'``, ...) or ``fn(state, event) -> bool``."""
+    save_num_checkpoints_to_keep: int = -1
+    """-1 keeps every checkpoint; N keeps the newest N."""
+    save_overwrite: bool = False
+    """Replace checkpoints already in ``save_folder`` instead of refusing to start."""
+    load_path: str | None = None
+    """A checkpoint to start from (``{rank}`` may name each rank's file)."""
+    load_weights_only: bool = False
+    """Take only the model weights from ``load_path``; the run starts at batch 0."""
+    load_strict_model_weights: bool = True
+    """Whether the model's keys must match the checkpoint's exactly."""
+    autoresume: bool = False
+    """Continue from the newest checkpoint of ``run_name`` in ``save_folder``, if there is one."""
+
+    def __post_init__(self) -> None:
+        if self.save_folder is not None:
+            templates.check_template(self.save_folder, "save_folder", time_fields=False)
+            templates.check_template(self.save_filename, "save_filename")
+            if self.save_latest_filename is not None:
+                templates.check_template(self.save_latest_filename, "save_latest_filename", time_fields=False)
+        keep = self.save_num_checkpoints_to_keep
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+            raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {keep!r}")
+        if not callable(self.save_interval) or isinstance(self.save_interval, (str, Time)):
+            self.save_interval = Time.from_input(self.save_interval).require_positive("save_interval")  # type: ignore[arg-type]
+        if self.autoresume and (self.save_folder is None or self.save_latest_filename is None):
+            raise ValueError("autoresume=True needs save_folder and save_latest_filename: it resumes from "
+                             "the latest pointer the run writes there")

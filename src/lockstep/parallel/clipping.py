@@ -1,0 +1,43 @@
+"""Gradient clipping by the norm over every rank and shard.
+
+Under DDP each rank holds the whole synchronized gradient, so the local norm is the global one.
+Under FSDP a gradient is a DTensor whose rank holds one shard; its norm is a partial value until
+it is reduced over the mesh. Gradients are grouped by mesh and placement, each group's norm is
+reduced once, and the groups' norms are combined: one collective per group, not per parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type`` norm of all of ``grads`` taken together, as a plain tensor on every rank."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (id(g.device_mesh), g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    device = norms[0].device
+    stacked = torch.stack([n.to(device) for n in norms])
+    if math.isinf(norm_type):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of ``params`` in place so that their joint norm is at most ``max_norm``,
+    as ``torch.nn.utils.clip_grad_norm_`` does in one process; returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    norm = total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

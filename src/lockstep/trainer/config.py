@@ -1,0 +1,61 @@
+"""The Trainer's loop arguments, checked: what to train for, on which device, in which precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lockstep import dist
+from lockstep.checks import check_choice
+from lockstep.parallel.precision import PRECISIONS
+from lockstep.time import Time, check_max_duration
+
+DEVICES = ("cpu", "gpu")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoopConfig:
+    """How long and how the training loop runs."""
+
+    max_duration: Time | str | int | None = None
+    """When training stops: a Time (``'2ep'``, ``'1000ba'``, ``'1e6tok'``); an int counts epochs."""
+    eval_interval: Time | str | int = "1ep"
+    """How often ``eval_dataloader`` is evaluated during ``fit``."""
+    device: str | torch.device | None = None
+    """'cpu' | 'gpu' (this local rank's CUDA device) | None: gpu when CUDA is available."""
+    precision: str = "fp32"
+    """fp32 | amp_bf16 | amp_fp16 (the latter with a GradScaler)."""
+    device_train_microbatch_size: int | None = None
+    """Split each rank's batch into microbatches of this many samples (gradients accumulate)."""
+    grad_accum: int | None = None
+    """Split each rank's batch into this many microbatches (the older way to say the same)."""
+    seed: int | None = None
+    """Seed python, numpy and torch with ``seed + rank`` before the model is prepared."""
+
+    def __post_init__(self) -> None:
+        if self.max_duration is not None:
+            self.max_duration = check_max_duration(self.max_duration)
+        self.eval_interval = Time.from_input(self.eval_interval).require_positive("eval_interval")
+        self.device = resolve_device(self.device)
+        check_choice("precision", self.precision, PRECISIONS)
+        for name in ("device_train_microbatch_size", "grad_accum"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.device_train_microbatch_size is not None and self.grad_accum is not None:
+            raise ValueError("give device_train_microbatch_size or grad_accum, not both")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'cpu' | 'gpu' | None (gpu when CUDA is available); gpu means this local rank's CUDA device."""
+    if isinstance(device, torch.device):
+        return device
+    if device is None:
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+    check_choice("device", device, DEVICES, also=" or None (auto)")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='gpu' but torch.cuda.is_available() is False; use device='cpu'")
+    return torch.device("cuda", dist.get_local_rank())
