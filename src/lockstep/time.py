@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Time", "TimeUnit", "Timestamp", "check_max_duration", "fraction_done",
-           "is_interval_due", "is_reached"]
+           "is_interval_due", "is_reached", "time_argument"]
 
 
 class TimeUnit(StrEnum):
@@ -246,14 +246,24 @@ class Timestamp:
         return cls(**counts)
 
 
+def time_argument(name: str, value: Time | str | int) -> Time:
+    """Parse the argument ``name`` (an int counts epochs, as in Composer) and check it is positive;
+    an error names the argument."""
+    try:
+        return Time.from_input(value, TimeUnit.EPOCH).require_positive(name)
+    except (TypeError, ValueError) as e:
+        message = str(e) if str(e).startswith(name) else f"{name}={value!r}: {e}"
+        raise type(e)(message) from None
+
+
 def check_max_duration(max_duration: Time | str | int) -> Time:
     """Parse ``max_duration`` and check it is a positive count (it cannot be a ``dur`` fraction)."""
-    max_duration = Time.from_input(max_duration)
+    max_duration = time_argument("max_duration", max_duration)
     if max_duration.unit is TimeUnit.DURATION:
         raise ValueError(f"max_duration cannot be in 'dur' (got '{max_duration}'): 'dur' is a "
                          f"fraction of max_duration itself; give it in ep, ba, sp or tok, "
                          f"e.g. '2ep'")
-    return max_duration.require_positive("max_duration")
+    return max_duration
 
 
 def _resolve(

@@ -10,7 +10,9 @@ SHARED = Probe(found=True, shared=True, batch=4, saves=2, path="ck/ba4.pt")
 SENDER = Probe(found=True, shared=True, batch=4, saves=2, path="ck/ba4.pt", can_send=True)
 OWN = Probe(found=True, batch=4, saves=2, path="ck/ba4-rank1.pt")
 MISSING = Probe(error="load_path 'ck/x.pt': ck/x.pt does not exist")
-BROKEN = Probe(found=True, shared=True, path="ck/ba4.pt", error="ck/ba4.pt: CRC mismatch in record data/3")
+BROKEN = Probe(found=True, shared=True, path="ck/ba4.pt", error="ck/ba4.pt: CRC mismatch in record data/3",
+               damaged=True)
+UNFIT = Probe(found=True, shared=True, path="ck/ba4.pt", error="ck/ba4.pt does not fit the model")
 
 
 def own(batch: int, saves: int = 2) -> Probe:
@@ -26,9 +28,11 @@ CASES = [
     ("a load_path that exists nowhere fails", [MISSING, MISSING], False, False, False,
      Fail("rank 0: load_path 'ck/x.pt': ck/x.pt does not exist")),
     ("a damaged file fails on every rank, naming the first rank", [SHARED, BROKEN], False, False, False,
-     Fail("rank 1: ck/ba4.pt: CRC mismatch in record data/3")),
+     Fail("rank 1: ck/ba4.pt: CRC mismatch in record data/3", damaged=True)),
     ("a damaged file fails before a missing one is considered", [MISSING, BROKEN], True, False, False,
-     Fail("rank 1: ck/ba4.pt: CRC mismatch in record data/3")),
+     Fail("rank 1: ck/ba4.pt: CRC mismatch in record data/3", damaged=True)),
+    ("a file that does not fit is not called damaged", [UNFIT, SHARED], True, False, False,
+     Fail("rank 0: ck/ba4.pt does not fit the model")),
     ("ranks that do not see rank 0's file receive it", [SENDER, MISSING], False, False, False, Load(receive=True)),
     ("a folder layout cannot be sent", [SHARED, MISSING], False, False, True,
      Fail("rank 1: load_path 'ck/x.pt': ck/x.pt does not exist while other ranks found theirs: is it on a "
@@ -58,4 +62,4 @@ def test_decide(probes: list[Probe], optional: bool, per_rank: bool, collective:
 
 def test_one_rank_has_no_rank_prefix() -> None:
     assert decide([BROKEN], optional=False, per_rank_files=False, collective=False,
-                  template="ck/x.pt") == Fail("ck/ba4.pt: CRC mismatch in record data/3")
+                  template="ck/x.pt") == Fail("ck/ba4.pt: CRC mismatch in record data/3", damaged=True)

@@ -3,6 +3,7 @@ save, and SIGTERM preemption; each resumed job must end with the uninterrupted j
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -71,20 +72,43 @@ def test_kill_9_in_the_middle_of_a_save_loses_nothing(reference, tmp_path: Path)
     assert leftovers == []  # the next save removed the dead writer's temporary file
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
 @pytest.mark.timeout(120)
-def test_sigterm_preempts_saves_and_autoresume_matches(reference, tmp_path: Path) -> None:
+@pytest.mark.parametrize("everyone", [False, True], ids=["launcher", "every-process-with-workers"])
+def test_sigterm_preempts_saves_and_autoresume_matches(reference, tmp_path: Path, everyone: bool) -> None:
+    # everyone: a scheduler's preemption signals every process of the job at once, DataLoader
+    # workers included; they must not take their rank down before its checkpoint is written
     _, expected = reference
     progress = tmp_path / "progress"
     cmd = [sys.executable, "-m", "lockstep", "-n", "2", str(JOB), "--folder", str(tmp_path / "pre"),
            "--out", str(tmp_path / "pre.pt"), "--save-interval", "100ba", "--sleep", "0.05",
-           "--progress", str(progress)]
+           "--progress", str(progress), *(["--workers", "1"] if everyone else [])]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 60
     while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
         assert time.monotonic() < deadline and proc.poll() is None, "the job did not get going"
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    targets = [proc.pid, *descendants(proc.pid)] if everyone else [proc.pid]
+    if everyone:
+        assert len(targets) >= 5  # the launcher, its watchdog, two ranks and their workers
+    for pid in targets:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM after batch" in err, err

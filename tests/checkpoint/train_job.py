@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("--kill-in-save", action="append", default=[])
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--progress", type=Path)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     args = p.parse_args()
 
     attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
@@ -64,7 +66,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = DropoutMLP()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    trainer = Trainer(model=model, train_dataloader=loader(2, shuffle=True), max_duration=f"{args.batches}ba",
+    data = loader(2, shuffle=True)
+    if args.workers:
+        data = DataLoader(data.dataset, batch_size=2, sampler=data.sampler, num_workers=args.workers)
+    trainer = Trainer(model=model, train_dataloader=data, max_duration=f"{args.batches}ba",
                       optimizers=opt, schedulers=torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
                       progress_bar=False, seed=7, save_folder=args.folder, save_interval=args.save_interval,
                       run_name="job", autoresume=True,

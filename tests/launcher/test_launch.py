@@ -154,6 +154,26 @@ def test_signal_to_launcher_is_forwarded_and_leaves_nothing(tmp_path: Path, writ
     assert wait_gone(pids, timeout=5) == []
 
 
+def test_a_rank_that_fails_on_its_way_out_is_not_reported_as_a_clean_preemption(tmp_path: Path,
+                                                                               write_script) -> None:
+    # rank 1 stops as asked (exit 143, as the Trainer does after its checkpoint); rank 0 fails instead
+    script = write_script("unclean.py", textwrap.dedent("""
+        import os, signal, sys, time
+        rank = os.environ["RANK"]
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143 if rank == "1" else 3))
+        open(os.path.join(sys.argv[1], "ready" + rank), "w").write("x")
+        time.sleep(300)
+    """))
+    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(script), str(tmp_path)],
+                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 3, err
+    assert "after SIGTERM, rank 0 did not stop cleanly" in err and "exit code 3" in err, err
+
+
 def test_sigkill_to_launcher_leaves_no_orphans(tmp_path: Path, write_script) -> None:
     launcher, pids = _start_sleepers(tmp_path, write_script)
     launcher.kill()

@@ -66,15 +66,17 @@ def test_set_epoch_is_called_every_epoch() -> None:
     ({"precision": "fp64"}, "precision='fp64' is not supported; use one of fp32, amp_bf16, amp_fp16"),
     ({"device": "tpu"}, "device='tpu' is not supported"),
     ({"ddp_sync_strategy": "sometimes"}, "ddp_sync_strategy='sometimes' is not supported; use one of single_auto_sync"),
-    ({"max_duration": "2x"}, "'2x'"),
-    ({"max_duration": "-1ep"}, "'-1ep'"),
-    ({"max_duration": "ep"}, "'ep'"),
+    ({"max_duration": "3xx"}, "max_duration='3xx': invalid duration '3xx'"),
+    ({"max_duration": "-1ep"}, "max_duration='-1ep'"),
+    ({"max_duration": "ep"}, "max_duration='ep'"),
     ({"max_duration": "0.5dur"}, "max_duration cannot be in 'dur'"),
     ({"max_duration": "0ba"}, "max_duration must be positive"),
     ({"device_train_microbatch_size": 0}, "device_train_microbatch_size must be an integer >= 1"),
     ({"grad_accum": -2}, "grad_accum must be an integer >= 1"),
     ({"device_train_microbatch_size": 2, "grad_accum": 2}, "not both"),
     ({"eval_interval": "0ep"}, "eval_interval must be positive"),
+    ({"eval_interval": "abc"}, "eval_interval='abc': invalid duration 'abc'"),
+    ({"save_folder": "unused", "save_interval": "abc"}, "save_interval='abc': invalid duration 'abc'"),
 ])
 def test_bad_arguments_are_named(kwargs, message) -> None:
     model = MLP()
@@ -83,6 +85,14 @@ def test_bad_arguments_are_named(kwargs, message) -> None:
     with pytest.raises(ValueError) as info:
         Trainer(**args)
     assert message in str(info.value)
+
+
+def test_an_int_max_duration_counts_epochs() -> None:
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration=2, optimizers=sgd(model),
+                      progress_bar=False)
+    trainer.fit()
+    assert (trainer.state.timestamp.epoch, trainer.state.timestamp.batch) == (2, 2 * len(loader(4)))
 
 
 def test_optimizer_without_the_models_parameters_is_refused() -> None:

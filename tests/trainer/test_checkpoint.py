@@ -182,6 +182,38 @@ def test_autoresume_continues_and_starts_fresh_without_a_checkpoint(uninterrupte
         make("17ba", tmp_path, run_name="other", autoresume=True)
 
 
+def test_autoresume_skips_a_damaged_newest_checkpoint(uninterrupted, tmp_path: Path) -> None:
+    _, reference = uninterrupted
+    make("9ba", tmp_path, run_name="auto", autoresume=True, save_interval="4ba").fit()  # ba4, ba8, ba9
+    newest = tmp_path / "ep1-ba9-rank0.pt"
+    assert os.readlink(tmp_path / "latest-rank0.pt") == newest.name
+    _corrupted(tmp_path / "ep1-ba8-rank0.pt", tmp_path / "ba8.pt", 0)  # a damaged copy, for later
+    _corrupted(_keep(newest, newest.read_bytes()), newest, 0)
+    with pytest.warns(UserWarning, match=r"skipped the newest checkpoint.*ep1-ba9-rank0\.pt is corrupt.*"
+                                         r"resumed from .*ep1-ba8-rank0\.pt instead"):
+        resumed = make("17ba", tmp_path, run_name="auto", autoresume=True, save_interval="4ba")
+    assert resumed.state.timestamp.batch == 8
+    resumed.fit()
+    assert_bitwise(params(resumed.state.model), reference)
+    with pytest.raises(CheckpointError, match="is corrupt"):  # an explicit load_path does not fall back
+        make("17ba", None, load_path=str(tmp_path / "ba8.pt"))
+
+
+def _keep(path: Path, data: bytes) -> Path:
+    """A copy of ``data`` beside ``path`` to corrupt from (``_corrupted`` reads its source)."""
+    copy = path.with_name(".source.bin")
+    copy.write_bytes(data)
+    return copy
+
+
+def test_autoresume_with_every_checkpoint_damaged_fails_on_the_newest(tmp_path: Path) -> None:
+    make("4ba", tmp_path, run_name="auto", autoresume=True, save_interval="2ba").fit()  # ba2, ba4
+    for name in ("ep0-ba2-rank0.pt", "ep0-ba4-rank0.pt"):
+        _corrupted(_keep(tmp_path / name, (tmp_path / name).read_bytes()), tmp_path / name, 0)
+    with pytest.raises(CheckpointError, match=r"ep0-ba4-rank0\.pt is corrupt"):
+        make("8ba", tmp_path, run_name="auto", autoresume=True, save_interval="2ba")
+
+
 # -- loading errors ---------------------------------------------------------------------------
 
 def test_load_errors_name_the_file(uninterrupted, tmp_path: Path) -> None:

@@ -196,10 +196,22 @@ def test_precision_fills_the_half_sections(precision, sections) -> None:
     ({}, {"optimizers": 2}, "one optimizer, but 2 were given"),
     ({}, {"batch_size": 10, "microbatch_size": 4}, r"batch_size \(10\) must be a multiple of the microbatch size"),
     ({"fp16": True}, {}, "must be a dict such as"),
+    ({"zero_optimisation": {"stage": 2}}, {}, r"unknown key\(s\) 'zero_optimisation'.*did you mean 'zero_optimization'"),
 ])
 def test_config_conflicts_name_both_sides(config, kwargs, message) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         _fill(config, **kwargs)
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="needs DeepSpeed")
+def test_every_known_top_level_key_is_read_by_the_installed_deepspeed() -> None:
+    from pathlib import Path
+
+    from lockstep.parallel.deepspeed import TOP_LEVEL_KEYS
+
+    spec = importlib.util.find_spec("deepspeed")
+    source = "".join(p.read_text(errors="replace") for p in Path(spec.origin).parent.rglob("*.py"))
+    assert [k for k in TOP_LEVEL_KEYS if f'"{k}"' not in source and f"'{k}'" not in source] == []
 
 
 def test_config_errors_come_before_any_process_group() -> None:

@@ -19,6 +19,9 @@ Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
             if reached(max_duration): break
     FIT_END
 
+When ``fit`` raises, each callback's :meth:`Callback.close` runs before the error propagates
+(loggers write what they buffered).
+
 A callback overrides the methods named after the events it cares about; each receives the
 Trainer's :class:`~lockstep.state.State`.
 """
@@ -59,6 +62,9 @@ class Callback:
     def eval_start(self, state: State) -> None: ...
     def eval_end(self, state: State) -> None: ...
     def fit_end(self, state: State) -> None: ...
+
+    def close(self, state: State) -> None:
+        """Called when ``fit`` raises: write out anything held in memory."""
 
 
 __all__ = ["Callback", "Event"]

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lockstep import dist
 from lockstep.callbacks import Callback
 from lockstep.time import fraction_done
@@ -16,33 +18,42 @@ from lockstep.state import State
 
 
 class ProgressBar(Callback):
-    """Rank 0 only: a tqdm bar over the whole run with loss, samples/s and ETA."""
+    """Rank 0 only: a tqdm bar over the whole run with loss, samples/s and ETA.
+
+    The bar is redrawn at most every 0.2 s on a terminal and every 30 s in a log file; between
+    redraws a batch costs one clock read (the loss is read, a device sync, only when drawn).
+    """
 
     def __init__(self) -> None:
         self._bar: Any = None
         self._start = 0.0
         self._start_samples = 0
+        self._interval = 0.0
+        self._next_draw = 0.0
 
     def fit_start(self, state: State) -> None:
         if dist.get_global_rank() != 0:
             return
         from tqdm import tqdm
 
-        # On a terminal redraw often; in a log file, a line every 30 s is plenty.
-        interval = 0.2 if sys.stderr.isatty() else 30.0
-        self._bar = tqdm(total=1000, file=sys.stderr, dynamic_ncols=True, leave=True, mininterval=interval,
+        self._interval = 0.2 if sys.stderr.isatty() else 30.0
+        self._bar = tqdm(total=1000, file=sys.stderr, dynamic_ncols=True, leave=True, mininterval=0,
                          bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
         self._start, self._start_samples = time.perf_counter(), state.timestamp.sample
+        self._next_draw = self._start + self._interval
 
     def batch_end(self, state: State) -> None:
-        if self._bar is None:
-            return
+        if self._bar is not None and time.perf_counter() >= self._next_draw:
+            self._draw(state)
+
+    def _draw(self, state: State) -> None:
+        now = time.perf_counter()
+        self._next_draw = now + self._interval
         done = fraction_done(state.timestamp, state.max_duration, batches_per_epoch=state.batches_per_epoch)
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
-        rate = (state.timestamp.sample - self._start_samples) / elapsed
+        rate = (state.timestamp.sample - self._start_samples) / max(now - self._start, 1e-9)
         self._bar.set_description(f"ep {state.timestamp.epoch} ba {state.timestamp.batch}", refresh=False)
         self._bar.set_postfix_str(f"loss {state.loss:.4f}, {rate:.0f} samples/s", refresh=False)
-        self._bar.update(int(1000 * done) - self._bar.n)  # redraws at most every mininterval
+        self._bar.update(int(1000 * done) - self._bar.n)
 
     def eval_end(self, state: State) -> None:
         if self._bar is not None:
@@ -52,8 +63,57 @@ class ProgressBar(Callback):
 
     def fit_end(self, state: State) -> None:
         if self._bar is not None:
+            self._draw(state)
             self._bar.close()
             self._bar = None
+
+
+class _Pending:
+    """Per-batch records whose loss is still a tensor; turned into floats all at once (one device
+    sync for the lot) when written."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[Any, torch.Tensor | None]] = []
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def add(self, record: Any, loss: torch.Tensor | None) -> None:
+        self._records.append((record, loss))
+
+    def drain(self) -> list[tuple[Any, float]]:
+        records, self._records = self._records, []
+        present = [loss.detach().float().reshape(()) for _, loss in records if loss is not None]
+        values = iter(torch.stack(present).tolist() if present else [])
+        return [(record, next(values) if loss is not None else float("nan")) for record, loss in records]
+
+
+class _Buffered(Callback):
+    """A callback that keeps per-batch records in memory and writes them every ``flush_interval``
+    batches, at least every ``flush_seconds``, and at each evaluation and at the end, so that
+    logging costs a batch no system call and no device sync."""
+
+    def __init__(self, flush_interval: int, flush_seconds: float) -> None:
+        self.flush_interval = flush_interval
+        self.flush_seconds = flush_seconds
+        self._pending = _Pending()
+        self._flushed_at = time.monotonic()
+
+    def _add(self, record: Any, loss: torch.Tensor | None) -> None:
+        self._pending.add(record, loss)
+        if len(self._pending) >= self.flush_interval or time.monotonic() - self._flushed_at >= self.flush_seconds:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._flushed_at = time.monotonic()
+        if len(self._pending):
+            self._write_records(self._pending.drain())
+
+    def _write_records(self, records: list[tuple[Any, float]]) -> None:
+        raise NotImplementedError
+
+    def close(self, state: State) -> None:
+        self._flush()
 
 
 def format_metrics(state: State) -> str:
@@ -61,10 +121,16 @@ def format_metrics(state: State) -> str:
     return f"eval at ep {state.timestamp.epoch} ba {state.timestamp.batch}: " + ", ".join(parts)
 
 
-class FileLogger(Callback):
-    """Every rank appends its own log file; ``{rank}`` in the filename keeps them apart."""
+class FileLogger(_Buffered):
+    """Every rank appends its own log file; ``{rank}`` in the filename keeps them apart.
 
-    def __init__(self, filename: str | Path, log_every_n_batches: int = 1) -> None:
+    A line per ``log_every_n_batches`` batches, written in bursts (see :class:`_Buffered`): every
+    ``flush_interval`` batches or ``flush_seconds``, whichever comes first.
+    """
+
+    def __init__(self, filename: str | Path, log_every_n_batches: int = 1, flush_interval: int = 100,
+                 flush_seconds: float = 10.0) -> None:
+        super().__init__(flush_interval, flush_seconds)
         self.filename = str(filename)
         self.every = log_every_n_batches
         self._file: Any = None
@@ -73,54 +139,74 @@ class FileLogger(Callback):
         path = Path(self.filename.format(rank=dist.get_global_rank(), local_rank=dist.get_local_rank(),
                                          world_size=dist.get_world_size(), run_name=state.run_name))
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)
+        self._file = open(path, "a")
         self._write(f"run {state.run_name} rank {dist.get_global_rank()} of {dist.get_world_size()}")
 
-    def _write(self, line: str) -> None:
+    def _write(self, line: str, at: float | None = None) -> None:
         if self._file is not None:
-            self._file.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+            self._file.write(f"[{stamp}] {line}\n")
+
+    def _write_records(self, records: list[tuple[Any, float]]) -> None:
+        for (at, epoch, batch, sample), loss in records:
+            self._write(f"ep {epoch} ba {batch} sp {sample} loss {loss:.6f}", at)
+        if self._file is not None:
+            self._file.flush()
 
     def batch_end(self, state: State) -> None:
-        if state.timestamp.batch % self.every == 0:
-            t = state.timestamp
-            self._write(f"ep {t.epoch} ba {t.batch} sp {t.sample} loss {state.loss:.6f}")
+        t = state.timestamp
+        if self._file is not None and t.batch % self.every == 0:
+            self._add((time.time(), t.epoch, t.batch, t.sample), state.loss_tensor)
 
     def eval_end(self, state: State) -> None:
+        self._flush()
         self._write(format_metrics(state))
 
     def fit_end(self, state: State) -> None:
+        self._flush()
         self._write("fit done")
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-class MetricsJSONL(Callback):
-    """Rank 0 appends one JSON object per training batch and per evaluation to ``metrics.jsonl``."""
+class MetricsJSONL(_Buffered):
+    """Rank 0 appends one JSON object per training batch and per evaluation to ``metrics.jsonl``,
+    in bursts (see :class:`_Buffered`)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, flush_interval: int = 100, flush_seconds: float = 10.0) -> None:
+        super().__init__(flush_interval, flush_seconds)
         self.path = Path(folder) / "metrics.jsonl"
         self._file: Any = None
 
     def fit_start(self, state: State) -> None:
         if dist.get_global_rank() == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+            self._file = open(self.path, "a")
 
-    def _emit(self, state: State, kind: str, values: dict[str, float]) -> None:
-        if self._file is not None:
-            record = {"kind": kind, "run_name": state.run_name, **state.timestamp.state_dict(), **values}
-            self._file.write(json.dumps(record) + "\n")
+    def _emit(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def _write_records(self, records: list[tuple[Any, float]]) -> None:
+        for record, loss in records:
+            self._emit({**record, "loss": loss})
+        self._file.flush()
 
     def batch_end(self, state: State) -> None:
-        if self._file is not None:  # state.loss syncs the device: only where it is written
-            self._emit(state, "train", {"loss": state.loss, "lr": state.lr})
+        if self._file is not None:
+            record = {"kind": "train", "run_name": state.run_name, **state.timestamp.state_dict(), "lr": state.lr}
+            self._add(record, state.loss_tensor)
 
     def eval_end(self, state: State) -> None:
-        self._emit(state, "eval", state.eval_metrics)
+        if self._file is not None:
+            self._flush()
+            self._emit({"kind": "eval", "run_name": state.run_name, **state.timestamp.state_dict(),
+                        **state.eval_metrics})
+            self._file.flush()
 
     def fit_end(self, state: State) -> None:
         if self._file is not None:
+            self._flush()
             self._file.close()
             self._file = None
 
@@ -131,16 +217,24 @@ class LossCurve(Callback):
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder) / "loss_curve.png"
         self._train: list[tuple[int, float]] = []
+        self._pending = _Pending()  # losses still as tensors, read 1000 at a time
         self._eval: list[tuple[int, dict[str, float]]] = []
+        self._rank_zero = False
+
+    def fit_start(self, state: State) -> None:
+        self._rank_zero = dist.get_global_rank() == 0
 
     def batch_end(self, state: State) -> None:
-        if dist.get_global_rank() == 0:
-            self._train.append((state.timestamp.batch, state.loss))
+        if self._rank_zero:
+            self._pending.add(state.timestamp.batch, state.loss_tensor)
+            if len(self._pending) >= 1000:
+                self._train += self._pending.drain()
 
     def eval_end(self, state: State) -> None:
         self._eval.append((state.timestamp.batch, dict(state.eval_metrics)))
 
     def fit_end(self, state: State) -> None:
+        self._train += self._pending.drain()
         if dist.get_global_rank() != 0 or not self._train:
             return
         import matplotlib

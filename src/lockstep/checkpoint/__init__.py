@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CheckpointError", "export_safetensors", "export_state_dict"]
+__all__ = ["CheckpointError", "DamagedCheckpoint", "export_safetensors", "export_state_dict"]
 
 
 def __getattr__(name: str) -> Any:
     # lazy: a submodule (files, say) can be imported without the rest and its dependencies
-    if name == "CheckpointError":
-        from lockstep.checkpoint.files import CheckpointError
-        return CheckpointError
+    if name in ("CheckpointError", "DamagedCheckpoint"):
+        from lockstep.checkpoint import files
+        return getattr(files, name)
     if name in ("export_state_dict", "export_safetensors"):
         from lockstep.checkpoint import export
         return getattr(export, name)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep.checkpoint import templates
-from lockstep.time import Time
+from lockstep.time import Time, time_argument
 
 SaveInterval = Time | str | int | Callable[[Any, Any], bool]
 
@@ -47,7 +47,7 @@ class CheckpointConfig:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
             raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {keep!r}")
         if not callable(self.save_interval) or isinstance(self.save_interval, (str, Time)):
-            self.save_interval = Time.from_input(self.save_interval).require_positive("save_interval")  # type: ignore[arg-type]
+            self.save_interval = time_argument("save_interval", self.save_interval)  # type: ignore[arg-type]
         if self.autoresume and (self.save_folder is None or self.save_latest_filename is None):
             raise ValueError("autoresume=True needs save_folder and save_latest_filename: it resumes from "
                              "the latest pointer the run writes there")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lockstep.checkpoint import files
-from lockstep.checkpoint.files import CheckpointError
+from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.states import DEEPSPEED, SHARDED_META, Layout, misfit
 
 INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that pins "
@@ -116,7 +116,7 @@ def check_folder(folder: Path, meta: dict[str, Any], *, check_crc: bool = True) 
         if not path.is_file():
             raise CheckpointError(f"DeepSpeed checkpoint {folder} lacks {name}: load an earlier checkpoint")
         if path.stat().st_size != size:
-            raise CheckpointError(f"DeepSpeed checkpoint file {path} has {path.stat().st_size} bytes, not the "
+            raise DamagedCheckpoint(f"DeepSpeed checkpoint file {path} has {path.stat().st_size} bytes, not the "
                                   f"{size} it was saved with: load an earlier checkpoint")
         if path.suffix != ".pt":
             continue
@@ -125,7 +125,7 @@ def check_folder(folder: Path, meta: dict[str, Any], *, check_crc: bool = True) 
         try:
             unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
         except Exception as e:
-            raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {e}") from None
+            raise DamagedCheckpoint(f"cannot read DeepSpeed checkpoint file {path}: {e}") from None
         if unsafe - _ALLOWED_GLOBALS:
             raise CheckpointError(f"DeepSpeed checkpoint file {path} would unpickle "
                                   f"{sorted(unsafe - _ALLOWED_GLOBALS)}, which lockstep does not load")

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lockstep.checkpoint import writable
+
 try:  # ISA-L's CRC32 is several times faster than zlib's and gives the same values
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
@@ -36,6 +38,11 @@ _before_publish: Callable[[Path], None] | None = None
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged, or does not fit this run; the message names the file."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose bytes are bad (truncated, a failed CRC, a dangling pointer): an older one
+    may still be good, where one that does not fit the run would not be."""
 
 
 def temp_path(path: Path, pid: int | None = None) -> Path:
@@ -57,6 +64,14 @@ def write_temp(obj: Any, path: Path) -> Path:
     temp = temp_path(path)
     try:
         torch.save(obj, str(temp))  # a path: torch's own file writer, which releases the GIL
+    except Exception as e:
+        cause = writable.disk_cause(e, path.parent)  # while the partial file still takes its space
+        temp.unlink(missing_ok=True)
+        if cause is None:
+            raise
+        error = OSError(f"could not write {path.name}: {cause}")
+        error.errno = getattr(e, "errno", None)
+        raise error from e
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
@@ -144,7 +159,7 @@ def resolve_pointer(path: Path) -> Path:
     if path.is_symlink():
         target = path.parent / os.readlink(path)
         if not target.exists():
-            raise CheckpointError(f"latest pointer {path} names {target}, which does not exist")
+            raise DamagedCheckpoint(f"latest pointer {path} names {target}, which does not exist")
         return target
     return path
 
@@ -169,11 +184,11 @@ def _check_records(path: Path, source: Any, mapped: Callable[[], Any], share: tu
             with mapped() as data:
                 bad = next((r.filename for r in records if not _record_ok(archive, data, r)), None)
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"checkpoint {path} is truncated or not a torch checkpoint ({e}); "
             f"load an earlier checkpoint") from None
     if bad is not None:
-        raise CheckpointError(f"checkpoint {path} is corrupt: record {bad} fails its CRC check; "
+        raise DamagedCheckpoint(f"checkpoint {path} is corrupt: record {bad} fails its CRC check; "
                               f"load an earlier checkpoint")
 
 

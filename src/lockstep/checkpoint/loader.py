@@ -18,7 +18,7 @@ import torch
 
 from lockstep import dist
 from lockstep.checkpoint import files, payload, templates
-from lockstep.checkpoint.files import CheckpointError
+from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.states import (
     DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, Layout, rekey_optimizer)
 
@@ -49,6 +49,8 @@ class Probe:
     path: str = ""
     error: str | None = None
     """Reading or checking the checkpoint failed; or, when nothing was found, what was missing."""
+    damaged: bool = False
+    """The error is bad bytes (a :class:`DamagedCheckpoint`), not a checkpoint that does not fit."""
     can_send: bool = False
     """Rank 0 holds a single-file checkpoint it can send to ranks that do not see its disk."""
 
@@ -61,6 +63,7 @@ class Fresh:
 @dataclass(frozen=True, slots=True)
 class Fail:
     message: str
+    damaged: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +107,7 @@ def decide(probes: Sequence[Probe], *, optional: bool, per_rank_files: bool, col
         return Fresh()
     failed = next(((r, p) for r, p in enumerate(probes) if p.found and p.error), None)
     if failed:
-        return Fail(on_rank(failed[0], failed[1].error or ""))
+        return Fail(on_rank(failed[0], failed[1].error or ""), failed[1].damaged)
     missing = [(r, p) for r, p in enumerate(probes) if not p.found]
     if missing and optional and per_rank_files:
         return _start_over_or_fail(probes, on_rank)
@@ -149,8 +152,8 @@ def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_on
     match action:
         case Fresh():
             return None
-        case Fail(message):
-            raise CheckpointError(message)
+        case Fail(message, damaged):
+            raise (DamagedCheckpoint if damaged else CheckpointError)(message)
         case StartOver():
             mine.start_over()
             return None
@@ -162,7 +165,7 @@ def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_on
                 opened = _from_rank_zero(opened, state, layout, run_name=run_name, weights_only=weights_only,
                                          check_run_name=optional)
             if check_whole:
-                dist.raise_first_error(_checked(opened.path) if mine.probe.shared else None, CheckpointError,
+                dist.raise_first_error(_checked(opened.path) if mine.probe.shared else None, DamagedCheckpoint,
                                        device=state.device)
     return _apply_agreed(opened, state, layout, weights_only=weights_only, strict=strict, agree=agree)
 
@@ -207,7 +210,8 @@ def _probe(template: str, state: Any, layout: Layout, *, run_name: str, weights_
         opened = _open(path, state, layout, run_name=run_name, weights_only=weights_only, check_run_name=optional,
                        share=(rank, world) if shared else (0, 1))
     except CheckpointError as e:
-        return _Local(Probe(found=True, shared=shared, path=str(path), error=str(e)), path)
+        damaged = isinstance(e, DamagedCheckpoint)
+        return _Local(Probe(found=True, shared=shared, path=str(path), error=str(e), damaged=damaged), path)
     can_send = rank == 0 and shared and layout.name == SINGLE and opened.path.is_file()
     probe = Probe(found=True, shared=shared, batch=opened.batch, saves=len((opened.meta or {}).get("history", [])),
                   path=str(opened.path), can_send=can_send)

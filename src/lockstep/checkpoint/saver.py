@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import os
 import string
+import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +16,17 @@ import torch
 
 from lockstep import dist
 from lockstep.callbacks import Event
-from lockstep.checkpoint import files, payload, staging, states, templates
+from lockstep.checkpoint import files, payload, staging, states, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.loader import Loaded
+
+WRITER_NICENESS = 10
+"""How much lower than training the background writer runs (``nice`` steps, 19 the lowest)."""
+
 
 class CheckpointSaver:
     """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
@@ -70,6 +76,13 @@ class CheckpointSaver:
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
+    def check_folder(self) -> None:
+        """Before training (a collective): the folder exists or can be created and takes a write on
+        every rank that writes into it; otherwise a ValueError on every rank that names the cause,
+        instead of an error at the first save, after training has run."""
+        error = writable.check_folder(self.folder) if self.writes or self.layout in FOLDER_LAYOUTS else None
+        dist.raise_first_error(error, ValueError, device=self._device)
+
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,
         starting fresh, refuse a folder that holds checkpoints this run would mix with."""
@@ -87,11 +100,15 @@ class CheckpointSaver:
         """Whether this rank publishes files (in folder layouts every rank also writes into the folder)."""
         return self.layout == LOCAL or dist.get_global_rank() == 0
 
+    def filename_glob(self) -> str:
+        """A glob, relative to :attr:`folder`, of every checkpoint name ``save_filename`` makes."""
+        return _glob(self.config.save_filename, self.place)
+
     def _refuse_existing(self) -> None:
         """Before training: refuse a folder that already holds checkpoints this run would mix with."""
         if self.config.save_overwrite or not self.writes:
             return
-        pattern = str(self.folder / _glob(self.config.save_filename, self.place))
+        pattern = str(self.folder / self.filename_glob())
         found = sorted(glob.glob(pattern))
         if self.latest is not None and (self.latest.exists() or self.latest.is_symlink()):
             found.insert(0, str(self.latest))
@@ -157,12 +174,17 @@ class CheckpointSaver:
             if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
                 staged = self._stager.stage(content)
             else:
-                temp = files.write_temp(content, path)
+                try:
+                    temp = files.write_temp(content, path)
+                except Exception as e:  # raised on every rank by wait() or the next save
+                    self._failure = e
+                    return None
         if self.writes and wait:
             self._publish(temp, staged, path, history)
         elif self.writes:
             if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint")
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint",
+                                                initializer=_yield_to_training)
             self._publisher = self._pool.submit(self._publish, temp, staged, path, history)
         self.last_saved_batch = state.timestamp.batch
         return path if self.writes else None
@@ -221,6 +243,17 @@ class CheckpointSaver:
             return
         while len(self.history) > keep:
             files.remove(self.folder / self.history.pop(0))
+
+
+def _yield_to_training() -> None:
+    """Run the writer thread at a lower CPU priority (Linux, where a thread has its own): when
+    every core is busy training, the write waits for the moments a rank waits on the network,
+    instead of taking a core from the step. The next save's wait bounds how late it can finish."""
+    if sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except OSError:
+            pass
 
 
 def _glob(template: str, place: dict[str, Any]) -> str:

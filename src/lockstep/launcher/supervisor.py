@@ -121,7 +121,7 @@ class Supervisor:
                 return 0
             if isinstance(outcome, int):  # the launcher was signalled
                 self._teardown(ranks, wake_r, watchdog, None)
-                return 128 + outcome
+                return self._signalled_code(ranks, outcome)
             self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
             others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
             report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
@@ -236,6 +236,21 @@ class Supervisor:
                     if self.plan.verbose:
                         say(f"rank {r.spec.rank} finished")
         return None
+
+    def _signalled_code(self, ranks: list[_Rank], signum: int) -> int:
+        """128 + ``signum`` when every rank stopped as asked: it finished, it exited 128 + signum
+        (the Trainer does after its preemption checkpoint is committed), or the signal killed it.
+        Otherwise the first other rank's code, with a report: a preemption that did not commit its
+        checkpoint must not look clean to the scheduler."""
+        clean = (0, 128 + signum, -signum)
+        bad = next((r for r in ranks if r.returncode not in clean), None)
+        if bad is None:
+            return 128 + signum
+        say(f"after {signal.Signals(signum).name}, rank {bad.spec.rank} did not stop cleanly, so a "
+            f"checkpoint it should have written on the way out may be missing")
+        others = [(o.spec.rank, o.returncode) for o in ranks if o is not bad]
+        report_failure(bad.spec, bad.proc.pid, bad.returncode, others)  # type: ignore[arg-type]
+        return shell_code(bad.returncode)  # type: ignore[arg-type]
 
     def _forward(self, ranks: list[_Rank], signum: int) -> None:
         say(f"received {signal.Signals(signum).name}, forwarding it to every rank")

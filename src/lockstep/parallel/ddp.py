@@ -13,7 +13,7 @@ All three produce the same gradients.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lockstep import dist
 from lockstep.checks import check_choice
+from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
 
@@ -55,22 +56,36 @@ class DDPStrategy(Strategy):
         return DistributedDataParallel(model, device_ids=device_ids,
                                        find_unused_parameters=self.find_unused_parameters)
 
-    @contextlib.contextmanager
-    def sync_context(self, is_last_microbatch: bool) -> Iterator[None]:
+    def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
+        # plain context objects, not generators: this runs for every microbatch
         if not isinstance(self.module, DistributedDataParallel):
-            yield
-            return
+            return NULL_CONTEXT
         strategy = self.sync_strategy
-        auto_sync = strategy is DDPSyncStrategy.MULTI_AUTO_SYNC or (
-            strategy is DDPSyncStrategy.SINGLE_AUTO_SYNC and is_last_microbatch)
-        with contextlib.nullcontext() if auto_sync else self.module.no_sync():
-            yield
+        if strategy is DDPSyncStrategy.MULTI_AUTO_SYNC or (
+                strategy is DDPSyncStrategy.SINGLE_AUTO_SYNC and is_last_microbatch):
+            return NULL_CONTEXT
         if is_last_microbatch and strategy is DDPSyncStrategy.FORCED_SYNC:
-            forced_sync_gradients(self.model.parameters())
+            return _ThenSync(self.module.no_sync(), self.model)
+        return self.module.no_sync()
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "wrapped": isinstance(self.module, DistributedDataParallel),
                 "sync_strategy": self.sync_strategy.value}
+
+
+class _ThenSync:
+    """``inner``, then (when it exits without an error) a forced sync of ``model``'s gradients."""
+
+    def __init__(self, inner: contextlib.AbstractContextManager[Any], model: nn.Module) -> None:
+        self.inner, self.model = inner, model
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.inner.__exit__(*exc)
+        if exc[0] is None:
+            forced_sync_gradients(self.model.parameters())
 
 
 def forced_sync_gradients(params: Iterable[nn.Parameter]) -> None:

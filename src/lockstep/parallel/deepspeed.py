@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,11 +31,28 @@ from torch import nn
 from lockstep import batch as batches
 from lockstep import dist
 from lockstep.checkpoint.deepspeed import INSTALL_HINT
+from lockstep.checks import check_keys
+from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.states import Layout
 
+# DeepSpeed ignores top-level keys it does not know, so a misspelt section would silently train
+# without it; these are the keys DeepSpeed reads (tests check each against the installed DeepSpeed).
+TOP_LEVEL_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+    "scheduler", "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "gradient_allreduce_op", "sparse_gradients", "fp16", "bf16", "bfloat16", "amp",
+    "torch_autocast", "gradient_clipping", "graph_harvesting", "zero_optimization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "aio", "activation_checkpointing", "sparse_attention", "flops_profiler",
+    "comms_logger", "autotuning", "wall_clock_breakdown", "memory_breakdown", "tensorboard", "wandb",
+    "csv_monitor", "comet", "elasticity", "data_efficiency", "curriculum_learning", "compression_training",
+    "checkpoint", "data_types", "steps_per_print", "dump_state", "disable_allgather", "dataloader_drop_last",
+    "pipeline", "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula", "hybrid_engine",
+    "compile", "timers", "log_level", "disable_python_gc", "managed_gradient_accumulation", "expert_parallel",
+    "vocabulary_size",
+)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _OWN_KEYS = {"optimizer": "optimizers=", "scheduler": "schedulers="}
 _HALF = {"amp_fp16": "fp16", "amp_bf16": "bf16"}
@@ -76,6 +93,7 @@ def fill_config(config: Mapping[str, Any], *, batch_size: int | None, microbatch
     checked. ``batch_size`` is the dataloader's per-rank batch (None when unknown)."""
     if not isinstance(config, Mapping):
         raise TypeError(f"deepspeed_config must be a dict (DeepSpeed's JSON config), got {type(config).__name__}")
+    check_keys("deepspeed_config", config, TOP_LEVEL_KEYS)
     config = copy.deepcopy(dict(config))
     for key, argument in _OWN_KEYS.items():
         if key in config:
@@ -197,12 +215,11 @@ class DeepSpeedStrategy(Strategy):
         batch = super().prepare_batch(batch)
         return batch if self.dtype is None else batches.cast_floats(batch, self.dtype)
 
-    @contextlib.contextmanager
-    def sync_context(self, is_last_microbatch: bool) -> Iterator[None]:
+    def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
         # DeepSpeed reduces (stage 1) or finishes reducing (stages 2, 3) gradients in the backward
         # of the microbatch marked as the boundary, and steps only then.
         self.engine.set_gradient_accumulation_boundary(is_last_microbatch)
-        yield
+        return NULL_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the loss carries the Trainer's own share

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from lockstep.parallel.fsdp import FSDPSetup, prepare_fsdp
 from lockstep.parallel.fsdp_config import FSDPConfig
+from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -36,10 +36,9 @@ class FSDPStrategy(Strategy):
         self.model = self.module = model
         self.optimizers = optimizers
 
-    @contextlib.contextmanager
-    def sync_context(self, is_last_microbatch: bool) -> Iterator[None]:
+    def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
         self.model.set_requires_gradient_sync(is_last_microbatch)  # type: ignore[operator]
-        yield
+        return NULL_CONTEXT
 
     def layout(self) -> Layout:
         from lockstep.checkpoint.states import FullLayout, LocalLayout, ShardedLayout

@@ -25,7 +25,7 @@ from torch import nn
 
 from lockstep import batch as batches
 from lockstep.parallel import clipping
-from lockstep.parallel.precision import autocast, make_grad_scaler
+from lockstep.parallel.precision import NULL_CONTEXT, autocast, make_grad_scaler
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.states import Layout
@@ -65,14 +65,14 @@ class Strategy:
         """The batch as the model takes it: on the training device."""
         return batches.to_device(batch, self.device)
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Mixed-precision autocast around forward and loss (nothing in fp32)."""
         return autocast(self.precision, self.device)
 
-    def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[None]:
+    def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
         """Around one microbatch's forward and backward; once the last one's context exits, the
         gradients are synchronized over all ranks."""
-        return contextlib.nullcontext()
+        return NULL_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

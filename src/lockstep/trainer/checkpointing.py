@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from lockstep import dist
 from lockstep.checkpoint import loader
+from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.saver import CheckpointSaver
-from lockstep.checkpoint.states import Layout
+from lockstep.checkpoint.states import LOCAL, Layout
 from lockstep.time import Time
 
 
@@ -17,7 +22,9 @@ def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | 
                device: torch.device) -> CheckpointSaver | None:
     if config.save_folder is None:
         return None
-    return CheckpointSaver(config, run_name=run_name, max_duration=max_duration, layout=layout.name, device=device)
+    saver = CheckpointSaver(config, run_name=run_name, max_duration=max_duration, layout=layout.name, device=device)
+    saver.check_folder()
+    return saver
 
 
 def load_at_start(config: CheckpointConfig, state: Any, layout: Layout, saver: CheckpointSaver | None, *,
@@ -29,12 +36,56 @@ def load_at_start(config: CheckpointConfig, state: Any, layout: Layout, saver: C
         if not run_name_given:
             raise ValueError("autoresume=True needs run_name=...: a restarted job finds its checkpoints by "
                              "its run name, and a generated name differs on every launch")
-        loaded = loader.load(saver.latest_template, state, layout, run_name=state.run_name,  # type: ignore[union-attr, arg-type]
-                             weights_only=False, strict=config.load_strict_model_weights, optional=True,
-                             what="autoresume's latest pointer")
+        loaded = _autoresume(config, state, layout, saver)  # type: ignore[arg-type]
     if loaded is None and config.load_path is not None:
         loaded = loader.load(config.load_path, state, layout, run_name=state.run_name,
                              weights_only=config.load_weights_only, strict=config.load_strict_model_weights)
     if saver is not None:
         saver.begin(loaded)
     return loaded
+
+
+def _autoresume(config: CheckpointConfig, state: Any, layout: Layout, saver: CheckpointSaver) -> loader.Loaded | None:
+    """Load the newest checkpoint the latest pointer names. If its bytes are damaged (a restart
+    would fail on it every time), fall back to the newest one that loads, with a warning naming
+    both. A checkpoint that does not fit the run fails as it is; per-rank files (FSDP ``local``)
+    do not fall back."""
+    try:
+        return loader.load(saver.latest_template, state, layout, run_name=state.run_name,  # type: ignore[arg-type]
+                           weights_only=False, strict=config.load_strict_model_weights, optional=True,
+                           what="autoresume's latest pointer")
+    except DamagedCheckpoint as newest:
+        if layout.name == LOCAL:
+            raise
+        for path in _older_checkpoints(saver):
+            try:
+                loaded = loader.load(str(path), state, layout, run_name=state.run_name, weights_only=False,
+                                     strict=config.load_strict_model_weights, what="autoresume's fallback")
+            except CheckpointError:
+                continue
+            if dist.get_global_rank() == 0:
+                warnings.warn(f"autoresume skipped the newest checkpoint, which does not load ({newest}); "
+                              f"resumed from {path} instead", stacklevel=4)
+            return loaded
+        raise
+
+
+def _older_checkpoints(saver: CheckpointSaver) -> list[Path]:
+    """Rank 0's view of the run's checkpoints other than the latest pointer's, newest first (every
+    rank gets the same list: the loads that try them are collectives)."""
+    found: list[Any] = [None]
+    if dist.get_global_rank() == 0:
+        pointer = saver.latest
+        newest = os.path.basename(os.readlink(pointer)) if pointer is not None and pointer.is_symlink() else None
+        paths = [p for p in saver.folder.glob(saver.filename_glob()) if p.name != newest]
+        found[0] = [str(p) for p in sorted(paths, key=_mtime, reverse=True)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    return [Path(p) for p in found[0]]
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

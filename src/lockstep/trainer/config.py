@@ -9,7 +9,7 @@ import torch
 from lockstep import dist
 from lockstep.checks import check_choice
 from lockstep.parallel.precision import PRECISIONS
-from lockstep.time import Time, check_max_duration
+from lockstep.time import Time, check_max_duration, time_argument
 
 DEVICES = ("cpu", "gpu")
 
@@ -36,7 +36,7 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.max_duration is not None:
             self.max_duration = check_max_duration(self.max_duration)
-        self.eval_interval = Time.from_input(self.eval_interval).require_positive("eval_interval")
+        self.eval_interval = time_argument("eval_interval", self.eval_interval)
         self.device = resolve_device(self.device)
         check_choice("precision", self.precision, PRECISIONS)
         for name in ("device_train_microbatch_size", "grad_accum"):

@@ -1,11 +1,13 @@
-"""Dataloader rules: sampler checks, set_epoch, ranks stopping together, mid-epoch resume, eval padding."""
+"""Dataloader rules: sampler checks, set_epoch, ranks stopping together, mid-epoch resume, eval
+padding, and workers that outlive a SIGTERM to the whole job."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import itertools
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,31 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from lockstep import dist
 from lockstep import rng
+
+
+class _IgnoreSigterm:
+    """A DataLoader ``worker_init_fn`` that makes the worker ignore SIGTERM, then runs the user's.
+
+    A scheduler that preempts a job signals every process in it. A worker killed by that signal
+    takes its rank down (DataLoader raises "worker ... killed by signal") before the rank has
+    written its preemption checkpoint. The rank decides when to stop; its workers end with it.
+    """
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.user is not None:
+            self.user(worker_id)
+
+
+def shielded(loader: Any) -> Any:
+    """``loader``, with its worker processes (if any) made to ignore SIGTERM."""
+    if isinstance(loader, DataLoader) and loader.num_workers > 0 and not isinstance(loader.worker_init_fn,
+                                                                                   _IgnoreSigterm):
+        loader.worker_init_fn = _IgnoreSigterm(loader.worker_init_fn)
+    return loader
 
 
 def _sampler(loader: Any) -> Any:

@@ -90,7 +90,7 @@ class Trainer:
         parallel = ParallelConfig(ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters,
                                   fsdp_config=fsdp_config, deepspeed_config=deepspeed_config)
         optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, eval_dataloader)
-        self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
+        self.train_dataloader, self.eval_dataloader = data.shielded(train_dataloader), data.shielded(eval_dataloader)
         self.strategy = build_strategy(
             parallel, device=self.loop.device, precision=precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
             microbatch_size=device_train_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
@@ -142,6 +142,14 @@ class Trainer:
         s = self.state
         if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
             raise ValueError("fit() needs train_dataloader, max_duration and optimizers passed to Trainer(...)")
+        try:
+            self._fit()
+        except BaseException:
+            self._close_callbacks()
+            raise
+
+    def _fit(self) -> None:
+        s = self.state
         s.model.train()
         resume = self._take_resume()
         self._run_event(Event.FIT_START)
@@ -188,19 +196,19 @@ class Trainer:
         s, strategy = self.state, self.strategy
         microbatches = self._split(strategy.prepare_batch(batch))
         share = dist.get_world_size() / global_samples  # gradients are averaged over ranks
-        loss_sum, local_samples = torch.zeros((), device=s.device), 0
+        losses, counts, last = [], [], len(microbatches) - 1
         for i, micro in enumerate(microbatches):
             n = s.model.num_samples(micro)
-            with strategy.sync_context(i == len(microbatches) - 1):
+            with strategy.sync_context(i == last):
                 with strategy.autocast():
                     loss = s.model.loss(strategy.module(micro), micro)
                 strategy.backward(loss * (n * share))  # weighted by its share of the global batch
-            loss_sum += loss.detach().float() * n
-            local_samples += n
+            losses.append(loss.detach())
+            counts.append(n)
         strategy.optimizer_step()
         for scheduler in s.schedulers:
             scheduler.step()
-        return loss_sum / max(local_samples, 1)
+        return _mean_loss(losses, counts)
 
     def _split(self, batch: Any) -> list[Any]:
         model, loop = self.state.model, self.loop
@@ -300,3 +308,22 @@ class Trainer:
     def _run_event(self, event: Event) -> None:
         for callback in self.callbacks:
             callback.run_event(event, self.state)
+
+    def _close_callbacks(self) -> None:
+        """``fit`` failed: let every callback write what it holds, without hiding the failure."""
+        for callback in self.callbacks:
+            try:
+                callback.close(self.state)
+            except Exception as e:  # noqa: BLE001 - the training error is the one to report
+                warnings.warn(f"{type(callback).__name__}.close failed: {e}", stacklevel=2)
+
+
+def _mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """The sample-weighted mean of the microbatches' losses, in a few tensor ops per step."""
+    if len(losses) == 1:
+        return losses[0].float()
+    stacked = torch.stack(losses).float()
+    if len(set(counts)) == 1 and counts[0] > 0:
+        return stacked.mean()
+    weights = torch.tensor(counts, dtype=torch.float32, device=stacked.device)
+    return (stacked * weights).sum() / max(sum(counts), 1)
