@@ -28,6 +28,8 @@ class State:
     timestamp: Timestamp = field(default_factory=Timestamp)
     batches_per_epoch: int | None = None
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    strategy: Any = None
+    """The backend (:class:`lockstep.parallel.strategy.Strategy`): gradient clipping goes through it."""
     loss_tensor: torch.Tensor | None = None
     """This rank's mean training loss of the last batch (kept as a tensor: no device sync per step)."""
 

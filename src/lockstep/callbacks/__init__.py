@@ -10,6 +10,7 @@ Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
             BATCH_START
             for microbatch in split(batch):
                 forward, loss * share of global batch, backward   (DDP sync per strategy)
+            AFTER_TRAIN_BATCH             # gradients synchronized, not yet applied (clipping)
             optimizer.step(); scheduler.step(); zero_grad()
             BATCH_END                     # state.timestamp and state.loss are updated
             EPOCH_END                     # after the epoch's last batch
@@ -19,6 +20,7 @@ Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
             if reached(max_duration): break
     FIT_END
 
+Algorithms (``Trainer(algorithms=[...])``) run at the same events, before the callbacks.
 When ``fit`` raises, each callback's :meth:`Callback.close` runs before the error propagates
 (loggers write what they buffered).
 
@@ -40,6 +42,7 @@ class Event(StrEnum):
     FIT_START = "fit_start"
     EPOCH_START = "epoch_start"
     BATCH_START = "batch_start"
+    AFTER_TRAIN_BATCH = "after_train_batch"
     BATCH_END = "batch_end"
     EPOCH_END = "epoch_end"
     EVAL_START = "eval_start"
@@ -57,6 +60,7 @@ class Callback:
     def fit_start(self, state: State) -> None: ...
     def epoch_start(self, state: State) -> None: ...
     def batch_start(self, state: State) -> None: ...
+    def after_train_batch(self, state: State) -> None: ...
     def batch_end(self, state: State) -> None: ...
     def epoch_end(self, state: State) -> None: ...
     def eval_start(self, state: State) -> None: ...

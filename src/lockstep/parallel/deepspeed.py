@@ -232,6 +232,10 @@ class DeepSpeedStrategy(Strategy):
         raise ValueError("DeepSpeed clips gradients by norm only (deepspeed_config['gradient_clipping']): "
                          "clipping by value is not available under deepspeed_config")
 
+    def clip_gradients_adaptive(self, threshold: float) -> None:
+        raise ValueError("DeepSpeed clips gradients by norm only (deepspeed_config['gradient_clipping']): "
+                         "adaptive clipping is not available under deepspeed_config")
+
     def optimizer_step(self) -> None:
         self.engine.step()  # the optimizer step and zero_grad
 

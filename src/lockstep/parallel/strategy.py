@@ -90,6 +90,13 @@ class Strategy:
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
+    def clip_gradients_adaptive(self, threshold: float) -> None:
+        """Adaptive clipping: each unit's gradient norm at most ``threshold`` x its weight norm."""
+        from lockstep.algorithms.gradient_clipping import clip_adaptive
+
+        self._unscale()
+        clip_adaptive([p for o in self.optimizers for g in o.param_groups for p in g["params"]], threshold)
+
     def _unscale(self) -> None:
         if self.scaler is not None:
             for optimizer in self.optimizers:

@@ -89,3 +89,23 @@ def default_callbacks(run_folder: Path | None, progress_bar: bool) -> list[Callb
         callbacks += [FileLogger(run_folder / "trainer-rank{rank}.log"), MetricsJSONL(run_folder),
                       LossCurve(run_folder)]
     return callbacks
+
+
+def check_algorithms(algorithms: Any) -> list[Any]:
+    """``algorithms`` as a list of :class:`lockstep.algorithms.Algorithm`, or a one-line error."""
+    from lockstep.algorithms import Algorithm
+
+    items = as_list(algorithms)
+    for i, algorithm in enumerate(items):
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(f"algorithms[{i}] is a {type(algorithm).__name__}, not a lockstep.algorithms.Algorithm "
+                            f"(e.g. GradientClipping(clipping_type='norm', clipping_threshold=1.0))")
+    return items
+
+
+def needs_step_sync(train_dataloader: Any, model: Any) -> bool:
+    """Whether the ranks must agree, each step, on the global batch size and on whether every
+    rank still has a batch: not when the sampler already guarantees equal batches and the model
+    counts no tokens (whose numbers only the ranks themselves know)."""
+    return dist.get_world_size() > 1 and not (data.equal_batches_guaranteed(train_dataloader)
+                                              and not counts_tokens(model))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import sys
 import warnings
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 
 from lockstep import dist, rng
+from lockstep.algorithms import Algorithm
+from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.batch import take
 from lockstep.callbacks import Callback, Event
 from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
@@ -62,6 +65,7 @@ class Trainer:
         find_unused_parameters: bool = False,
         schedulers: Any = None,
         callbacks: Sequence[Callback] = (),
+        algorithms: Sequence[Algorithm] = (),
         run_name: str | None = None,
         run_folder: str | None = None,
         progress_bar: bool = True,
@@ -87,6 +91,7 @@ class Trainer:
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
             save_overwrite=save_overwrite, load_path=load_path, load_weights_only=load_weights_only,
             load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
+        deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
         parallel = ParallelConfig(ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters,
                                   fsdp_config=fsdp_config, deepspeed_config=deepspeed_config)
         optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, eval_dataloader)
@@ -100,9 +105,7 @@ class Trainer:
                                               max_duration=self.state.max_duration, layout=self.layout,
                                               device=self.state.device)
         self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
-        self._step_sync = dist.get_world_size() > 1 and not (
-            data.equal_batches_guaranteed(train_dataloader) and not setup.counts_tokens(model))
-        self._position = data.DataPosition()
+        self._step_sync, self._position = setup.needs_step_sync(train_dataloader, model), data.DataPosition()
         self.callbacks = setup.default_callbacks(setup.resolve_run_folder(run_folder), progress_bar) + list(callbacks)
         self._run_event(Event.INIT)
 
@@ -118,6 +121,7 @@ class Trainer:
         return State(model=model, optimizers=optimizers, schedulers=setup.as_list(schedulers),
                      max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
                      device=loop.device, precision=loop.precision, scaler=self.strategy.scaler,  # type: ignore[arg-type]
+                     strategy=self.strategy,
                      batches_per_epoch=setup.safe_len(self.train_dataloader))
 
     def _load_checkpoint(self, run_name_given: bool) -> dict[str, Any] | None:
@@ -142,11 +146,20 @@ class Trainer:
         s = self.state
         if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
             raise ValueError("fit() needs train_dataloader, max_duration and optimizers passed to Trainer(...)")
+        # The interpreter's full collections scan every object, torch's included: each took about
+        # 0.2 s, a stall of several steps. What exists before training lives through it, so it is
+        # kept out of those passes while training runs (unless the user manages freezing).
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
         try:
             self._fit()
         except BaseException:
             self._close_callbacks()
             raise
+        finally:
+            if freeze:
+                gc.unfreeze()
 
     def _fit(self) -> None:
         s = self.state
@@ -205,6 +218,7 @@ class Trainer:
                 strategy.backward(loss * (n * share))  # weighted by its share of the global batch
             losses.append(loss.detach())
             counts.append(n)
+        self._run_event(Event.AFTER_TRAIN_BATCH)
         strategy.optimizer_step()
         for scheduler in s.schedulers:
             scheduler.step()
@@ -306,6 +320,9 @@ class Trainer:
         raise Preempted(message)
 
     def _run_event(self, event: Event) -> None:
+        for algorithm in self.algorithms:
+            if algorithm.match(event, self.state):
+                algorithm.apply(event, self.state, None)
         for callback in self.callbacks:
             callback.run_event(event, self.state)
 
