@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,23 @@ def test_run_folder_gets_rank_log_metrics_and_loss_curve(tmp_path: Path) -> None
     assert all(r["run_name"] == "demo" for r in records)
     assert "ep 2 ba 8" in (tmp_path / "trainer-rank0.log").read_text()
     assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_buffered_logs_are_written_when_fit_raises(tmp_path: Path) -> None:
+    class Boom(Callback):
+        def batch_start(self, state) -> None:
+            if state.timestamp.batch == 4:
+                raise RuntimeError("boom at batch 5")
+
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ep", optimizers=sgd(model),
+                      run_folder=str(tmp_path), progress_bar=False, callbacks=[Boom()])
+    with pytest.raises(RuntimeError, match="boom at batch 5"):
+        trainer.fit()
+    # nothing reached the files before the error (they write every 100 batches); close() wrote it
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert "ep 0 ba 4 sp 16 loss" in (tmp_path / "trainer-rank0.log").read_text()
 
 
 @pytest.mark.parametrize("precision", ["amp_bf16", "amp_fp16"])
