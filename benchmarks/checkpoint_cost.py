@@ -147,7 +147,7 @@ class PlainSaver(lockstep.Callback):
     def __init__(self, folder: Path, every: int) -> None:
         self.folder, self.every = folder, every
 
-    def batch_end(self, state) -> None:
+    def batch_end(self, state, logger) -> None:
         if state.timestamp.batch % self.every == 0 and dist.get_global_rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             torch.save({"model": state.model.state_dict(), "optimizer": state.optimizers[0].state_dict()},

@@ -136,7 +136,7 @@ class StepTimer(lockstep.Callback):
         self.clock = clock
         self.trainer: lockstep.Trainer | None = None
 
-    def batch_end(self, state: Any) -> None:
+    def batch_end(self, state: Any, logger: Any) -> None:
         saver = self.trainer.saver if self.trainer is not None else None
         self.clock.tick(state.timestamp.batch, before_last=saver.wait if saver else None)
 

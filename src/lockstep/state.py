@@ -30,6 +30,10 @@ class State:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     strategy: Any = None
     """The backend (:class:`lockstep.parallel.strategy.Strategy`): gradient clipping goes through it."""
+    run_folder: str | None = None
+    """The run's folder (``run_folder=`` or the launcher's run directory), where loggers put files."""
+    batch: Any = None
+    """This rank's current training batch (from BATCH_START to BATCH_END)."""
     loss_tensor: torch.Tensor | None = None
     """This rank's mean training loss of the last batch (kept as a tensor: no device sync per step)."""
 

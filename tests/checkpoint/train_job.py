@@ -34,7 +34,7 @@ class Faults(Callback):
         self.kills = {(r, b) for a, r, b in kills if a == self.attempt}
         self.sleep, self.progress = sleep, progress
 
-    def batch_end(self, state) -> None:
+    def batch_end(self, state, logger) -> None:
         if (dist.get_global_rank(), state.timestamp.batch) in self.kills:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.progress is not None and dist.get_global_rank() == 0:

@@ -46,7 +46,7 @@ def test_epoch_counts_completed_epochs_at_the_last_batch_end() -> None:
     seen = []
 
     class Record(Callback):
-        def batch_end(self, state):
+        def batch_end(self, state, logger):
             seen.append((state.timestamp.epoch, state.timestamp.batch))
 
     fit_steps("2ep", callbacks=[Record()])
@@ -170,7 +170,7 @@ def test_run_folder_gets_rank_log_metrics_and_loss_curve(tmp_path: Path) -> None
 
 def test_buffered_logs_are_written_when_fit_raises(tmp_path: Path) -> None:
     class Boom(Callback):
-        def batch_start(self, state) -> None:
+        def batch_start(self, state, logger) -> None:
             if state.timestamp.batch == 4:
                 raise RuntimeError("boom at batch 5")
 

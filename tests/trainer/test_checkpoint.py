@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from lockstep import Trainer, dist
 from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict
+from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
 from tests.trainer.common import MLP, DropoutMLP, NoisyDataset, assert_same_params, error_of, loader, params
 
@@ -23,11 +25,11 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def make(max_duration: str, folder: Path | str | None, *, model_cls=DropoutMLP, data=None, batch: int = 4,
-         microbatch: int | None = None, scheduler: bool = True, **kw) -> Trainer:
+         microbatch: int | None = None, scheduler: Any = True, **kw) -> Trainer:
     torch.manual_seed(0)
     model = model_cls()
     opt = adamw(model)
-    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)] if scheduler else None
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)] if scheduler is True else (scheduler or None)
     return Trainer(model=model, train_dataloader=data if data is not None else loader(batch, shuffle=True),
                    max_duration=max_duration, optimizers=opt, schedulers=schedulers, progress_bar=False,
                    save_folder=None if folder is None else str(folder), seed=7,
@@ -122,6 +124,19 @@ def test_resume_is_bit_identical(uninterrupted, tmp_path: Path, step: str) -> No
     and a scheduler: the resumed run ends with the uninterrupted run's exact parameters."""
     folder, reference = uninterrupted
     resumed = fit("17ba", tmp_path, load_path=str(folder / f"{step}-rank{{rank}}.pt"))
+    assert_bitwise(resumed, reference)
+
+
+def test_a_schedule_of_training_time_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
+    def run(duration: str, folder: Path, **kw) -> tuple[dict[str, torch.Tensor], float]:
+        trainer = make(duration, folder, save_interval="3ba",
+                       scheduler=CosineAnnealingWithWarmupScheduler("4ba", t_max="17ba", alpha_f=0.1), **kw)
+        trainer.fit()
+        return params(trainer.state.model), trainer.state.optimizers[0].param_groups[0]["lr"]
+
+    reference, lr = run("17ba", tmp_path / "a")
+    assert lr == pytest.approx(0.01 * 0.1)  # the schedule ran to its end
+    resumed, _ = run("17ba", tmp_path / "b", load_path=str(tmp_path / "a/ep1-ba9-rank{rank}.pt"))
     assert_bitwise(resumed, reference)
 
 

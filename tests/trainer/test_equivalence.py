@@ -112,7 +112,7 @@ def _count_allreduce_passes(strategy):
         return allreduce_hook(state, bucket)
 
     class PerStep(Callback):
-        def batch_end(self, state):
+        def batch_end(self, state, logger):
             per_step.append(len(calls))
             calls.clear()
 

@@ -11,6 +11,7 @@ import torch
 
 from lockstep import Trainer, dist
 from lockstep.checkpoint import export_state_dict
+from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
 from tests.trainer.common import BlockMLP, assert_same_params, error_of, full_params, loader
 
@@ -35,14 +36,17 @@ class NormBlocks(DropoutBlocks):
 
 
 def fit(kind: str, folder: str | None, duration: str, load: str | None = None, autoresume: bool = False,
-        dropout: bool = True, keep: int = -1, pure_bf16: bool = False) -> dict[str, torch.Tensor]:
+        dropout: bool = True, keep: int = -1, pure_bf16: bool = False,
+        schedule_in_samples: bool = False) -> dict[str, torch.Tensor]:
     model = NormBlocks() if pure_bf16 else DropoutBlocks() if dropout else BlockMLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     fsdp_config = {"state_dict_type": kind, **({"mixed_precision": "PURE"} if pure_bf16 else {})}
     trainer = Trainer(
         model=model, train_dataloader=loader(GLOBAL_BATCH // dist.get_world_size(), shuffle=True),
         max_duration=duration, optimizers=optimizer,
-        schedulers=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5),
+        # a schedule in samples (counted over all ranks) continues exactly when resharded to other ranks
+        schedulers=(CosineAnnealingWithWarmupScheduler("16sp", t_max="56sp", alpha_f=0.2) if schedule_in_samples
+                    else torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)),
         precision="amp_bf16" if pure_bf16 else "fp32",
         progress_bar=False, seed=7, fsdp_config=None if kind == "ddp" else fsdp_config,
         save_folder=folder, save_filename=NAMES[kind], save_interval="3ba",
@@ -101,15 +105,15 @@ def test_buffers_kept_in_bf16_are_saved_in_their_own_dtype(kind: str, tmp_path: 
 
 
 def _save_sharded(folder: str) -> None:
-    fit("sharded", folder, "6ba", dropout=False)
+    fit("sharded", folder, "6ba", dropout=False, schedule_in_samples=True)
 
 
 def _resume_sharded(folder: str) -> dict[str, torch.Tensor]:
-    return fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3"), dropout=False)
+    return fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3"), dropout=False, schedule_in_samples=True)
 
 
 def _uninterrupted() -> dict[str, torch.Tensor]:
-    return fit("sharded", None, "2ep", dropout=False)
+    return fit("sharded", None, "2ep", dropout=False, schedule_in_samples=True)
 
 
 @pytest.mark.timeout(300)

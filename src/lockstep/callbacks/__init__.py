@@ -20,12 +20,17 @@ Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
             if reached(max_duration): break
     FIT_END
 
+The Trainer itself logs ``loss/train/total``, ``time/batch`` and ``time/epoch`` after every batch,
+``metrics/eval/<Name>`` after each evaluation, and its configuration at FIT_START.
+
 Algorithms (``Trainer(algorithms=[...])``) run at the same events, before the callbacks.
 When ``fit`` raises, each callback's :meth:`Callback.close` runs before the error propagates
 (loggers write what they buffered).
 
-A callback overrides the methods named after the events it cares about; each receives the
-Trainer's :class:`~lockstep.state.State`.
+A callback overrides the methods named after the events it cares about, with Composer's signature
+``event(self, state, logger)``: ``state`` is the Trainer's :class:`~lockstep.state.State`, ``logger``
+a :class:`~lockstep.loggers.Logger` whose ``log_metrics({name: value})`` and
+``log_hyperparameters({...})`` reach every destination in ``Trainer(loggers=[...])``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from lockstep.loggers import Logger
     from lockstep.state import State
 
 
@@ -53,22 +59,25 @@ class Event(StrEnum):
 class Callback:
     """Base class: every event method does nothing unless overridden."""
 
-    def run_event(self, event: Event, state: State) -> None:
-        getattr(self, event.value)(state)
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        getattr(self, event.value)(state, logger)
 
-    def init(self, state: State) -> None: ...
-    def fit_start(self, state: State) -> None: ...
-    def epoch_start(self, state: State) -> None: ...
-    def batch_start(self, state: State) -> None: ...
-    def after_train_batch(self, state: State) -> None: ...
-    def batch_end(self, state: State) -> None: ...
-    def epoch_end(self, state: State) -> None: ...
-    def eval_start(self, state: State) -> None: ...
-    def eval_end(self, state: State) -> None: ...
-    def fit_end(self, state: State) -> None: ...
+    def init(self, state: State, logger: Logger) -> None: ...
+    def fit_start(self, state: State, logger: Logger) -> None: ...
+    def epoch_start(self, state: State, logger: Logger) -> None: ...
+    def batch_start(self, state: State, logger: Logger) -> None: ...
+    def after_train_batch(self, state: State, logger: Logger) -> None: ...
+    def batch_end(self, state: State, logger: Logger) -> None: ...
+    def epoch_end(self, state: State, logger: Logger) -> None: ...
+    def eval_start(self, state: State, logger: Logger) -> None: ...
+    def eval_end(self, state: State, logger: Logger) -> None: ...
+    def fit_end(self, state: State, logger: Logger) -> None: ...
 
-    def close(self, state: State) -> None:
-        """Called when ``fit`` raises: write out anything held in memory."""
+    def close(self, state: State, logger: Logger) -> None:
+        """Called by ``Trainer.close()``, and when ``fit`` raises: write out anything held in memory
+        and release what was opened."""
 
 
-__all__ = ["Callback", "Event"]
+from lockstep.callbacks.monitors import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor  # noqa: E402
+
+__all__ = ["Callback", "Event", "LRMonitor", "MemoryMonitor", "RuntimeEstimator", "SpeedMonitor"]

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from lockstep import dist
 from lockstep.callbacks import Callback
 from lockstep.time import fraction_done
 from lockstep.state import State
+
+if TYPE_CHECKING:
+    from lockstep.loggers import Logger
 
 
 class ProgressBar(Callback):
@@ -31,7 +34,7 @@ class ProgressBar(Callback):
         self._interval = 0.0
         self._next_draw = 0.0
 
-    def fit_start(self, state: State) -> None:
+    def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() != 0:
             return
         from tqdm import tqdm
@@ -42,7 +45,7 @@ class ProgressBar(Callback):
         self._start, self._start_samples = time.perf_counter(), state.timestamp.sample
         self._next_draw = self._start + self._interval
 
-    def batch_end(self, state: State) -> None:
+    def batch_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None and time.perf_counter() >= self._next_draw:
             self._draw(state)
 
@@ -55,13 +58,13 @@ class ProgressBar(Callback):
         self._bar.set_postfix_str(f"loss {state.loss:.4f}, {rate:.0f} samples/s", refresh=False)
         self._bar.update(int(1000 * done) - self._bar.n)
 
-    def eval_end(self, state: State) -> None:
+    def eval_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None:
             self._bar.write(format_metrics(state), file=sys.stderr)
         elif dist.get_global_rank() == 0:
             print(format_metrics(state), file=sys.stderr)
 
-    def fit_end(self, state: State) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None:
             self._draw(state)
             self._bar.close()
@@ -112,8 +115,13 @@ class _Buffered(Callback):
     def _write_records(self, records: list[tuple[Any, float]]) -> None:
         raise NotImplementedError
 
-    def close(self, state: State) -> None:
+    def close(self, state: State, logger: Logger | None = None) -> None:
         self._flush()
+
+
+def eval_metric_names(results: dict[str, float]) -> dict[str, float]:
+    """The model's eval metrics under Composer's names, ``metrics/eval/<Name>``."""
+    return {f"metrics/eval/{name}": value for name, value in results.items() if name != "loss"}
 
 
 def format_metrics(state: State) -> str:
@@ -135,7 +143,7 @@ class FileLogger(_Buffered):
         self.every = log_every_n_batches
         self._file: Any = None
 
-    def init(self, state: State) -> None:
+    def init(self, state: State, logger: Logger) -> None:
         path = Path(self.filename.format(rank=dist.get_global_rank(), local_rank=dist.get_local_rank(),
                                          world_size=dist.get_world_size(), run_name=state.run_name))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,16 +161,16 @@ class FileLogger(_Buffered):
         if self._file is not None:
             self._file.flush()
 
-    def batch_end(self, state: State) -> None:
+    def batch_end(self, state: State, logger: Logger) -> None:
         t = state.timestamp
         if self._file is not None and t.batch % self.every == 0:
             self._add((time.time(), t.epoch, t.batch, t.sample), state.loss_tensor)
 
-    def eval_end(self, state: State) -> None:
+    def eval_end(self, state: State, logger: Logger) -> None:
         self._flush()
         self._write(format_metrics(state))
 
-    def fit_end(self, state: State) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         self._flush()
         self._write("fit done")
         if self._file is not None:
@@ -179,7 +187,7 @@ class MetricsJSONL(_Buffered):
         self.path = Path(folder) / "metrics.jsonl"
         self._file: Any = None
 
-    def fit_start(self, state: State) -> None:
+    def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a")
@@ -192,19 +200,19 @@ class MetricsJSONL(_Buffered):
             self._emit({**record, "loss": loss})
         self._file.flush()
 
-    def batch_end(self, state: State) -> None:
+    def batch_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:
             record = {"kind": "train", "run_name": state.run_name, **state.timestamp.state_dict(), "lr": state.lr}
             self._add(record, state.loss_tensor)
 
-    def eval_end(self, state: State) -> None:
+    def eval_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:
             self._flush()
             self._emit({"kind": "eval", "run_name": state.run_name, **state.timestamp.state_dict(),
-                        **state.eval_metrics})
+                        **state.eval_metrics, **eval_metric_names(state.eval_metrics)})
             self._file.flush()
 
-    def fit_end(self, state: State) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:
             self._flush()
             self._file.close()
@@ -221,19 +229,19 @@ class LossCurve(Callback):
         self._eval: list[tuple[int, dict[str, float]]] = []
         self._rank_zero = False
 
-    def fit_start(self, state: State) -> None:
+    def fit_start(self, state: State, logger: Logger) -> None:
         self._rank_zero = dist.get_global_rank() == 0
 
-    def batch_end(self, state: State) -> None:
+    def batch_end(self, state: State, logger: Logger) -> None:
         if self._rank_zero:
             self._pending.add(state.timestamp.batch, state.loss_tensor)
             if len(self._pending) >= 1000:
                 self._train += self._pending.drain()
 
-    def eval_end(self, state: State) -> None:
+    def eval_end(self, state: State, logger: Logger) -> None:
         self._eval.append((state.timestamp.batch, dict(state.eval_metrics)))
 
-    def fit_end(self, state: State) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         self._train += self._pending.drain()
         if dist.get_global_rank() != 0 or not self._train:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +33,13 @@ class LoopConfig:
     """Split each rank's batch into this many microbatches (the older way to say the same)."""
     seed: int | None = None
     """Seed python, numpy and torch with ``seed + rank`` before the model is prepared."""
+    scale_schedule_ratio: float = 1.0
+    """Stretch max_duration and the lockstep.optim schedules by this factor."""
 
     def __post_init__(self) -> None:
+        check_ratio(self.scale_schedule_ratio)
         if self.max_duration is not None:
-            self.max_duration = check_max_duration(self.max_duration)
+            self.max_duration = scale_duration(check_max_duration(self.max_duration), self.scale_schedule_ratio)
         self.eval_interval = time_argument("eval_interval", self.eval_interval)
         self.device = resolve_device(self.device)
         check_choice("precision", self.precision, PRECISIONS)
@@ -45,6 +49,22 @@ class LoopConfig:
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if self.device_train_microbatch_size is not None and self.grad_accum is not None:
             raise ValueError("give device_train_microbatch_size or grad_accum, not both")
+
+
+def check_ratio(ratio: float) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < math.inf:
+        raise ValueError(f"scale_schedule_ratio must be a positive finite number, got {ratio!r}")
+
+
+def scale_duration(max_duration: Time, ratio: float) -> Time:
+    """``max_duration`` stretched by ``scale_schedule_ratio`` (whole counts, rounded down)."""
+    if ratio == 1:
+        return max_duration
+    scaled = Time(int(max_duration.value * ratio), max_duration.unit)
+    if scaled.value == 0:
+        raise ValueError(f"scale_schedule_ratio={ratio} shrinks max_duration '{max_duration}' to 0; give "
+                         f"max_duration in a finer unit (ba, sp or tok)")
+    return scaled
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -36,6 +36,10 @@ def check_model(model: Any) -> None:
             raise TypeError(f"model must define {name}(...): subclass lockstep.Model")
 
 
+NO_TOKENS = ("max_duration is in tokens, but a batch counts no tokens: define num_tokens(batch) on the model, "
+             "or get_num_tokens_in_batch(batch) on the train_dataloader")
+
+
 def as_list(value: Any) -> list[Any]:
     if value is None:
         return []
@@ -89,6 +93,29 @@ def default_callbacks(run_folder: Path | None, progress_bar: bool) -> list[Callb
         callbacks += [FileLogger(run_folder / "trainer-rank{rank}.log"), MetricsJSONL(run_folder),
                       LossCurve(run_folder)]
     return callbacks
+
+
+def check_loggers(loggers: Any) -> list[Any]:
+    """``loggers`` as a list of :class:`lockstep.loggers.LoggerDestination`, or a one-line error."""
+    from lockstep.loggers import LoggerDestination
+
+    items = as_list(loggers)
+    for i, item in enumerate(items):
+        if not isinstance(item, LoggerDestination):
+            raise TypeError(f"loggers[{i}] is a {type(item).__name__}: give destinations from lockstep.loggers "
+                            f"(TensorboardLogger(), MLFlowLogger(), ...); callbacks go in callbacks=")
+    return items
+
+
+def hyperparameters(trainer: Any) -> dict[str, Any]:
+    """The run's configuration, as loggers record it at FIT_START."""
+    s, loop = trainer.state, trainer.loop
+    return {"run_name": s.run_name, "max_duration": str(s.max_duration), "world_size": dist.get_world_size(),
+            "device": str(s.device), "precision": s.precision, "seed": loop.seed,
+            "device_train_microbatch_size": loop.device_train_microbatch_size, "grad_accum": loop.grad_accum,
+            "scale_schedule_ratio": loop.scale_schedule_ratio, "strategy": type(trainer.strategy).__name__,
+            "optimizers": [type(o).__name__ for o in s.optimizers],
+            "algorithms": [type(a).__name__ for a in trainer.algorithms]}
 
 
 def check_algorithms(algorithms: Any) -> list[Any]:

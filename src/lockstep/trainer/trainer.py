@@ -17,11 +17,14 @@ from lockstep.algorithms import Algorithm
 from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.batch import take
 from lockstep.callbacks import Callback, Event
+from lockstep.callbacks.loggers import eval_metric_names
 from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
+from lockstep.loggers.destination import Logger, LoggerDestination
 from lockstep.model import Model
+from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
-from lockstep.time import Time, is_interval_due, is_reached
+from lockstep.time import Time, TimeUnit, is_interval_due, is_reached
 from lockstep.trainer import checkpointing, data, setup
 from lockstep.trainer.config import LoopConfig
 from lockstep.trainer.preemption import Preempted, StopSignal
@@ -64,7 +67,9 @@ class Trainer:
         ddp_sync_strategy: str | None = None,
         find_unused_parameters: bool = False,
         schedulers: Any = None,
+        scale_schedule_ratio: float = 1.0,
         callbacks: Sequence[Callback] = (),
+        loggers: Sequence[LoggerDestination] = (),
         algorithms: Sequence[Algorithm] = (),
         run_name: str | None = None,
         run_folder: str | None = None,
@@ -85,7 +90,8 @@ class Trainer:
     ) -> None:
         self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
                                precision=precision, device_train_microbatch_size=device_train_microbatch_size,
-                               grad_accum=grad_accum, seed=seed)
+                               grad_accum=grad_accum, seed=seed,
+                               scale_schedule_ratio=scale_schedule_ratio)
         self.checkpoints = CheckpointConfig(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
@@ -106,7 +112,13 @@ class Trainer:
                                               device=self.state.device)
         self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
         self._step_sync, self._position = setup.needs_step_sync(train_dataloader, model), data.DataPosition()
-        self.callbacks = setup.default_callbacks(setup.resolve_run_folder(run_folder), progress_bar) + list(callbacks)
+        self._num_tokens = getattr(train_dataloader, "get_num_tokens_in_batch", None) or model.num_tokens
+        folder = setup.resolve_run_folder(run_folder)
+        self.state.run_folder = None if folder is None else str(folder)
+        destinations = setup.check_loggers(loggers)
+        self.logger = Logger(self.state, destinations)
+        self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
+        self._logging, self._closed = False, False
         self._run_event(Event.INIT)
 
     def _start_distributed(self, model: Model, optimizers: list[torch.optim.Optimizer], schedulers: Any,
@@ -118,11 +130,15 @@ class Trainer:
             rng.seed_everything(loop.seed + dist.get_global_rank())
         self.strategy.setup(model, optimizers)
         self.eval_metrics = {k: m.to(loop.device) for k, m in model.get_metrics(is_train=False).items()}
-        return State(model=model, optimizers=optimizers, schedulers=setup.as_list(schedulers),
-                     max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
-                     device=loop.device, precision=loop.precision, scaler=self.strategy.scaler,  # type: ignore[arg-type]
-                     strategy=self.strategy,
-                     batches_per_epoch=setup.safe_len(self.train_dataloader))
+        state = State(model=model, optimizers=optimizers, schedulers=[],
+                      max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
+                      device=loop.device, precision=loop.precision, scaler=self.strategy.scaler,  # type: ignore[arg-type]
+                      strategy=self.strategy,
+                      batches_per_epoch=setup.safe_len(self.train_dataloader))
+        state.schedulers = compile_schedulers(setup.as_list(schedulers), state, loop.scale_schedule_ratio)
+        if state.max_duration is not None:
+            self._follow_schedules(state)
+        return state
 
     def _load_checkpoint(self, run_name_given: bool) -> dict[str, Any] | None:
         """Load ``autoresume``'s or ``load_path``'s checkpoint; returns this rank's RNG and data
@@ -146,6 +162,8 @@ class Trainer:
         s = self.state
         if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
             raise ValueError("fit() needs train_dataloader, max_duration and optimizers passed to Trainer(...)")
+        if self._closed:
+            raise RuntimeError("fit() after close(): build a new Trainer")
         # The interpreter's full collections scan every object, torch's included: each took about
         # 0.2 s, a stall of several steps. What exists before training lives through it, so it is
         # kept out of those passes while training runs (unless the user manages freezing).
@@ -165,6 +183,10 @@ class Trainer:
         s = self.state
         s.model.train()
         resume = self._take_resume()
+        self._follow_schedules(s)
+        self._logging = bool(self.logger.active)
+        if self._logging:
+            self.logger.log_hyperparameters(setup.hyperparameters(self))
         self._run_event(Event.FIT_START)
         with StopSignal() if self.saver else contextlib.nullcontext() as stop:
             while not is_reached(s.timestamp, s.max_duration):
@@ -176,12 +198,19 @@ class Trainer:
                 trained, resume = resume is not None, None
                 for batch, samples, tokens, is_last in batches:
                     trained = True
+                    s.batch = batch
                     self._run_event(Event.BATCH_START)
                     s.loss_tensor = self._train_batch(batch, samples)
                     before = s.timestamp
                     s.timestamp = before.to_next_batch(samples, tokens)
                     if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
                         s.timestamp = s.timestamp.to_next_epoch()
+                    if not tokens and s.max_duration.unit is TimeUnit.TOKEN:
+                        raise ValueError(setup.NO_TOKENS)
+                    for scheduler in s.schedulers:  # after the timestamp: the lr of the next batch
+                        scheduler.step()
+                    if self._logging:
+                        self._log_batch()
                     self._run_event(Event.BATCH_END)
                     if is_last:
                         self._run_event(Event.EPOCH_END)
@@ -220,9 +249,13 @@ class Trainer:
             counts.append(n)
         self._run_event(Event.AFTER_TRAIN_BATCH)
         strategy.optimizer_step()
-        for scheduler in s.schedulers:
-            scheduler.step()
         return _mean_loss(losses, counts)
+
+    def _log_batch(self) -> None:
+        """Rank 0's loss of this batch (a tensor: destinations read it off the training thread)."""
+        s = self.state
+        self.logger.log_metrics({"loss/train/total": s.loss_tensor, "time/batch": s.timestamp.batch,
+                                 "time/epoch": s.timestamp.epoch})
 
     def _split(self, batch: Any) -> list[Any]:
         model, loop = self.state.model, self.loop
@@ -233,8 +266,14 @@ class Trainer:
         return [batch]
 
     def _count(self, batch: Any) -> tuple[int, int]:
-        model = self.state.model
-        return model.num_samples(batch), model.num_tokens(batch)
+        return self.state.model.num_samples(batch), self._num_tokens(batch)
+
+    @staticmethod
+    def _follow_schedules(state: State) -> None:
+        """Set the lr that the schedules of training time give at the current timestamp."""
+        for scheduler in state.schedulers:
+            if isinstance(scheduler, ScheduledLR):
+                scheduler.step()
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -278,6 +317,7 @@ class Trainer:
         results = {"loss": float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")}
         results.update({name: float(m.compute()) for name, m in self.eval_metrics.items()})
         s.eval_metrics = results
+        self.logger.log_metrics(eval_metric_names(results))
         self._run_event(Event.EVAL_END)
         s.model.train(was_training)
         return results
@@ -322,15 +362,22 @@ class Trainer:
     def _run_event(self, event: Event) -> None:
         for algorithm in self.algorithms:
             if algorithm.match(event, self.state):
-                algorithm.apply(event, self.state, None)
+                algorithm.apply(event, self.state, self.logger)
         for callback in self.callbacks:
-            callback.run_event(event, self.state)
+            callback.run_event(event, self.state, self.logger)
+
+    def close(self) -> None:
+        """Finish: every callback and logger writes what it holds and releases what it opened (logger
+        runs are ended). Safe to call more than once; ``fit`` cannot run after it."""
+        if not self._closed:
+            self._closed = True
+            self._close_callbacks()
 
     def _close_callbacks(self) -> None:
-        """``fit`` failed: let every callback write what it holds, without hiding the failure."""
+        """Let every callback write what it holds, without hiding an error already on its way."""
         for callback in self.callbacks:
             try:
-                callback.close(self.state)
+                callback.close(self.state, self.logger)
             except Exception as e:  # noqa: BLE001 - the training error is the one to report
                 warnings.warn(f"{type(callback).__name__}.close failed: {e}", stacklevel=2)
 

@@ -1,0 +1,14 @@
+"""Where metrics go, with Composer's names: pass destinations as ``Trainer(loggers=[...])``.
+
+Metric names: ``loss/train/total`` (every batch), ``metrics/eval/<Name>``, ``lr-<Optimizer>/group<i>``
+(:class:`~lockstep.callbacks.LRMonitor`), ``throughput/...`` (:class:`~lockstep.callbacks.SpeedMonitor`),
+``time/batch``, ``time/epoch``. Every destination logs on rank 0 only unless ``rank_zero_only=False``.
+"""
+
+from lockstep.loggers.destination import Logger, LoggerDestination
+from lockstep.loggers.in_memory import InMemoryLogger
+from lockstep.loggers.mlflow import MLFlowLogger
+from lockstep.loggers.tensorboard import TensorboardLogger
+from lockstep.loggers.wandb import WandBLogger
+
+__all__ = ["InMemoryLogger", "Logger", "LoggerDestination", "MLFlowLogger", "TensorboardLogger", "WandBLogger"]

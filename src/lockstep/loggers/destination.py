@@ -1,0 +1,95 @@
+"""Where metrics go: :class:`LoggerDestination` (TensorBoard, MLflow, ...) and the :class:`Logger`
+that callbacks receive, which hands each call to every destination."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lockstep import dist
+from lockstep.callbacks import Callback
+
+if TYPE_CHECKING:
+    from lockstep.state import State
+
+
+class LoggerDestination(Callback):
+    """A place metrics are written to. Subclasses override :meth:`log_metrics` and
+    :meth:`log_hyperparameters`; as callbacks they also see every event (to open and flush).
+
+    With ``rank_zero_only`` (the default) only global rank 0 receives calls.
+    """
+
+    rank_zero_only: bool = True
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Record ``metrics`` (values may be floats, ints or 0-d tensors) at ``step`` (a batch count)."""
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        """Record the run's configuration."""
+
+    def flush(self) -> None:
+        """Write out everything received so far."""
+
+
+class Logger:
+    """What callbacks call ``logger.log_metrics(...)`` on: passes each call to every destination
+    that logs on this rank. A destination that raises is reported once, and training goes on."""
+
+    def __init__(self, state: State, destinations: Sequence[LoggerDestination] = ()) -> None:
+        self._state = state
+        self.destinations = list(destinations)
+        self._failed: set[int] = set()
+
+    @property
+    def active(self) -> list[LoggerDestination]:
+        rank = dist.get_global_rank()
+        return [d for d in self.destinations if rank == 0 or not d.rank_zero_only]
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        step = self._state.timestamp.batch if step is None else step
+        for destination in self.active:
+            self._call(destination, destination.log_metrics, metrics, step)
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        for destination in self.active:
+            self._call(destination, destination.log_hyperparameters, hyperparameters)
+
+    def _call(self, destination: LoggerDestination, method: Any, *args: Any) -> None:
+        try:
+            method(*args)
+        except Exception as e:  # noqa: BLE001 - a logger must not stop training
+            report_failure(destination, e, self._failed)
+
+
+def report_failure(destination: Any, error: BaseException, failed: set[int]) -> None:
+    """Warn about a failing destination the first time it fails."""
+    if id(destination) not in failed:
+        failed.add(id(destination))
+        warnings.warn(f"{type(destination).__name__} failed and is skipped from now on where it fails: "
+                      f"{type(error).__name__}: {error}; training goes on", RuntimeWarning, stacklevel=3)
+
+
+def as_number(value: Any) -> float | int:
+    """A metric value as a Python number (a tensor is read here: call it off the training thread)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    return float(value)
+
+
+def require(module: str, extra: str, user: str) -> Any:
+    """Import the optional ``module`` that ``user`` needs, or raise a one-line error naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{user} needs the '{module.split('.')[0]}' package: pip install "
+                          f"'lockstep[{extra}]'") from None

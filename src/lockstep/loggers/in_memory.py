@@ -1,0 +1,50 @@
+"""Keep every logged value in memory: for tests, notebooks and callbacks that read metrics back."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lockstep.loggers.destination import LoggerDestination, as_number
+from lockstep.time import Timestamp
+
+if TYPE_CHECKING:
+    from lockstep.state import State
+
+
+class InMemoryLogger(LoggerDestination):
+    """``data[name]`` is the list of ``(Timestamp, value)`` logged under ``name``;
+    ``most_recent_values[name]`` and ``most_recent_timestamps[name]`` the last of them;
+    ``hyperparameters`` what :meth:`log_hyperparameters` received.
+
+    Values are stored as given (a loss may be a 0-d tensor); reading ``data`` turns them into numbers.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, list[tuple[Timestamp, Any]]] = {}
+        self.hyperparameters: dict[str, Any] = {}
+        self._state: State | None = None
+
+    def init(self, state: State, logger: Any = None) -> None:
+        self._state = state
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        timestamp = self._state.timestamp if self._state is not None else Timestamp(batch=step or 0)
+        for name, value in metrics.items():
+            self._data.setdefault(name, []).append((timestamp, value))
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self.hyperparameters.update(hyperparameters)
+
+    @property
+    def data(self) -> dict[str, list[tuple[Timestamp, float | int]]]:
+        for series in self._data.values():
+            series[:] = [(t, as_number(v)) for t, v in series]
+        return self._data
+
+    @property
+    def most_recent_values(self) -> dict[str, float | int]:
+        return {name: series[-1][1] for name, series in self.data.items()}
+
+    @property
+    def most_recent_timestamps(self) -> dict[str, Timestamp]:
+        return {name: series[-1][0] for name, series in self._data.items()}
