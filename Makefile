@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 setup: $(VENV)/.installed
 
 demo: setup
+	$(VENV)/bin/lockstep -n 2 examples/train_gpt.py
+
+demo-digits: setup
 	$(VENV)/bin/lockstep -n 2 examples/train_digits.py
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite. DeepSpeed is
@@ -19,4 +22,4 @@ demo: setup
 test: setup
 	LOCKSTEP_REQUIRE_DEEPSPEED=1 $(VENV)/bin/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-.PHONY: setup demo test
+.PHONY: setup demo demo-digits test

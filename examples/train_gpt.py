@@ -1,6 +1,6 @@
 """Train a small GPT on the Python standard library's source, byte by byte, over 2 processes.
 
-    lockstep -n 2 examples/train_gpt.py                     # FSDP (FULL_SHARD), about 3 minutes
+    lockstep -n 2 examples/train_gpt.py                     # FSDP (FULL_SHARD), about 3.5 minutes
     lockstep -n 2 examples/train_gpt.py --parallel ddp
     lockstep -n 2 examples/train_gpt.py --max_duration 2e5tok --save_folder ckpt --autoresume --run_name gpt
 
@@ -43,7 +43,7 @@ from lockstep.loggers import TensorboardLogger
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 
 VOCAB = 256
-PROMPT = "def fibonacci(n):\n"
+PROMPT = "import os\n\n\ndef "
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -240,8 +240,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint_layout", choices=("sharded", "full"), default="sharded",
                    help="FSDP checkpoints: one folder of shards that loads at any world size (default), "
                         "or one file of full tensors")
-    p.add_argument("--max_duration", default="6e5tok", help="a Time string (default 6e5tok)")
-    p.add_argument("--eval_interval", default="0.25dur", help="a Time string (default 0.25dur)")
+    p.add_argument("--max_duration", default="1.8e6tok", help="a Time string (default 1.8e6tok)")
+    p.add_argument("--eval_interval", default="0.5dur", help="a Time string (default 0.5dur)")
     p.add_argument("--batch_size", type=int, default=16, help="sequences per rank per step (default 16)")
     p.add_argument("--microbatch_size", type=int, default=None, help="sequences per forward/backward")
     p.add_argument("--block_size", type=int, default=128, help="bytes per sequence (default 128)")
@@ -250,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
     p.add_argument("--warmup", default="0.05dur", help="linear warmup, a Time string (default 0.05dur)")
-    p.add_argument("--eval_bytes", type=int, default=131072, help="validation bytes (default 128 KiB)")
+    p.add_argument("--eval_bytes", type=int, default=65536, help="validation bytes (default 64 KiB)")
     p.add_argument("--train_bytes", type=int, default=None, help="cap on training bytes (default: all)")
     p.add_argument("--sample_bytes", type=int, default=200, help="bytes generated at the end (0: none)")
     p.add_argument("--save_folder", default=None)
@@ -282,7 +282,9 @@ def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
                                   lr=args.lr, betas=(0.9, 0.95))
     parallel: dict = {}
     if args.parallel == "fsdp":
+        # BACKWARD_PRE: FSDP2's own prefetch, about 5% faster here than the default BACKWARD_POST
         parallel["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "state_dict_type": args.checkpoint_layout,
+                                   "backward_prefetch": "BACKWARD_PRE",
                                    "activation_checkpointing": args.activation_checkpointing}
     elif args.parallel == "zero2":
         parallel["deepspeed_config"] = {"zero_optimization": {"stage": 2}}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from lockstep import Callback, Trainer
 from lockstep.testing import run_distributed
@@ -78,6 +78,8 @@ def test_set_epoch_is_called_every_epoch() -> None:
     ({"eval_interval": "0ep"}, "eval_interval must be positive"),
     ({"eval_interval": "abc"}, "eval_interval='abc': invalid duration 'abc'"),
     ({"save_folder": "unused", "save_interval": "abc"}, "save_interval='abc': invalid duration 'abc'"),
+    ({"train_subset_num_batches": 0}, "train_subset_num_batches must be an integer >= 1, or -1"),
+    ({"scale_schedule_ratio": -1.0}, "scale_schedule_ratio must be a positive finite number"),
 ])
 def test_bad_arguments_are_named(kwargs, message) -> None:
     model = MLP()
@@ -94,6 +96,23 @@ def test_an_int_max_duration_counts_epochs() -> None:
                       progress_bar=False)
     trainer.fit()
     assert (trainer.state.timestamp.epoch, trainer.state.timestamp.batch) == (2, 2 * len(loader(4)))
+
+
+def test_subsets_of_the_train_and_eval_dataloaders() -> None:
+    """3 of 7 batches per epoch for 2 epochs; evaluation on the first batch of 4 samples only."""
+    model = MLP()
+    seen = []
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ep", optimizers=sgd(model),
+                      eval_dataloader=loader(4), train_subset_num_batches=3, eval_subset_num_batches=1,
+                      callbacks=[type("Seen", (Callback,), {"batch_end": lambda self, s, logger: seen.append(
+                          (s.timestamp.epoch, s.timestamp.batch_in_epoch))})()], progress_bar=False)
+    trainer.fit()
+    assert seen == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
+    assert trainer.state.batches_per_epoch == 3
+    first_batch = Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model), progress_bar=False,
+                          eval_dataloader=DataLoader(Subset(dataset(), range(4)), batch_size=4)).eval()
+    assert trainer.state.eval_metrics == first_batch
+    assert trainer.eval(subset_num_batches=-1) != first_batch  # every batch
 
 
 def test_optimizer_without_the_models_parameters_is_refused() -> None:

@@ -35,6 +35,10 @@ class LoopConfig:
     """Seed python, numpy and torch with ``seed + rank`` before the model is prepared."""
     scale_schedule_ratio: float = 1.0
     """Stretch max_duration and the lockstep.optim schedules by this factor."""
+    train_subset_num_batches: int | None = None
+    """End each training epoch after this many batches (-1 or None: the whole dataloader)."""
+    eval_subset_num_batches: int | None = None
+    """Evaluate on this many batches of each rank's eval dataloader (-1 or None: all of it)."""
 
     def __post_init__(self) -> None:
         check_ratio(self.scale_schedule_ratio)
@@ -47,8 +51,19 @@ class LoopConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        for name in ("train_subset_num_batches", "eval_subset_num_batches"):
+            setattr(self, name, subset(name, getattr(self, name)))
         if self.device_train_microbatch_size is not None and self.grad_accum is not None:
             raise ValueError("give device_train_microbatch_size or grad_accum, not both")
+
+
+def subset(name: str, value: int | None) -> int | None:
+    """A batch count >= 1, or None for all batches (Composer writes -1)."""
+    if value is None or value == -1:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, or -1 for every batch; got {value!r}")
+    return value
 
 
 def check_ratio(ratio: float) -> None:

@@ -121,8 +121,8 @@ def resume_caveat(loader: Any, epoch: int) -> str | None:
 
 
 def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
-                  track: DataPosition | None = None,
-                  resume: DataPosition | None = None) -> Iterator[tuple[Any, int, int, bool]]:
+                  track: DataPosition | None = None, resume: DataPosition | None = None,
+                  limit: int | None = None) -> Iterator[tuple[Any, int, int, bool]]:
     """Yield ``(batch, global_samples, global_tokens, is_last)`` for one epoch.
 
     When every rank is known to get ``len(loader)`` equal batches, the last batch is known by
@@ -131,8 +131,11 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
     loaders have different lengths stop together instead of hanging in DDP.
     ``count(batch) -> (samples, tokens)`` counts one rank's batch. With ``track``, the RNG states
     a checkpoint needs are recorded in it; ``resume`` puts the stream back where one was saved.
+    ``limit`` ends the epoch after that many batches (``train_subset_num_batches``).
     """
     length = len(loader) if not sync and equal_batches_guaranteed(loader) else None
+    if length is not None and limit is not None:
+        length = min(length, limit)
     if resume is not None and resume.epoch_rng is not None:
         rng.restore(resume.epoch_rng)
     if track is not None:
@@ -151,6 +154,8 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
             if next(it, None) is None:
                 raise ValueError(f"cannot resume: train_dataloader ended within the {done} batches "
                                  f"this epoch had already trained on")
+        if limit is not None:
+            it = itertools.islice(it, max(limit - done, 0))
         if length is not None:
             yield from _counted(it, length, done, count, track, state_of, resume)
         else:

@@ -40,6 +40,12 @@ NO_TOKENS = ("max_duration is in tokens, but a batch counts no tokens: define nu
              "or get_num_tokens_in_batch(batch) on the train_dataloader")
 
 
+def epoch_length(loader: Any, limit: int | None) -> int | None:
+    """Batches per epoch: ``len(loader)``, capped at ``train_subset_num_batches``."""
+    length = safe_len(loader)
+    return length if limit is None or length is None else min(length, limit)
+
+
 def as_list(value: Any) -> list[Any]:
     if value is None:
         return []

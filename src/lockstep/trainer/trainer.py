@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import math
 import sys
 import warnings
@@ -26,7 +27,7 @@ from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
 from lockstep.time import Time, TimeUnit, is_interval_due, is_reached
 from lockstep.trainer import checkpointing, data, setup
-from lockstep.trainer.config import LoopConfig
+from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.preemption import Preempted, StopSignal
 
 
@@ -68,6 +69,8 @@ class Trainer:
         find_unused_parameters: bool = False,
         schedulers: Any = None,
         scale_schedule_ratio: float = 1.0,
+        train_subset_num_batches: int = -1,
+        eval_subset_num_batches: int = -1,
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[LoggerDestination] = (),
         algorithms: Sequence[Algorithm] = (),
@@ -91,7 +94,9 @@ class Trainer:
         self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
                                precision=precision, device_train_microbatch_size=device_train_microbatch_size,
                                grad_accum=grad_accum, seed=seed,
-                               scale_schedule_ratio=scale_schedule_ratio)
+                               scale_schedule_ratio=scale_schedule_ratio,
+                               train_subset_num_batches=train_subset_num_batches,
+                               eval_subset_num_batches=eval_subset_num_batches)
         self.checkpoints = CheckpointConfig(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
@@ -134,7 +139,7 @@ class Trainer:
                       max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
                       device=loop.device, precision=loop.precision, scaler=self.strategy.scaler,  # type: ignore[arg-type]
                       strategy=self.strategy,
-                      batches_per_epoch=setup.safe_len(self.train_dataloader))
+                      batches_per_epoch=setup.epoch_length(self.train_dataloader, loop.train_subset_num_batches))
         state.schedulers = compile_schedulers(setup.as_list(schedulers), state, loop.scale_schedule_ratio)
         if state.max_duration is not None:
             self._follow_schedules(state)
@@ -194,7 +199,8 @@ class Trainer:
                 self._run_event(Event.EPOCH_START)
                 batches = data.epoch_batches(
                     self.train_dataloader, self._count, self._step_sync, s.device,
-                    track=self._position if self.saver else None, resume=resume)
+                    track=self._position if self.saver else None, resume=resume,
+                    limit=self.loop.train_subset_num_batches)
                 trained, resume = resume is not None, None
                 for batch, samples, tokens, is_last in batches:
                     trained = True
@@ -278,11 +284,12 @@ class Trainer:
     # -- evaluation ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def eval(self) -> dict[str, float]:
+    def eval(self, subset_num_batches: int | None = None) -> dict[str, float]:
         """Evaluate on ``eval_dataloader`` over all ranks; returns and stores ``state.eval_metrics``.
 
         Samples a DistributedSampler repeats to pad the ranks' shares are left out, so the metrics
-        equal those of one process over the whole dataset.
+        equal those of one process over the whole dataset. ``subset_num_batches`` (default: the
+        Trainer's ``eval_subset_num_batches``) evaluates only the first batches of each rank.
         """
         s = self.state
         if self.eval_dataloader is None:
@@ -295,7 +302,9 @@ class Trainer:
         remaining = data.real_eval_samples(self.eval_dataloader)
         totals = torch.zeros(2, dtype=torch.float64, device=s.device)  # loss sum, samples
         module = self.strategy.eval_module  # the bare module: no DDP hooks, nothing to hang on
-        for batch in self.eval_dataloader:
+        limit = self.loop.eval_subset_num_batches if subset_num_batches is None else subset(
+            "subset_num_batches", subset_num_batches)
+        for batch in itertools.islice(self.eval_dataloader, limit):
             batch = self.strategy.prepare_batch(batch)
             n = s.model.num_samples(batch)
             if remaining is not None:
