@@ -237,6 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DDP, FSDP FULL_SHARD (default) or DeepSpeed ZeRO-2")
     p.add_argument("--precision", choices=("fp32", "amp_bf16"), default="fp32")
     p.add_argument("--activation_checkpointing", action="store_true", help="recompute each Block in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each Block (inductor)")
     p.add_argument("--checkpoint_layout", choices=("sharded", "full"), default="sharded",
                    help="FSDP checkpoints: one folder of shards that loads at any world size (default), "
                         "or one file of full tensors")
@@ -302,7 +303,7 @@ def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
         device="cpu" if not torch.cuda.is_available() else None, precision=args.precision,
         device_train_microbatch_size=args.microbatch_size, seed=args.seed, run_name=args.run_name,
         run_folder=args.run_folder, save_folder=args.save_folder, save_interval=args.save_interval,
-        autoresume=args.autoresume, **parallel)
+        autoresume=args.autoresume, compile_config={} if args.compile else None, **parallel)
     return trainer, model
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lockstep.parallel.compile import check_compile_config
 from lockstep.parallel.ddp import DDPSyncStrategy, DDPStrategy, resolve_sync_strategy
 from lockstep.parallel.fsdp_config import FSDPConfig, parse_config
 from lockstep.parallel.strategy import Strategy
@@ -25,10 +26,16 @@ class ParallelConfig:
     """Shard the model with FSDP (see :mod:`lockstep.parallel.fsdp`)."""
     deepspeed_config: Mapping[str, Any] | None = None
     """Train through a DeepSpeed engine (see :mod:`lockstep.parallel.deepspeed`)."""
+    compile_config: Mapping[str, Any] | None = None
+    """``torch.compile`` arguments; compile the model after wrapping (see :mod:`lockstep.parallel.compile`)."""
 
     def __post_init__(self) -> None:
         if self.fsdp_config is not None and self.deepspeed_config is not None:
             raise ValueError("fsdp_config and deepspeed_config were both given: pick one way to shard the model")
+        self.compile_config = check_compile_config(self.compile_config)
+        if self.compile_config is not None and self.deepspeed_config is not None:
+            raise ValueError("compile_config is not supported with deepspeed_config: DeepSpeed wraps the model in "
+                             "its own engine; use DDP or fsdp_config to compile")
         self.ddp_sync_strategy = resolve_sync_strategy(self.ddp_sync_strategy, self.find_unused_parameters)
         if self.fsdp_config is not None and not isinstance(self.fsdp_config, FSDPConfig):
             self.fsdp_config = parse_config(self.fsdp_config)

@@ -36,6 +36,10 @@ class FSDPStrategy(Strategy):
         self.model = self.module = model
         self.optimizers = optimizers
 
+    def _compile_targets(self) -> list[nn.Module]:
+        below_root = [u.module for u in self.fsdp.units if u.module is not self.model]
+        return below_root or [self.model]
+
     def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
         self.model.set_requires_gradient_sync(is_last_microbatch)  # type: ignore[operator]
         return NULL_CONTEXT

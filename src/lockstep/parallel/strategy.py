@@ -61,6 +61,15 @@ class Strategy:
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def compile(self, config: dict[str, Any]) -> None:
+        """``torch.compile`` the prepared model in place (see :mod:`lockstep.parallel.compile`)."""
+        from lockstep.parallel.compile import compile_in_place
+
+        compile_in_place(self._compile_targets(), config)
+
+    def _compile_targets(self) -> list[nn.Module]:
+        return [self.model]
+
     def prepare_batch(self, batch: Any) -> Any:
         """The batch as the model takes it: on the training device."""
         return batches.to_device(batch, self.device)

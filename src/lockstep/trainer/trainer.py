@@ -50,6 +50,8 @@ class Trainer:
     the optimizers given are pointed at the sharded parameters. ``deepspeed_config`` trains with a
     DeepSpeed engine (ZeRO stages 0-3) around the model and its one optimizer instead (see
     :mod:`lockstep.parallel.deepspeed`); batch sizes and precision in it are filled in from the Trainer.
+    ``compile_config`` (a dict of ``torch.compile`` arguments) compiles the model after it is wrapped
+    (see :mod:`lockstep.parallel.compile`).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Trainer:
         autoresume: bool = False,
         fsdp_config: dict | None = None,
         deepspeed_config: dict | None = None,
+        compile_config: dict | None = None,
     ) -> None:
         self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
                                precision=precision, device_train_microbatch_size=device_train_microbatch_size,
@@ -103,8 +106,9 @@ class Trainer:
             save_overwrite=save_overwrite, load_path=load_path, load_weights_only=load_weights_only,
             load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
         deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
-        parallel = ParallelConfig(ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters,
-                                  fsdp_config=fsdp_config, deepspeed_config=deepspeed_config)
+        self.parallel = parallel = ParallelConfig(
+            ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters, fsdp_config=fsdp_config,
+            deepspeed_config=deepspeed_config, compile_config=compile_config)
         optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, eval_dataloader)
         self.train_dataloader, self.eval_dataloader = data.shielded(train_dataloader), data.shielded(eval_dataloader)
         self.strategy = build_strategy(
@@ -134,6 +138,8 @@ class Trainer:
         if loop.seed is not None:
             rng.seed_everything(loop.seed + dist.get_global_rank())
         self.strategy.setup(model, optimizers)
+        if self.parallel.compile_config is not None:
+            self.strategy.compile(self.parallel.compile_config)
         self.eval_metrics = {k: m.to(loop.device) for k, m in model.get_metrics(is_train=False).items()}
         state = State(model=model, optimizers=optimizers, schedulers=[],
                       max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
