@@ -184,6 +184,8 @@ def main() -> None:
         (args.out / "result.json").write_text(json.dumps({
             "tokens_per_s": tokens / clock.seconds, "flops_per_s_per_rank": flops,
             "peak_rss_mib": [float(t[0]) for t in every], "state_mib": [float(t[1]) / 2 ** 20 for t in every]}))
+    dist.barrier()
+    torch.distributed.destroy_process_group()  # a process exiting with gloo's threads alive may abort
 
 
 if __name__ == "__main__":

@@ -115,6 +115,32 @@ def test_subsets_of_the_train_and_eval_dataloaders() -> None:
     assert trainer.eval(subset_num_batches=-1) != first_batch  # every batch
 
 
+def test_fit_with_a_duration_continues_the_epoch_and_lists_saved_checkpoints(tmp_path: Path) -> None:
+    """Composer's fit(duration=): that much more time; an int counts epochs; reset_time starts over."""
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model), progress_bar=False,
+                      save_folder=str(tmp_path), save_interval="2ba")
+    trainer.fit(duration="3ba")
+    assert trainer.state.timestamp.batch == 3
+    trainer.fit(duration=1)  # to the end of epoch 1: the 4 batches left of the first epoch
+    assert (trainer.state.timestamp.epoch, trainer.state.timestamp.batch) == (1, 7)
+    names = [Path(p).name for p in trainer.saved_checkpoints]
+    assert names == ["ep0-ba2-rank0.pt", "ep0-ba3-rank0.pt", "ep0-ba4-rank0.pt", "ep0-ba6-rank0.pt",
+                     "ep1-ba7-rank0.pt"]
+    # the same parameters as one uninterrupted epoch
+    reference = MLP()
+    Trainer(model=reference, train_dataloader=loader(4), optimizers=sgd(reference), progress_bar=False,
+            max_duration="1ep").fit()
+    for k, v in params(reference).items():
+        torch.testing.assert_close(v, params(model)[k], rtol=0, atol=0)
+    fresh = MLP()
+    again = Trainer(model=fresh, train_dataloader=loader(4), optimizers=sgd(fresh), progress_bar=False)
+    again.fit(duration="2ba")
+    again.fit(duration="3ba", reset_time=True, train_dataloader=loader(2))
+    assert again.state.timestamp.batch == 3 and again.state.batches_per_epoch == 14
+    assert "duration cannot be in 'dur'" in str(pytest.raises(ValueError, again.fit, duration="0.5dur").value)
+
+
 def test_optimizer_without_the_models_parameters_is_refused() -> None:
     other = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"optimizers\[0\] \(SGD\) holds none of the model's parameters"):

@@ -40,6 +40,17 @@ NO_TOKENS = ("max_duration is in tokens, but a batch counts no tokens: define nu
              "or get_num_tokens_in_batch(batch) on the train_dataloader")
 
 
+def more_duration(duration: Any, timestamp: Any, reset_time: bool) -> Any:
+    """``fit(duration=)``: the new max_duration, that much past the current timestamp (from zero
+    with ``reset_time``), in the duration's unit."""
+    from lockstep.time import Time, TimeUnit, time_argument
+
+    more = time_argument("duration", duration)
+    if more.unit is TimeUnit.DURATION:
+        raise ValueError(f"duration cannot be in 'dur' (got '{more}'): give it in ep, ba, sp or tok")
+    return more if reset_time else Time(timestamp.get(more.unit) + more.value, more.unit)
+
+
 def epoch_length(loader: Any, limit: int | None) -> int | None:
     """Batches per epoch: ``len(loader)``, capped at ``train_subset_num_batches``."""
     length = safe_len(loader)

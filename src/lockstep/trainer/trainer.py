@@ -25,7 +25,7 @@ from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
-from lockstep.time import Time, TimeUnit, is_interval_due, is_reached
+from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due, is_reached
 from lockstep.trainer import checkpointing, data, setup
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.preemption import Preempted, StopSignal
@@ -128,6 +128,8 @@ class Trainer:
         self.logger = Logger(self.state, destinations)
         self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
         self._logging, self._closed = False, False
+        self.saved_checkpoints: list[str] = []
+        """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
         self._run_event(Event.INIT)
 
     def _start_distributed(self, model: Model, optimizers: list[torch.optim.Optimizer], schedulers: Any,
@@ -166,13 +168,27 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def fit(self) -> None:
+    def fit(self, *, train_dataloader: Any = None, duration: Time | str | int | None = None,
+            reset_time: bool = False) -> None:
         """Train until ``max_duration``, evaluating every ``eval_interval`` and saving every
         ``save_interval``. Raises :class:`~lockstep.trainer.preemption.Preempted` (exit code
-        143) after saving, when SIGTERM arrived."""
+        143) after saving, when SIGTERM arrived.
+
+        As in Composer: ``train_dataloader`` replaces the Trainer's; ``duration`` trains that much
+        more (an int counts epochs), or that much from zero with ``reset_time=True``, which also
+        starts the timestamp over.
+        """
         s = self.state
+        if train_dataloader is not None:
+            self._use_train_dataloader(train_dataloader)
+        if reset_time:
+            s.timestamp = Timestamp()
+        if duration is not None:
+            s.max_duration = setup.more_duration(duration, s.timestamp, reset_time)
+            if self.saver:  # 'dur' save intervals follow the new max_duration
+                self.saver.max_duration = s.max_duration
         if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
-            raise ValueError("fit() needs train_dataloader, max_duration and optimizers passed to Trainer(...)")
+            raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
         # The interpreter's full collections scan every object, torch's included: each took about
@@ -339,11 +355,22 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
 
+    def _use_train_dataloader(self, loader: Any) -> None:
+        data.check_distributed_sampler(loader, "train_dataloader")
+        s = self.state
+        self.train_dataloader = data.shielded(loader)
+        s.batches_per_epoch = setup.epoch_length(loader, self.loop.train_subset_num_batches)
+        self._step_sync = setup.needs_step_sync(loader, s.model)
+        self._num_tokens = getattr(loader, "get_num_tokens_in_batch", None) or s.model.num_tokens
+
     def _take_resume(self) -> data.DataPosition | None:
         """Apply a loaded checkpoint's RNG state, or return the data position to resume mid-epoch."""
         entry, self._resume_entry = self._resume_entry, None
         if entry is None:
-            return None
+            if self.state.timestamp.batch_in_epoch == 0:
+                return None
+            # fit() again mid-epoch: finish the epoch, skipping the batches it already trained on
+            return data.DataPosition(epoch_rng=self._position.epoch_rng, skip=self.state.timestamp.batch_in_epoch)
         # An empty entry: a sharded checkpoint of another world size, whose RNG streams do not map
         # onto these ranks. The data position still does when the global batch is the same.
         skip = self.state.timestamp.batch_in_epoch
@@ -360,7 +387,9 @@ class Trainer:
                  "epoch_rng": None if at_epoch_end else position.epoch_rng,
                  "fetch_rng": None if at_epoch_end else position.fetch_rng,
                  "loader_state": None if at_epoch_end else position.loader_state}
-        self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
+        path = self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
+        if path is not None:
+            self.saved_checkpoints.append(str(path))
 
     def _preempt(self, at_epoch_end: bool) -> None:
         s = self.state
