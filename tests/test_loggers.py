@@ -83,7 +83,7 @@ def test_a_failing_logger_warns_once_and_training_goes_on() -> None:
     failures = [w for w in caught if "Broken failed" in str(w.message)]
     assert len(failures) == 1 and "disk gone" in str(failures[0].message)
     assert trainer.state.timestamp.batch == BATCHES and len(memory.data["loss/train/total"]) == BATCHES
-    assert "give destinations from lockstep.loggers" in error_of(train, [LRMonitor()])
+    assert "loggers[0] is a LRMonitor, not a destination from lockstep.loggers" in error_of(train, [LRMonitor()])
 
 
 def test_a_missing_extra_is_named(monkeypatch) -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from lockstep.loggers.destination import LoggerDestination, report_failure
+
+if TYPE_CHECKING:
+    from lockstep.state import State
 
 _STOP = object()
 
@@ -55,3 +60,44 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
+
+
+class ThreadedDestination(LoggerDestination):
+    """A destination that does its writing on a :class:`BackgroundWriter`: subclasses call
+    :meth:`_start` at INIT (on the ranks that log), then :meth:`_submit` for every write, and give
+    what to do to flush (:meth:`_flush_work`) and to finish (:meth:`_close_work`) on the thread.
+    Flushed at each evaluation and at FIT_END; finished by :meth:`close` (``Trainer.close()``)."""
+
+    _thread: BackgroundWriter | None = None
+
+    def _start(self, name: str) -> None:
+        self._failed: set[int] = set()
+        self._thread = BackgroundWriter(name, lambda e: report_failure(self, e, self._failed))
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._thread is not None:
+            self._thread.submit(fn, *args)
+
+    def _flush_work(self) -> None:
+        """Runs on the thread: push what was written so far out to its store."""
+
+    def _close_work(self) -> None:
+        """Runs on the thread, last: end the run, close files."""
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._thread.submit(self._flush_work)
+            self._thread.flush()
+
+    def eval_end(self, state: State, logger: Any = None) -> None:
+        self.flush()
+
+    def fit_end(self, state: State, logger: Any = None) -> None:
+        self.flush()
+
+    def close(self, state: State, logger: Any = None) -> None:
+        if self._thread is not None:
+            self._thread.submit(self._flush_work)
+            self._thread.submit(self._close_work)
+            self._thread.close()
+            self._thread = None

@@ -7,14 +7,14 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from lockstep.loggers.background import BackgroundWriter
-from lockstep.loggers.destination import LoggerDestination, as_number, report_failure, require
+from lockstep.loggers.background import ThreadedDestination
+from lockstep.loggers.destination import as_number, require
 
 if TYPE_CHECKING:
     from lockstep.state import State
 
 
-class MLFlowLogger(LoggerDestination):
+class MLFlowLogger(ThreadedDestination):
     """Metrics and parameters to an MLflow run named after the Trainer's ``run_name``.
 
     ``tracking_uri``: default ``$MLFLOW_TRACKING_URI``, else a file store ``mlruns/`` in the run
@@ -33,8 +33,6 @@ class MLFlowLogger(LoggerDestination):
         self.run_id: str | None = None
         self._client: Any = None
         self._metrics: list[Any] = []
-        self._thread: BackgroundWriter | None = None
-        self._failed: set[int] = set()
 
     def init(self, state: State, logger: Any = None) -> None:
         from lockstep import dist
@@ -47,8 +45,8 @@ class MLFlowLogger(LoggerDestination):
         self.run_name = self.run_name or state.run_name
         if not self.rank_zero_only:
             self.run_name = f"{self.run_name}-rank{dist.get_global_rank()}"
-        self._thread = BackgroundWriter("lockstep-mlflow", lambda e: report_failure(self, e, self._failed))
-        self._thread.submit(self._open)
+        self._start("lockstep-mlflow")
+        self._submit(self._open)
 
     def _open(self) -> None:
         from mlflow.tracking import MlflowClient
@@ -60,24 +58,22 @@ class MLFlowLogger(LoggerDestination):
         self.run_id = self._client.create_run(experiment_id, run_name=self.run_name, tags=self.tags).info.run_id
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        if self._thread is not None:
-            self._thread.submit(self._add, dict(metrics), step or 0, int(time.time() * 1000))
+        self._submit(self._add, dict(metrics), step or 0, int(time.time() * 1000))
 
     def _add(self, metrics: dict[str, Any], step: int, at_ms: int) -> None:
         from mlflow.entities import Metric
 
         self._metrics += [Metric(_key(k), as_number(v), at_ms, step) for k, v in metrics.items()]
         if step % self.flush_interval == 0:
-            self._send()
+            self._flush_work()
 
-    def _send(self) -> None:
+    def _flush_work(self) -> None:
         while self._metrics:  # MLflow takes at most 1000 metrics per call
             chunk, self._metrics = self._metrics[:1000], self._metrics[1000:]
             self._client.log_batch(self.run_id, metrics=chunk)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self._thread is not None:
-            self._thread.submit(self._params, dict(hyperparameters))
+        self._submit(self._params, dict(hyperparameters))
 
     def _params(self, hyperparameters: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -85,23 +81,8 @@ class MLFlowLogger(LoggerDestination):
         params = [Param(_key(k), str(v)[:6000]) for k, v in hyperparameters.items()]
         self._client.log_batch(self.run_id, params=params)
 
-    def flush(self) -> None:
-        if self._thread is not None:
-            self._thread.submit(self._send)
-            self._thread.flush()
-
-    def eval_end(self, state: State, logger: Any = None) -> None:
-        self.flush()
-
-    def fit_end(self, state: State, logger: Any = None) -> None:
-        self.flush()
-
-    def close(self, state: State, logger: Any = None) -> None:
-        if self._thread is not None:
-            self._thread.submit(self._send)
-            self._thread.submit(lambda: self._client.set_terminated(self.run_id))
-            self._thread.close()
-            self._thread = None
+    def _close_work(self) -> None:
+        self._client.set_terminated(self.run_id)
 
 
 def _key(name: str) -> str:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from lockstep.loggers.destination import LoggerDestination, as_number, report_failure, require
-from lockstep.loggers.background import BackgroundWriter
+from lockstep.loggers.background import ThreadedDestination
+from lockstep.loggers.destination import as_number, require
 
 if TYPE_CHECKING:
     from lockstep.state import State
 
 
-class TensorboardLogger(LoggerDestination):
+class TensorboardLogger(ThreadedDestination):
     """Scalars to TensorBoard event files under ``log_dir`` (default: ``tensorboard/`` in the run
     folder, or ``tensorboard_logs/<run_name>`` without one). View them with
     ``tensorboard --logdir <log_dir>``. Needs ``pip install 'lockstep[tensorboard]'``.
@@ -26,8 +26,6 @@ class TensorboardLogger(LoggerDestination):
         self.flush_interval = flush_interval
         self.rank_zero_only = rank_zero_only
         self._writer: Any = None
-        self._thread: BackgroundWriter | None = None
-        self._failed: set[int] = set()
 
     def init(self, state: State, logger: Any = None) -> None:
         from lockstep import dist
@@ -40,8 +38,8 @@ class TensorboardLogger(LoggerDestination):
                             else os.path.join("tensorboard_logs", state.run_name))
         if not self.rank_zero_only:
             self.log_dir = os.path.join(self.log_dir, f"rank{dist.get_global_rank()}")
-        self._thread = BackgroundWriter("lockstep-tensorboard", lambda e: report_failure(self, e, self._failed))
-        self._thread.submit(self._open)
+        self._start("lockstep-tensorboard")
+        self._submit(self._open)
 
     def _open(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -49,8 +47,7 @@ class TensorboardLogger(LoggerDestination):
         self._writer = SummaryWriter(log_dir=self.log_dir, max_queue=1000, flush_secs=30)
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        if self._thread is not None:
-            self._thread.submit(self._write, dict(metrics), step)
+        self._submit(self._write, dict(metrics), step)
 
     def _write(self, metrics: dict[str, Any], step: int | None) -> None:
         for name, value in metrics.items():
@@ -59,23 +56,11 @@ class TensorboardLogger(LoggerDestination):
             self._writer.flush()
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self._thread is not None:
-            text = "\n".join(f"- {k}: {v}" for k, v in sorted(hyperparameters.items()))
-            self._thread.submit(lambda: self._writer.add_text("hyperparameters", text))
+        text = "\n".join(f"- {k}: {v}" for k, v in sorted(hyperparameters.items()))
+        self._submit(lambda: self._writer.add_text("hyperparameters", text))
 
-    def flush(self) -> None:
-        if self._thread is not None:
-            self._thread.submit(lambda: self._writer.flush())
-            self._thread.flush()
+    def _flush_work(self) -> None:
+        self._writer.flush()
 
-    def eval_end(self, state: State, logger: Any = None) -> None:
-        self.flush()
-
-    def fit_end(self, state: State, logger: Any = None) -> None:
-        self.flush()
-
-    def close(self, state: State, logger: Any = None) -> None:
-        if self._thread is not None:
-            self._thread.submit(lambda: self._writer.close())
-            self._thread.close()
-            self._thread = None
+    def _close_work(self) -> None:
+        self._writer.close()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from lockstep.loggers.background import BackgroundWriter
-from lockstep.loggers.destination import LoggerDestination, as_number, report_failure, require
+from lockstep.loggers.background import ThreadedDestination
+from lockstep.loggers.destination import as_number, require
 
 if TYPE_CHECKING:
     from lockstep.state import State
 
 
-class WandBLogger(LoggerDestination):
+class WandBLogger(ThreadedDestination):
     """Metrics and config to a W&B run named after the Trainer's ``run_name``, from a background
     thread. ``mode``: ``'online'``, ``'offline'`` (sync later with ``wandb sync``) or ``'disabled'``;
     default ``$WANDB_MODE``, else online. Files go under the run folder when there is one.
@@ -26,8 +26,6 @@ class WandBLogger(LoggerDestination):
         self.project, self.entity, self.name, self.group, self.tags = project, entity, name, group, tags
         self.mode, self.init_kwargs, self.rank_zero_only = mode, dict(init_kwargs or {}), rank_zero_only
         self.run: Any = None
-        self._thread: BackgroundWriter | None = None
-        self._failed: set[int] = set()
 
     def init(self, state: State, logger: Any = None) -> None:
         from lockstep import dist
@@ -40,8 +38,8 @@ class WandBLogger(LoggerDestination):
         kwargs = {"project": self.project, "entity": self.entity, "name": name, "group": self.group,
                   "tags": self.tags, "mode": self.mode or os.environ.get("WANDB_MODE") or "online",
                   **({"dir": str(state.run_folder)} if state.run_folder else {}), **self.init_kwargs}
-        self._thread = BackgroundWriter("lockstep-wandb", lambda e: report_failure(self, e, self._failed))
-        self._thread.submit(self._open, kwargs)
+        self._start("lockstep-wandb")
+        self._submit(self._open, kwargs)
 
     def _open(self, kwargs: dict[str, Any]) -> None:
         import wandb
@@ -49,25 +47,16 @@ class WandBLogger(LoggerDestination):
         self.run = wandb.init(**kwargs)
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        if self._thread is not None:
-            self._thread.submit(self._log, dict(metrics), step)
+        self._submit(self._log, dict(metrics), step)
 
     def _log(self, metrics: dict[str, Any], step: int | None) -> None:
         self.run.log({k: as_number(v) for k, v in metrics.items()}, step=step)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self._thread is not None:
-            self._thread.submit(lambda: self.run.config.update(hyperparameters, allow_val_change=True))
-
-    def flush(self) -> None:
-        if self._thread is not None:
-            self._thread.flush()
+        self._submit(lambda: self.run.config.update(hyperparameters, allow_val_change=True))
 
     def fit_end(self, state: State, logger: Any = None) -> None:
         self.close(state, logger)  # wandb writes its summary and stops its service process here
 
-    def close(self, state: State, logger: Any = None) -> None:
-        if self._thread is not None:
-            self._thread.submit(lambda: self.run.finish())
-            self._thread.close()
-            self._thread = None
+    def _close_work(self) -> None:
+        self.run.finish()

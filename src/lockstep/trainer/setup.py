@@ -116,11 +116,15 @@ def check_loggers(loggers: Any) -> list[Any]:
     """``loggers`` as a list of :class:`lockstep.loggers.LoggerDestination`, or a one-line error."""
     from lockstep.loggers import LoggerDestination
 
-    items = as_list(loggers)
+    return _list_of("loggers", loggers, LoggerDestination, "a destination from lockstep.loggers "
+                    "(TensorboardLogger(), MLFlowLogger(), ...); callbacks go in callbacks=")
+
+
+def _list_of(name: str, value: Any, kind: type, expected: str) -> list[Any]:
+    items = as_list(value)
     for i, item in enumerate(items):
-        if not isinstance(item, LoggerDestination):
-            raise TypeError(f"loggers[{i}] is a {type(item).__name__}: give destinations from lockstep.loggers "
-                            f"(TensorboardLogger(), MLFlowLogger(), ...); callbacks go in callbacks=")
+        if not isinstance(item, kind):
+            raise TypeError(f"{name}[{i}] is a {type(item).__name__}, not {expected}")
     return items
 
 
@@ -139,12 +143,8 @@ def check_algorithms(algorithms: Any) -> list[Any]:
     """``algorithms`` as a list of :class:`lockstep.algorithms.Algorithm`, or a one-line error."""
     from lockstep.algorithms import Algorithm
 
-    items = as_list(algorithms)
-    for i, algorithm in enumerate(items):
-        if not isinstance(algorithm, Algorithm):
-            raise TypeError(f"algorithms[{i}] is a {type(algorithm).__name__}, not a lockstep.algorithms.Algorithm "
-                            f"(e.g. GradientClipping(clipping_type='norm', clipping_threshold=1.0))")
-    return items
+    return _list_of("algorithms", algorithms, Algorithm, "a lockstep.algorithms.Algorithm "
+                    "(e.g. GradientClipping(clipping_type='norm', clipping_threshold=1.0))")
 
 
 def needs_step_sync(train_dataloader: Any, model: Any) -> bool:
