@@ -229,27 +229,7 @@ class Trainer:
                     s.batch = batch
                     self._run_event(Event.BATCH_START)
                     s.loss_tensor = self._train_batch(batch, samples)
-                    before = s.timestamp
-                    s.timestamp = before.to_next_batch(samples, tokens)
-                    if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
-                        s.timestamp = s.timestamp.to_next_epoch()
-                    if not tokens and s.max_duration.unit is TimeUnit.TOKEN:
-                        raise ValueError(setup.NO_TOKENS)
-                    for scheduler in s.schedulers:  # after the timestamp: the lr of the next batch
-                        scheduler.step()
-                    if self._logging:
-                        self._log_batch()
-                    self._run_event(Event.BATCH_END)
-                    if is_last:
-                        self._run_event(Event.EPOCH_END)
-                    if self.eval_dataloader is not None and is_interval_due(
-                            before, s.timestamp, self.loop.eval_interval, s.max_duration):
-                        self.eval()
-                    if self.saver and (self.saver.due(before, s.timestamp, Event.BATCH_END, s) or (
-                            is_last and self.saver.due(before, s.timestamp, Event.EPOCH_END, s))):
-                        self._save(is_last)
-                    if stop and stop.agreed():
-                        self._preempt(is_last)
+                    self._end_batch(samples, tokens, is_last, stop)
                     if is_reached(s.timestamp, s.max_duration):
                         break
                 batches.close()  # puts back a sampler the resume skipped through
@@ -260,6 +240,32 @@ class Trainer:
                     self._save(s.timestamp.batch_in_epoch == 0, wait=True)
                 self.saver.wait()
         self._run_event(Event.FIT_END)
+
+    def _end_batch(self, samples: int, tokens: int, is_last: bool, stop: StopSignal | None) -> None:
+        """After a step: move the timestamp and the schedules, log, then evaluate, save and stop
+        when due."""
+        s = self.state
+        before = s.timestamp
+        s.timestamp = before.to_next_batch(samples, tokens)
+        if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
+            s.timestamp = s.timestamp.to_next_epoch()
+        if not tokens and s.max_duration.unit is TimeUnit.TOKEN:  # type: ignore[union-attr]
+            raise ValueError(setup.NO_TOKENS)
+        for scheduler in s.schedulers:  # after the timestamp: the lr of the next batch
+            scheduler.step()
+        if self._logging:
+            self._log_batch()
+        self._run_event(Event.BATCH_END)
+        if is_last:
+            self._run_event(Event.EPOCH_END)
+        if self.eval_dataloader is not None and is_interval_due(
+                before, s.timestamp, self.loop.eval_interval, s.max_duration):
+            self.eval()
+        if self.saver and (self.saver.due(before, s.timestamp, Event.BATCH_END, s) or (
+                is_last and self.saver.due(before, s.timestamp, Event.EPOCH_END, s))):
+            self._save(is_last)
+        if stop and stop.agreed():
+            self._preempt(is_last)
 
     def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
         """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync)."""
