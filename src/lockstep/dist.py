@@ -33,6 +33,8 @@ import torch
 import torch.distributed as torch_dist
 from torch.utils.data import Dataset, DistributedSampler
 
+from lockstep.progress import heartbeat, heartbeat_paused
+
 __all__ = [
     "MissingEnvironmentError",
     "all_gather",
@@ -49,6 +51,8 @@ __all__ = [
     "get_node_signal_file_name",
     "get_sampler",
     "get_world_size",
+    "heartbeat",
+    "heartbeat_paused",
     "initialize_dist",
     "is_available",
     "is_initialized",

@@ -57,6 +57,7 @@ _port = _number(int, 1, 65535, "a port number 1-65535")
 # Bounded so that a typo (inf, 1e308) cannot make a teardown or a wait last forever.
 _grace_seconds = _number(float, 0.0, 86400.0, "seconds > 0 and at most 86400", low_inclusive=False)
 _rdzv_seconds = _number(float, 0.0, 604800.0, "seconds > 0 and at most 604800", low_inclusive=False)
+_stall_seconds = _number(float, 0.0, 604800.0, "seconds >= 0 and at most 604800 (0: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "times (env LOCKSTEP_MAX_RESTARTS). Default: 0.")
     p.add_argument("--grace_period", type=_grace_seconds, default=5.0,
                    help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
+    p.add_argument("--stall_timeout", type=_stall_seconds, default=None,
+                   help="End the job (exit code 124) when a rank that reports progress (the Trainer "
+                        "does, each batch; a script with lockstep.dist.heartbeat()) has made none for "
+                        "this many seconds, after printing every rank's stack and which ranks stopped "
+                        "first (env LOCKSTEP_STALL_TIMEOUT). Default: 0, off.")
     p.add_argument("-t", "--tee", type=torchrun.stream_value, default=Stream.NONE,
                    help="Also show every rank's stdout (1), stderr (2) or both (3) on the console, "
                         "each line prefixed [rank N], while its log files are still written. Default: 0.")
@@ -228,6 +234,12 @@ def _rdzv_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
     return timeout or _from_env(env, "LOCKSTEP_RDZV_TIMEOUT", _rdzv_seconds, "--rdzv_timeout") or DEFAULT_RDZV_TIMEOUT
 
 
+def _stall_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
+    if args.stall_timeout is not None:
+        return args.stall_timeout
+    return _from_env(env, "LOCKSTEP_STALL_TIMEOUT", _stall_seconds, "--stall_timeout") or 0.0
+
+
 def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.datetime | None = None) -> LaunchPlan:
     """Turn the command line and environment into a LaunchPlan; raise LaunchError on bad input."""
     args = build_parser().parse_args(list(argv))
@@ -264,6 +276,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         redirects=getattr(args, "redirects", Stream.NONE),
         tee_ranks=torchrun.parse_local_ranks(getattr(args, "local_ranks_filter", None), nproc),
         run_id=getattr(args, "rdzv_id", None), nnodes=nnodes, role=getattr(args, "role", "default"),
+        stall_timeout=_stall_timeout(args, env),
     )
     inputs.check_paths(plan)
     return plan

@@ -85,6 +85,8 @@ class LaunchPlan:
     nnodes: int | None = None
     """Number of nodes when given (torchrun's --nnodes); else derived from world_size / nproc."""
     role: str = "default"
+    stall_timeout: float = 0.0
+    """Seconds without progress from a reporting rank that end the job as a stall; 0: never."""
     python: str = field(default=sys.executable)
 
     @property

@@ -3,17 +3,26 @@
 The only module of the launcher that touches processes, sockets and signals. Each rank runs in a
 session of its own so that the whole tree it starts (DataLoader workers, compilers, shells) can be
 signalled as one process group; the watchdog kills those groups if the launcher itself is killed.
+
+Signals to the launcher: SIGINT, SIGTERM and SIGHUP are forwarded and stop the job; SIGUSR1 and
+SIGUSR2 are forwarded to each rank's main process and the job goes on; SIGQUIT prints every rank's
+stacks and the job goes on. The ranks' progress slots and stack files live in a node-local control
+folder that exists while the launcher runs.
 """
 
 from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lockstep.launcher.output import (
     LinePump,
@@ -25,11 +34,17 @@ from lockstep.launcher.output import (
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode, RankSpec, Stream
 from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
 from lockstep.launcher.report import describe_exit, report_failure, say, shell_code
+from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
+from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose
 from lockstep.launcher.watchdog import Watchdog
+from lockstep.progress import CONTROL_DIR_ENV
 
 __all__ = ["Supervisor", "describe_exit", "shell_code"]
 
-_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)
+_HANDLED = (*_STOPPING, *_PASSED_ON, signal.SIGQUIT)
+_STALL_POLL_S = 1.0
 # Test hook: seconds to pause right after each Popen, where a launcher killed used to orphan a rank.
 _PAUSE_AFTER_SPAWN_ENV = "_LOCKSTEP_TEST_PAUSE_AFTER_SPAWN"
 
@@ -73,12 +88,19 @@ class _Failure:
     code: int
 
 
+@dataclass
+class _Stall:
+    ranks: list[int]
+
+
 class Supervisor:
     """Runs one LaunchPlan to completion and returns the launcher's exit code."""
 
     def __init__(self, plan: LaunchPlan) -> None:
         self.plan = plan
         self._signals_seen: list[int] = []
+        self._control_dir = Path()
+        self._board: ProgressBoard | None = None
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -87,9 +109,12 @@ class Supervisor:
         port = listener.getsockname()[1] if listener else self.plan.master_port
         watchdog = Watchdog()  # forked first, so it inherits no handlers and no wakeup pipe
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        previous = {s: signal.signal(s, lambda *_: None) for s in _FORWARDED}
+        previous = {s: signal.signal(s, lambda *_: None) for s in _HANDLED}
         old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         launcher_store = None
+        shm = Path("/dev/shm")
+        self._control_dir = Path(tempfile.mkdtemp(
+            prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
         try:
             if listener and self.plan.mode is Mode.COMMAND:
                 launcher_store = _host_store_here(self.plan, listener)
@@ -98,6 +123,9 @@ class Supervisor:
             say(f"error: {e}")
             return 2
         finally:
+            if self._board is not None:
+                self._board.close()
+            shutil.rmtree(self._control_dir, ignore_errors=True)
             watchdog.close()
             signal.set_wakeup_fd(old_wakeup)
             for s, handler in previous.items():
@@ -123,6 +151,13 @@ class Supervisor:
                 self._teardown(ranks, wake_r, watchdog, None)
                 return self._signalled_code(ranks, outcome)
             self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+            if isinstance(outcome, _Stall):
+                if self._signals_seen:
+                    return 128 + self._signals_seen[0]
+                if attempt < self.plan.max_restarts:
+                    say(f"restarting this node's ranks ({attempt + 1} of {self.plan.max_restarts})")
+                    continue
+                return STALL_EXIT_CODE
             others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
             report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
             if self._signals_seen:
@@ -161,7 +196,7 @@ class Supervisor:
 
         def interrupted() -> bool:
             try:
-                self._signals_seen.extend(s for s in os.read(wake_r, 64) if s in _FORWARDED)
+                self._signals_seen.extend(s for s in os.read(wake_r, 64) if s in _STOPPING)
             except BlockingIOError:
                 pass
             return bool(self._signals_seen)
@@ -187,6 +222,12 @@ class Supervisor:
                 opened.close()
             raise
         base_env = {k: v for k, v in os.environ.items() if k != "LOCKSTEP_STORE_FD"}
+        base_env[CONTROL_DIR_ENV] = str(self._control_dir)
+        for spec in specs:
+            stacks_path(self._control_dir, spec.rank).unlink(missing_ok=True)
+        if self._board is not None:
+            self._board.close()
+        self._board = ProgressBoard(self._control_dir, [spec.rank for spec in specs])
         ranks = []
         for spec, rank_logs in zip(specs, logs):
             env = self.plan.worker_env(spec.local_rank, port, attempt, base_env)
@@ -221,21 +262,57 @@ class Supervisor:
 
     # -- watching -------------------------------------------------------------------------
 
-    def _monitor(self, ranks: list[_Rank], wake_r: int) -> _Failure | int | None:
-        """Wait until every rank exited 0 (None), one failed (_Failure), or a signal came (int)."""
+    def _monitor(self, ranks: list[_Rank], wake_r: int) -> _Failure | _Stall | int | None:
+        """Wait until every rank exited 0 (None), one failed (_Failure), the job stalled (_Stall),
+        or a stopping signal came (int)."""
+        stall_timeout = self.plan.stall_timeout
         with _Waiter(ranks, wake_r) as waiter:
             while any(r.returncode is None for r in ranks):
-                signals, exited = waiter.wait(None)
-                if signals:
-                    self._signals_seen.extend(signals)
-                    self._forward(ranks, signals[0])
-                    return signals[0]
+                signals, exited = waiter.wait(_STALL_POLL_S if stall_timeout else None)
+                for signum in signals:
+                    if signum in _STOPPING:
+                        self._signals_seen.append(signum)
+                        self._forward(ranks, signum)
+                        return signum
+                    if signum == signal.SIGQUIT:
+                        say("received SIGQUIT: the stacks of this node's ranks follow; the job goes on")
+                        self._show_stacks(ranks)
+                    else:
+                        self._pass_on(ranks, signum)
                 for r in exited:
                     if r.returncode != 0:
                         return _Failure(r, r.returncode)
                     if self.plan.verbose:
                         say(f"rank {r.spec.rank} finished")
+                if stall_timeout and self._board is not None:
+                    live = {r.spec.rank for r in ranks if r.returncode is None}
+                    stalled = self._board.stalled(live, time.monotonic(), stall_timeout)
+                    if stalled:
+                        self._report_stall(ranks, stalled, stall_timeout)
+                        return _Stall(stalled)
         return None
+
+    def _show_stacks(self, ranks: list[_Rank]) -> list[Stacks]:
+        dumps = collect(self._control_dir, [(r.spec.rank, r.proc.pid) for r in ranks if r.returncode is None])
+        sys.stderr.write(format_stacks(dumps))
+        sys.stderr.flush()
+        return dumps
+
+    def _report_stall(self, ranks: list[_Rank], stalled: list[int], timeout: float) -> None:
+        say(f"stall: rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))} made no progress "
+            f"for {timeout:g} s (--stall_timeout); the stacks of this node's ranks follow")
+        progress = self._board.read() if self._board else {}
+        dumps = self._show_stacks(ranks)
+        for line in diagnose(dumps, progress, time.monotonic()).lines:
+            say(line)
+        say(f"stopping the job as a stall (exit code {STALL_EXIT_CODE})")
+
+    def _pass_on(self, ranks: list[_Rank], signum: int) -> None:
+        """A signal the job should see but not stop for (a batch scheduler's warning)."""
+        say(f"received {signal.Signals(signum).name}, passing it to every rank; the job goes on")
+        for r in ranks:
+            if r.returncode is None:
+                r.signal_leader(signum)
 
     def _signalled_code(self, ranks: list[_Rank], signum: int) -> int:
         """128 + ``signum`` when every rank stopped as asked: it finished, it exited 128 + signum
@@ -277,8 +354,9 @@ class Supervisor:
                 if remaining <= 0:
                     break
                 signals, _ = waiter.wait(remaining)
-                if signals:
-                    self._signals_seen.extend(signals)
+                stopping = [s for s in signals if s in _STOPPING]
+                if stopping:
+                    self._signals_seen.extend(stopping)
                     say("second signal: killing every rank now")
                     break
         for r in ranks:
@@ -326,7 +404,7 @@ class _Waiter:
                 source.close()
             elif source == self._wake_r:
                 try:
-                    signals = [s for s in os.read(self._wake_r, 64) if s in _FORWARDED]
+                    signals = [s for s in os.read(self._wake_r, 64) if s in _HANDLED]
                 except BlockingIOError:
                     pass
         exited = []

@@ -10,6 +10,15 @@ things that happen when (and only if) the script imports torch:
   collective without ``destroy_process_group`` can abort with SIGABRT while the interpreter shuts
   down (torch 2.13).
 
+Before the script starts, ``faulthandler`` is registered on SIGQUIT: the launcher sends it to show
+where every thread of every rank is (``kill -QUIT`` on the launcher, or a stall). It writes from
+the signal handler itself, so it works while the rank is blocked in C code or holds the GIL, and it
+writes to a file in the launcher's control folder, not to the rank's own output.
+
+SIGUSR1 and SIGUSR2, which the launcher passes on to every rank (a batch scheduler's warning before
+preemption), get a handler that does nothing, so a script that installs none of its own goes on
+instead of being killed by the signal's default action.
+
 Interpreter shutdown with torch loaded spends ~0.5 s in repeated garbage collections over a heap
 of torch objects. After the script ends, the bootstrap collects garbage once (so cyclic garbage is
 finalized as usual), flushes every open file object, then freezes the heap so those final passes
@@ -22,7 +31,9 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import _thread
 import datetime
+import faulthandler
 import gc
 import importlib.abc
 import importlib.machinery
@@ -30,12 +41,14 @@ import importlib.util
 import io
 import os
 import runpy
+import signal
 import sys
 from types import CodeType, ModuleType
 from typing import Any
 
 _STORE_FD_ENV = "LOCKSTEP_STORE_FD"
 _store: Any = None  # the TCPStore server; must live as long as the process
+_stacks_file: Any = None  # faulthandler keeps only the descriptor: the file object must live on
 
 
 def _on_torch_imported() -> None:
@@ -55,6 +68,32 @@ def _on_torch_imported() -> None:
         wait_for_workers=False,
         master_listen_fd=int(fd),
     )
+
+
+def _register_stack_dump() -> None:
+    global _stacks_file
+    folder, rank = os.environ.get("LOCKSTEP_CONTROL_DIR"), os.environ.get("RANK")
+    if not folder or rank is None:
+        return
+    try:
+        _stacks_file = open(os.path.join(folder, f"rank{rank}.stacks"), "a", encoding="utf-8")
+        faulthandler.register(signal.SIGQUIT, file=_stacks_file, all_threads=True, chain=False)
+        # The launcher signals only a rank whose file has this line: the handler is in place.
+        _stacks_file.write(f"main thread 0x{_thread.get_ident():016x}\n")
+        _stacks_file.flush()
+    except (OSError, ValueError, RuntimeError):
+        _stacks_file = None
+
+
+def _ignore_user_signals() -> None:
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            # A Python handler, not SIG_IGN: programs the script runs get the default action back.
+            signal.signal(signum, _no_op)
+
+
+def _no_op(signum: int, frame: Any) -> None:
+    pass
 
 
 def _destroy_process_group() -> None:
@@ -149,6 +188,8 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] not in ("script", "module"):
         raise SystemExit("usage: python -m lockstep.launcher.worker {script|module} TARGET [ARGS...]")
     mode, target, args = argv[0], argv[1], argv[2:]
+    _register_stack_dump()
+    _ignore_user_signals()
     if "torch" in sys.modules:
         _on_torch_imported()
     else:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lockstep import dist, rng
+from lockstep import dist, progress, rng
 from lockstep.algorithms import Algorithm
 from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.batch import take
@@ -127,7 +127,7 @@ class Trainer:
         destinations = setup.check_loggers(loggers)
         self.logger = Logger(self.state, destinations)
         self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
-        self._logging, self._closed = False, False
+        self._logging, self._closed, self._fitting = False, False, False
         self.saved_checkpoints: list[str] = []
         """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
         self._run_event(Event.INIT)
@@ -197,12 +197,15 @@ class Trainer:
         freeze = gc.get_freeze_count() == 0
         if freeze:
             gc.freeze()
+        self._fitting = True
         try:
             self._fit()
         except BaseException:
             self._close_callbacks()
             raise
         finally:
+            self._fitting = False
+            progress.stop_heartbeat()  # what the script does next may wait on other ranks
             if freeze:
                 gc.unfreeze()
 
@@ -238,7 +241,8 @@ class Trainer:
             if self.saver:
                 if self.saver.last_saved_batch != s.timestamp.batch:
                     self._save(s.timestamp.batch_in_epoch == 0, wait=True)
-                self.saver.wait()
+                with progress.heartbeat_paused():
+                    self.saver.wait()
         self._run_event(Event.FIT_END)
 
     def _end_batch(self, samples: int, tokens: int, is_last: bool, stop: StopSignal | None) -> None:
@@ -249,6 +253,7 @@ class Trainer:
         s.timestamp = before.to_next_batch(samples, tokens)
         if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
             s.timestamp = s.timestamp.to_next_epoch()
+        progress.heartbeat(s.timestamp.batch)
         if not tokens and s.max_duration.unit is TimeUnit.TOKEN:  # type: ignore[union-attr]
             raise ValueError(setup.NO_TOKENS)
         for scheduler in s.schedulers:  # after the timestamp: the lr of the next batch
@@ -350,6 +355,7 @@ class Trainer:
                 eval_outputs = s.model.eval_forward(batch, outputs)
             for metric in self.eval_metrics.values():
                 s.model.update_metric(batch, eval_outputs, metric)
+            progress.heartbeat(s.timestamp.batch)
         dist.all_reduce(totals, "SUM")
         results = {"loss": float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")}
         results.update({name: float(m.compute()) for name, m in self.eval_metrics.items()})
@@ -357,6 +363,8 @@ class Trainer:
         self.logger.log_metrics(eval_metric_names(results))
         self._run_event(Event.EVAL_END)
         s.model.train(was_training)
+        if not self._fitting:
+            progress.stop_heartbeat()
         return results
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -393,7 +401,8 @@ class Trainer:
                  "epoch_rng": None if at_epoch_end else position.epoch_rng,
                  "fetch_rng": None if at_epoch_end else position.fetch_rng,
                  "loader_state": None if at_epoch_end else position.loader_state}
-        path = self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
+        with progress.heartbeat_paused():  # a long write is not a stall, nor are ranks waiting for it
+            path = self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
         if path is not None:
             self.saved_checkpoints.append(str(path))
 
@@ -401,7 +410,8 @@ class Trainer:
         s = self.state
         if self.saver.last_saved_batch != s.timestamp.batch:  # type: ignore[union-attr]
             self._save(at_epoch_end, wait=True)
-        self.saver.wait()  # type: ignore[union-attr]
+        with progress.heartbeat_paused():
+            self.saver.wait()  # type: ignore[union-attr]
         self._run_event(Event.FIT_END)
         message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch}; the checkpoint is in "
                    f"{self.saver.folder}")  # type: ignore[union-attr]
