@@ -36,7 +36,7 @@ class Losses(Callback):
         self.losses: list[float] = []
 
     def batch_end(self, state, logger) -> None:
-        self.losses.append(state.loss)
+        self.losses.append(float(state.loss))
 
 
 def train(loggers, callbacks=(), run_folder=None, **kw) -> Trainer:

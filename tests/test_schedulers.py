@@ -143,13 +143,22 @@ def test_scale_schedule_ratio_stretches_max_duration_and_the_schedule() -> None:
     assert "shrinks max_duration '1ep' to 0" in error_of(_trainer, LinearScheduler(), "1ep", ssr=0.5)
 
 
-def test_torch_schedulers_still_step_every_batch() -> None:
+def _torch_lrs(duration: str, every_batch: bool | None, step_size: int) -> list[float]:
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     record = LRs()
-    Trainer(model=model, train_dataloader=loader(4), max_duration="5ba", optimizers=opt, progress_bar=False,
-            schedulers=torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), callbacks=[record]).fit()
-    assert record.lrs == [1.0, 1.0, 0.5, 0.5, 0.25]
+    Trainer(model=model, train_dataloader=loader(4), max_duration=duration, optimizers=opt, progress_bar=False,
+            schedulers=torch.optim.lr_scheduler.StepLR(opt, step_size=step_size, gamma=0.5), callbacks=[record],
+            step_schedulers_every_batch=every_batch).fit()
+    return record.lrs
+
+
+def test_torch_schedulers_step_every_epoch_unless_asked_to_step_every_batch() -> None:
+    # Composer's rule: a torch scheduler counts epochs unless step_schedulers_every_batch=True.
+    assert _torch_lrs("2ep", None, 1) == [1.0] * 7 + [0.5] * 7  # 7 batches per epoch
+    assert _torch_lrs("2ep", False, 1) == [1.0] * 7 + [0.5] * 7
+    assert _torch_lrs("5ba", True, 2) == [1.0, 1.0, 0.5, 0.5, 0.25]
+    assert "must be True, False or None" in error_of(_torch_lrs, "1ep", "yes", 1)
 
 
 def test_token_durations_need_a_token_count() -> None:

@@ -33,13 +33,23 @@ class State:
     run_folder: str | None = None
     """The run's folder (``run_folder=`` or the launcher's run directory), where loggers put files."""
     batch: Any = None
-    """This rank's current training batch (from BATCH_START to BATCH_END)."""
+    """This rank's current training batch (from BATCH_START to BATCH_END; the microbatch in the
+    microbatch loop; the evaluation batch during evaluation)."""
+    outputs: Any = None
+    """The model's outputs of the current microbatch (or evaluation batch), from AFTER_FORWARD on."""
     loss_tensor: torch.Tensor | None = None
-    """This rank's mean training loss of the last batch (kept as a tensor: no device sync per step)."""
+    """This rank's mean training loss of the last batch (kept as a tensor: no device sync per step);
+    in the microbatch loop, from AFTER_LOSS on, the microbatch's loss."""
 
     @property
-    def loss(self) -> float:
-        return float("nan") if self.loss_tensor is None else float(self.loss_tensor)
+    def loss(self) -> torch.Tensor | None:
+        """As Composer's ``state.loss``: a tensor (``float(state.loss)`` reads it). A callback or
+        algorithm may set it at AFTER_LOSS to change what is backpropagated."""
+        return self.loss_tensor
+
+    @loss.setter
+    def loss(self, value: torch.Tensor) -> None:
+        self.loss_tensor = value
 
     @property
     def lr(self) -> float:

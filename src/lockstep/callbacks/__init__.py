@@ -1,24 +1,40 @@
 """Callbacks: code that runs at named points of the training loop.
 
-Where each :class:`Event` fires, as pseudocode of ``Trainer.fit``::
+Where each :class:`Event` fires (Composer's events and order), as pseudocode of ``Trainer``::
 
-    INIT                                  # end of Trainer.__init__
+    INIT                                  # Trainer.__init__, once callbacks are in place
+    BEFORE_LOAD, AFTER_LOAD               # around loading load_path / autoresume
     FIT_START
     while not reached(max_duration):
         EPOCH_START
-        for batch in train_dataloader:    # every rank stops together if one runs out
+        while True:
+            BEFORE_DATALOADER
+            batch = next(train_dataloader)  # every rank stops together if one runs out
+            AFTER_DATALOADER
             BATCH_START
+            BEFORE_TRAIN_BATCH
             for microbatch in split(batch):
-                forward, loss * share of global batch, backward   (DDP sync per strategy)
+                BEFORE_FORWARD; outputs = model(microbatch); AFTER_FORWARD
+                BEFORE_LOSS; loss = model.loss(outputs, microbatch); AFTER_LOSS
+                BEFORE_BACKWARD; (loss * share of global batch).backward(); AFTER_BACKWARD
             AFTER_TRAIN_BATCH             # gradients synchronized, not yet applied (clipping)
-            optimizer.step(); scheduler.step(); zero_grad()
+            optimizer.step(); schedulers.step(); zero_grad()
             BATCH_END                     # state.timestamp and state.loss are updated
             EPOCH_END                     # after the epoch's last batch
-            if eval due: EVAL_START ... EVAL_END
+            if eval due:                  # EVAL_BEFORE_ALL, EVAL_START,
+                evaluate                  #   per batch EVAL_BATCH_START, EVAL_BEFORE_FORWARD,
+                                          #   EVAL_AFTER_FORWARD, EVAL_BATCH_END; EVAL_END, EVAL_AFTER_ALL
             if save due: checkpoint       # with save_folder; also once more at the end
+            BATCH_CHECKPOINT              # after the batch's checkpoint, if any
+            EPOCH_CHECKPOINT              # after the epoch's last batch, likewise
             if every rank saw SIGTERM: checkpoint, FIT_END, exit 143
             if reached(max_duration): break
     FIT_END
+
+``Trainer.eval()`` called by the user runs EVAL_STANDALONE_START, the evaluation (EVAL_START ...
+EVAL_END), then EVAL_STANDALONE_END. During the microbatch loop ``state.batch`` is the microbatch,
+``state.outputs`` its outputs and ``state.loss`` its loss (a callback or algorithm may replace
+either); after the batch ``state.loss`` is the batch's mean loss.
 
 The Trainer itself logs ``loss/train/total``, ``time/batch`` and ``time/epoch`` after every batch,
 ``metrics/eval/<Name>`` after each evaluation, and its configuration at FIT_START.
@@ -45,15 +61,36 @@ if TYPE_CHECKING:
 
 class Event(StrEnum):
     INIT = "init"
+    BEFORE_LOAD = "before_load"
+    AFTER_LOAD = "after_load"
     FIT_START = "fit_start"
     EPOCH_START = "epoch_start"
+    BEFORE_DATALOADER = "before_dataloader"
+    AFTER_DATALOADER = "after_dataloader"
     BATCH_START = "batch_start"
+    BEFORE_TRAIN_BATCH = "before_train_batch"
+    BEFORE_FORWARD = "before_forward"
+    AFTER_FORWARD = "after_forward"
+    BEFORE_LOSS = "before_loss"
+    AFTER_LOSS = "after_loss"
+    BEFORE_BACKWARD = "before_backward"
+    AFTER_BACKWARD = "after_backward"
     AFTER_TRAIN_BATCH = "after_train_batch"
     BATCH_END = "batch_end"
     EPOCH_END = "epoch_end"
-    EVAL_START = "eval_start"
-    EVAL_END = "eval_end"
+    BATCH_CHECKPOINT = "batch_checkpoint"
+    EPOCH_CHECKPOINT = "epoch_checkpoint"
     FIT_END = "fit_end"
+    EVAL_BEFORE_ALL = "eval_before_all"
+    EVAL_START = "eval_start"
+    EVAL_BATCH_START = "eval_batch_start"
+    EVAL_BEFORE_FORWARD = "eval_before_forward"
+    EVAL_AFTER_FORWARD = "eval_after_forward"
+    EVAL_BATCH_END = "eval_batch_end"
+    EVAL_END = "eval_end"
+    EVAL_AFTER_ALL = "eval_after_all"
+    EVAL_STANDALONE_START = "eval_standalone_start"
+    EVAL_STANDALONE_END = "eval_standalone_end"
 
 
 class Callback:
@@ -62,16 +99,42 @@ class Callback:
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         getattr(self, event.value)(state, logger)
 
+    def listens_to(self, event: Event) -> bool:
+        """Whether this callback does something at ``event`` (the Trainer skips it where not)."""
+        kind = type(self)
+        return kind.run_event is not Callback.run_event or getattr(kind, event.value) is not getattr(Callback, event.value)
+
     def init(self, state: State, logger: Logger) -> None: ...
+    def before_load(self, state: State, logger: Logger) -> None: ...
+    def after_load(self, state: State, logger: Logger) -> None: ...
     def fit_start(self, state: State, logger: Logger) -> None: ...
     def epoch_start(self, state: State, logger: Logger) -> None: ...
+    def before_dataloader(self, state: State, logger: Logger) -> None: ...
+    def after_dataloader(self, state: State, logger: Logger) -> None: ...
     def batch_start(self, state: State, logger: Logger) -> None: ...
+    def before_train_batch(self, state: State, logger: Logger) -> None: ...
+    def before_forward(self, state: State, logger: Logger) -> None: ...
+    def after_forward(self, state: State, logger: Logger) -> None: ...
+    def before_loss(self, state: State, logger: Logger) -> None: ...
+    def after_loss(self, state: State, logger: Logger) -> None: ...
+    def before_backward(self, state: State, logger: Logger) -> None: ...
+    def after_backward(self, state: State, logger: Logger) -> None: ...
     def after_train_batch(self, state: State, logger: Logger) -> None: ...
     def batch_end(self, state: State, logger: Logger) -> None: ...
     def epoch_end(self, state: State, logger: Logger) -> None: ...
-    def eval_start(self, state: State, logger: Logger) -> None: ...
-    def eval_end(self, state: State, logger: Logger) -> None: ...
+    def batch_checkpoint(self, state: State, logger: Logger) -> None: ...
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None: ...
     def fit_end(self, state: State, logger: Logger) -> None: ...
+    def eval_before_all(self, state: State, logger: Logger) -> None: ...
+    def eval_start(self, state: State, logger: Logger) -> None: ...
+    def eval_batch_start(self, state: State, logger: Logger) -> None: ...
+    def eval_before_forward(self, state: State, logger: Logger) -> None: ...
+    def eval_after_forward(self, state: State, logger: Logger) -> None: ...
+    def eval_batch_end(self, state: State, logger: Logger) -> None: ...
+    def eval_end(self, state: State, logger: Logger) -> None: ...
+    def eval_after_all(self, state: State, logger: Logger) -> None: ...
+    def eval_standalone_start(self, state: State, logger: Logger) -> None: ...
+    def eval_standalone_end(self, state: State, logger: Logger) -> None: ...
 
     def close(self, state: State, logger: Logger) -> None:
         """Called by ``Trainer.close()``, and when ``fit`` raises: write out anything held in memory

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.checkpoint import templates
+from lockstep.checkpoint import ignore, templates
 from lockstep.time import Time, time_argument
 
 SaveInterval = Time | str | int | Callable[[Any, Any], bool]
@@ -28,10 +28,20 @@ class CheckpointConfig:
     """-1 keeps every checkpoint; N keeps the newest N."""
     save_overwrite: bool = False
     """Replace checkpoints already in ``save_folder`` instead of refusing to start."""
+    save_metrics: bool = False
+    """Also save the metrics of the last evaluation (``state.eval_metrics``); a resume restores them."""
+    save_weights_only: bool = False
+    """Write only the model's weights (a plain state_dict of full tensors, as ``torch.save(model.state_dict())``
+    would): a smaller file to export or fine-tune from, which loads with ``load_weights_only=True``
+    and cannot resume a run."""
     load_path: str | None = None
     """A checkpoint to start from (``{rank}`` may name each rank's file)."""
     load_weights_only: bool = False
     """Take only the model weights from ``load_path``; the run starts at batch 0."""
+    load_ignore_keys: Any = None
+    """Parts of ``load_path``'s checkpoint to leave out, as Composer names them: ``'state/model/<glob>'``,
+    ``'state/optimizers'``, ``'state/schedulers'``, ``'rng'``; or a function that edits the
+    checkpoint's dict (see :mod:`lockstep.checkpoint.ignore`). Not applied by autoresume."""
     load_strict_model_weights: bool = True
     """Whether the model's keys must match the checkpoint's exactly."""
     autoresume: bool = False
@@ -43,11 +53,15 @@ class CheckpointConfig:
             templates.check_template(self.save_filename, "save_filename")
             if self.save_latest_filename is not None:
                 templates.check_template(self.save_latest_filename, "save_latest_filename", time_fields=False)
+        self.load_ignore_keys = ignore.check(self.load_ignore_keys)
         keep = self.save_num_checkpoints_to_keep
         if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
             raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {keep!r}")
         if not callable(self.save_interval) or isinstance(self.save_interval, (str, Time)):
             self.save_interval = time_argument("save_interval", self.save_interval)  # type: ignore[arg-type]
+        if self.autoresume and self.save_weights_only:
+            raise ValueError("autoresume=True needs full checkpoints, and save_weights_only=True writes only "
+                             "weights: drop one of them")
         if self.autoresume and (self.save_folder is None or self.save_latest_filename is None):
             raise ValueError("autoresume=True needs save_folder and save_latest_filename: it resumes from "
                              "the latest pointer the run writes there")

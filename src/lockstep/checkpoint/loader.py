@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lockstep import dist
+from lockstep.checkpoint import ignore as ignore_keys
 from lockstep.checkpoint import files, payload, templates
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.states import (
@@ -137,11 +138,12 @@ def _start_over_or_fail(probes: Sequence[Probe], on_rank: Any) -> Action:
 
 
 def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_only: bool, strict: bool,
-         optional: bool = False, what: str = "load_path") -> Loaded | None:
+         optional: bool = False, what: str = "load_path", ignore: ignore_keys.IgnoreKeys = None) -> Loaded | None:
     """Load the checkpoint ``template`` names into ``state`` on every rank (a collective).
 
     With ``optional`` (autoresume), no file on any rank means a fresh start (None). Ranks that do
     not see rank 0's single file (another node, no shared file system) get it from rank 0.
+    ``ignore`` (``load_ignore_keys``) leaves out the parts it names.
     """
     templates.check_template(template, what, time_fields=False)
     mine = _probe(template, state, layout, run_name=run_name, weights_only=weights_only, optional=optional,
@@ -167,7 +169,8 @@ def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_on
             if check_whole:
                 dist.raise_first_error(_checked(opened.path) if mine.probe.shared else None, DamagedCheckpoint,
                                        device=state.device)
-    return _apply_agreed(opened, state, layout, weights_only=weights_only, strict=strict, agree=agree)
+    return _apply_agreed(opened, state, layout, weights_only=weights_only, strict=strict, agree=agree,
+                         ignore=ignore)
 
 
 def candidates(template: str, run_name: str) -> tuple[Path, Path]:
@@ -219,14 +222,14 @@ def _probe(template: str, state: Any, layout: Layout, *, run_name: str, weights_
 
 
 def _apply_agreed(opened: _Opened, state: Any, layout: Layout, *, weights_only: bool, strict: bool,
-                  agree: bool) -> Loaded:
+                  agree: bool, ignore: ignore_keys.IgnoreKeys = None) -> Loaded:
     """Apply the opened checkpoint. When every rank loaded the same file into an unsharded model,
     a failure is the same on every rank, so only otherwise is there an agreement."""
     if not agree:
-        return _apply(opened, state, layout, weights_only=weights_only, strict=strict)
+        return _apply(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
     loaded, error = None, None
     try:
-        loaded = _apply(opened, state, layout, weights_only=weights_only, strict=strict)
+        loaded = _apply(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
     except CheckpointError as e:
         error = str(e)
     dist.raise_first_error(error, CheckpointError, device=state.device)
@@ -386,7 +389,9 @@ def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
 
 
 def _apply(opened: _Opened, state: Any, layout: Layout, *,
-           weights_only: bool, strict: bool) -> Loaded:
+           weights_only: bool, strict: bool, ignore: ignore_keys.IgnoreKeys = None) -> Loaded:
+    if ignore is not None:
+        return _apply_ignoring(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
     content, meta, path = opened.content, opened.meta, opened.path
     if meta is None:
         layout.full_reader().load_model(content, path, strict)
@@ -407,7 +412,53 @@ def _apply(opened: _Opened, state: Any, layout: Layout, *,
             reader.load_optimizers(optimizers, path)
     if weights_only:
         return Loaded(weights_only=True)
-    entry = payload.apply(content, state, path, dist.get_global_rank(), dist.get_world_size())
+    return _apply_rest(opened, content, state, layout)
+
+
+def _apply_rest(opened: _Opened, content: dict[str, Any], state: Any, layout: Layout) -> Loaded:
+    """Schedulers, scaler, timestamp and this rank's buffers; this rank's entry for the loop."""
+    entry = payload.apply(content, state, opened.path, dist.get_global_rank(), dist.get_world_size())
     if entry and entry.get("buffers"):
         layout.load_rank_buffers(entry["buffers"])
-    return Loaded(opened.batch, entry, list(meta.get("history", [])))
+    return Loaded(opened.batch, entry, list(opened.meta.get("history", [])))  # type: ignore[union-attr]
+
+
+def _apply_ignoring(opened: _Opened, state: Any, layout: Layout, *, weights_only: bool, strict: bool,
+                    ignore: ignore_keys.IgnoreKeys) -> Loaded:
+    """As :func:`_apply`, leaving out what ``load_ignore_keys`` names (a file of full or per-rank tensors)."""
+    content, meta, path = opened.content, opened.meta, opened.path
+    deepspeed_weights = opened.layout == DEEPSPEED and weights_only
+    if meta is not None and opened.layout in FOLDER_LAYOUTS and not deepspeed_weights:
+        raise CheckpointError(f"load_ignore_keys works on single-file and per-rank checkpoints, and {path} is a "
+                              f"{opened.layout!r} one: export its weights with lockstep.checkpoint.export_state_dict "
+                              f"and load those with load_weights_only=True")
+    if meta is None:
+        weights = content
+    elif deepspeed_weights:
+        from lockstep.checkpoint.deepspeed import export_weights
+        weights = export_weights(path)
+    else:
+        weights = content["model"]
+    full = meta is not None and not weights_only
+    rank = dist.get_global_rank()
+    tree = ignore_keys.apply(ignore, weights, content["optimizers"] if full else None,
+                             content["schedulers"] if full else None,
+                             [r.get("rng") for r in content["ranks"]] if full else None)
+    kept = tree.get("state", {})
+    reader = layout if opened.layout == LOCAL else layout.full_reader()
+    reader.load_model(kept.get("model", {}), path, strict)
+    if not full:
+        return Loaded(weights_only=True)
+    if "optimizers" in kept:
+        optimizers, keys = kept["optimizers"], meta.get("optimizer_keys", INDEX)  # type: ignore[union-attr]
+        if keys != reader.optimizer_keys:
+            optimizers = [rekey_optimizer(sd, keys, layout.model, o, path)
+                          for sd, o in zip(optimizers, layout.optimizers)]
+        reader.load_optimizers(optimizers, path)
+    rest = {**content, "schedulers": kept.get("schedulers")}
+    if len(content["ranks"]) > rank:
+        rngs = tree.get("rng")
+        ranks = list(content["ranks"])
+        ranks[rank] = {**ranks[rank], "rng": rngs[rank] if rngs is not None else None}
+        rest["ranks"] = ranks
+    return _apply_rest(opened, rest, state, layout)

@@ -32,10 +32,13 @@ VERSION = 1
 
 
 def build(state: Any, ranks: list[dict[str, Any]], history: list[str],
-          layout: Layout, model: dict[str, Any], optimizers: list[Any], rank: int = 0) -> dict[str, Any]:
+          layout: Layout, model: dict[str, Any], optimizers: list[Any], rank: int = 0,
+          metrics: bool = False) -> dict[str, Any]:
     """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position;
-    ``model`` and ``optimizers`` come from ``layout.gather()``."""
-    return {
+    ``model`` and ``optimizers`` come from ``layout.gather()``. With ``metrics``, also the
+    metrics of the last evaluation (``save_metrics``)."""
+    extra = {"metrics": {k: float(v) for k, v in state.eval_metrics.items()}} if metrics else {}
+    return {**extra,
         "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
                      "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
                      "rank": rank, **layout.extra_meta()},
@@ -92,13 +95,16 @@ def apply(payload: dict[str, Any], state: Any, path: Path, rank: int, world_size
     (RNG and data position) for the training loop to apply when it starts, or None when the
     checkpoint came from another world size. The caller has run :func:`check_complete` and
     checked the world size with :func:`check_world_size`."""
-    _load_list("schedulers", state.schedulers, payload["schedulers"], path)
+    if payload["schedulers"] is not None:  # None: left out by load_ignore_keys
+        _load_list("schedulers", state.schedulers, payload["schedulers"], path)
     if state.scaler is not None and payload["scaler"]:
         state.scaler.load_state_dict(payload["scaler"])
     try:
         state.timestamp = Timestamp.from_state_dict(payload["timestamp"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
+    if "metrics" in payload:
+        state.eval_metrics = dict(payload["metrics"])
     ranks = payload["ranks"]
     return ranks[rank] if len(ranks) == world_size else None
 

@@ -169,8 +169,9 @@ class CheckpointSaver:
         if self.layout in FOLDER_LAYOUTS:
             temp = self._write_folder(state, ranks, history, layout, model, optimizers, path, gathered[0][2])
         elif self.writes:
-            content = payload.build(state, ranks, history, layout, model, optimizers,
-                                    rank=dist.get_global_rank())
+            content = model if self.config.save_weights_only else payload.build(
+                state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
+                metrics=self.config.save_metrics)
             if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
                 staged = self._stager.stage(content)
             else:
@@ -196,7 +197,7 @@ class CheckpointSaver:
         temp = files.temp_path(path, pid)
         rests = layout.write_folder(temp, model, optimizers)  # type: ignore[attr-defined]
         if dist.get_global_rank() == 0:
-            rest = payload.build(state, ranks, history, layout, {}, rests)
+            rest = payload.build(state, ranks, history, layout, {}, rests, metrics=self.config.save_metrics)
             files.save_durably(rest, temp / states.SHARDED_META)
         return temp
 

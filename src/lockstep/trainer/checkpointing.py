@@ -14,7 +14,7 @@ from lockstep.checkpoint import loader
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.saver import CheckpointSaver
-from lockstep.checkpoint.states import LOCAL, Layout
+from lockstep.checkpoint.states import LOCAL, SINGLE, Layout
 from lockstep.time import Time
 
 
@@ -22,6 +22,10 @@ def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | 
                device: torch.device) -> CheckpointSaver | None:
     if config.save_folder is None:
         return None
+    if config.save_weights_only and layout.name != SINGLE:
+        raise ValueError(f"save_weights_only=True writes one file of full weights, but this run saves "
+                         f"{layout.name!r} checkpoints: use fsdp_config={{'state_dict_type': 'full'}} (or DDP), "
+                         f"or export the weights afterwards with lockstep.checkpoint.export_state_dict")
     saver = CheckpointSaver(config, run_name=run_name, max_duration=max_duration, layout=layout.name, device=device)
     saver.check_folder()
     return saver
@@ -39,7 +43,8 @@ def load_at_start(config: CheckpointConfig, state: Any, layout: Layout, saver: C
         loaded = _autoresume(config, state, layout, saver)  # type: ignore[arg-type]
     if loaded is None and config.load_path is not None:
         loaded = loader.load(config.load_path, state, layout, run_name=state.run_name,
-                             weights_only=config.load_weights_only, strict=config.load_strict_model_weights)
+                             weights_only=config.load_weights_only, strict=config.load_strict_model_weights,
+                             ignore=config.load_ignore_keys)
     if saver is not None:
         saver.begin(loaded)
     return loaded

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,13 +23,15 @@ class LoopConfig:
 
     max_duration: Time | str | int | None = None
     """When training stops: a Time (``'2ep'``, ``'1000ba'``, ``'1e6tok'``); an int counts epochs."""
-    eval_interval: Time | str | int = "1ep"
-    """How often ``eval_dataloader`` is evaluated during ``fit``."""
+    eval_interval: Time | str | int | Callable[[Any, Any], bool] = "1ep"
+    """How often ``eval_dataloader`` is evaluated during ``fit``; a callable ``(state, event) -> bool``
+    is asked at BATCH_END and EPOCH_END, as in Composer."""
     device: str | torch.device | None = None
     """'cpu' | 'gpu' (this local rank's CUDA device) | None: gpu when CUDA is available."""
-    precision: str = "fp32"
-    """fp32 | amp_bf16 | amp_fp16 (the latter with a GradScaler)."""
-    device_train_microbatch_size: int | None = None
+    precision: str | None = "fp32"
+    """fp32 | amp_bf16 | amp_fp16 (the latter with a GradScaler); None: Composer's default for the
+    device, fp32 on CPU and amp_fp16 on GPU."""
+    device_train_microbatch_size: int | str | None = None
     """Split each rank's batch into microbatches of this many samples (gradients accumulate)."""
     grad_accum: int | None = None
     """Split each rank's batch into this many microbatches (the older way to say the same)."""
@@ -44,9 +48,17 @@ class LoopConfig:
         check_ratio(self.scale_schedule_ratio)
         if self.max_duration is not None:
             self.max_duration = scale_duration(check_max_duration(self.max_duration), self.scale_schedule_ratio)
-        self.eval_interval = time_argument("eval_interval", self.eval_interval)
+        if not callable(self.eval_interval):
+            self.eval_interval = time_argument("eval_interval", self.eval_interval)
         self.device = resolve_device(self.device)
+        if self.precision is None:
+            self.precision = "fp32" if self.device.type == "cpu" else "amp_fp16"
         check_choice("precision", self.precision, PRECISIONS)
+        if self.device_train_microbatch_size == "auto":
+            raise ValueError(
+                "device_train_microbatch_size='auto' searches the largest microbatch that fits in GPU "
+                "memory after an out-of-memory error; lockstep does not do that search yet (and on CPU "
+                "there is nothing to search): give an int, or None for the whole batch")
         for name in ("device_train_microbatch_size", "grad_accum"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

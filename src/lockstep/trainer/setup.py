@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,44 @@ def needs_step_sync(train_dataloader: Any, model: Any) -> bool:
     counts no tokens (whose numbers only the ranks themselves know)."""
     return dist.get_world_size() > 1 and not (data.equal_batches_guaranteed(train_dataloader)
                                               and not counts_tokens(model))
+
+
+def set_python_log_level(level: str | None) -> None:
+    """``python_log_level``, as Composer does for its own loggers: basic formatting, and this level
+    for the ``lockstep`` loggers."""
+    if level is None:
+        return
+    if not isinstance(level, str) or level.upper() not in logging.getLevelNamesMapping():
+        raise ValueError(f"python_log_level={level!r} is not a logging level: use 'debug', 'info', "
+                         f"'warning', 'error' or 'critical'")
+    logging.basicConfig(format=f"%(asctime)s: rank{dist.get_global_rank()}[%(process)d][%(threadName)s]: "
+                               f"%(levelname)s: %(name)s: %(message)s")
+    logging.getLogger("lockstep").setLevel(level.upper())
+
+
+def fsdp_from_parallelism_config(parallelism_config: Any, fsdp_config: dict | None) -> dict | None:
+    """Composer 0.32's ``parallelism_config={'fsdp': {...}}``: the FSDP settings, checked."""
+    if parallelism_config is None:
+        return fsdp_config
+    if not isinstance(parallelism_config, dict):
+        raise TypeError(f"parallelism_config must be a dict such as {{'fsdp': {{...}}}}, got "
+                        f"{type(parallelism_config).__name__}")
+    unknown = set(parallelism_config) - {"fsdp"}
+    if unknown:
+        raise ValueError(f"parallelism_config has {sorted(unknown)}: lockstep shards data-parallel only "
+                         f"('fsdp'); tensor parallelism ('tp') is not supported")
+    if fsdp_config is not None and parallelism_config.get("fsdp") is not None:
+        raise ValueError("give the FSDP settings once: in parallelism_config={'fsdp': ...} or in fsdp_config")
+    return parallelism_config.get("fsdp", fsdp_config)
+
+
+def split_schedulers(schedulers: list[Any], every_batch: bool | None) -> tuple[list[Any], list[Any]]:
+    """(stepped after every batch, stepped after every epoch), with Composer's rule: lockstep's
+    schedules of training time step every batch; torch schedulers step every epoch unless
+    ``step_schedulers_every_batch=True``."""
+    from lockstep.optim.stepper import ScheduledLR
+
+    if every_batch is not None and not isinstance(every_batch, bool):
+        raise TypeError(f"step_schedulers_every_batch must be True, False or None, got {every_batch!r}")
+    per_batch = [s for s in schedulers if isinstance(s, ScheduledLR) or every_batch]
+    return per_batch, [s for s in schedulers if s not in per_batch]

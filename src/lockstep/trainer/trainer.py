@@ -8,8 +8,8 @@ import itertools
 import math
 import sys
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 import torch
 
@@ -20,6 +20,7 @@ from lockstep.batch import take
 from lockstep.callbacks import Callback, Event
 from lockstep.callbacks.loggers import eval_metric_names
 from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
+from lockstep.loggers.console import ConsoleLogger
 from lockstep.loggers.destination import Logger, LoggerDestination
 from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
@@ -52,6 +53,12 @@ class Trainer:
     :mod:`lockstep.parallel.deepspeed`); batch sizes and precision in it are filled in from the Trainer.
     ``compile_config`` (a dict of ``torch.compile`` arguments) compiles the model after it is wrapped
     (see :mod:`lockstep.parallel.compile`).
+
+    Composer's other arguments keep Composer's meaning: ``step_schedulers_every_batch`` (torch
+    schedulers step every epoch unless True), ``precision=None`` (fp32 on CPU, amp_fp16 on GPU), a
+    callable ``eval_interval(state, event)``, ``log_to_console`` / ``console_log_interval``,
+    ``python_log_level``, ``dist_timeout`` (seconds for every collective), ``parallelism_config``
+    (``{'fsdp': {...}}``), ``save_weights_only``, ``save_metrics`` and ``load_ignore_keys``.
     """
 
     def __init__(
@@ -62,15 +69,16 @@ class Trainer:
         max_duration: Time | str | int | None = None,
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         eval_dataloader: Any = None,
-        eval_interval: Time | str = "1ep",
+        eval_interval: Time | str | int | Callable[[State, Event], bool] = "1ep",
         device: str | torch.device | None = None,
-        precision: str = "fp32",
-        device_train_microbatch_size: int | None = None,
+        precision: str | None = "fp32",
+        device_train_microbatch_size: int | str | None = None,
         grad_accum: int | None = None,
         ddp_sync_strategy: str | None = None,
         find_unused_parameters: bool = False,
         schedulers: Any = None,
         scale_schedule_ratio: float = 1.0,
+        step_schedulers_every_batch: bool | None = None,
         train_subset_num_batches: int = -1,
         eval_subset_num_batches: int = -1,
         callbacks: Sequence[Callback] = (),
@@ -79,21 +87,32 @@ class Trainer:
         run_name: str | None = None,
         run_folder: str | None = None,
         progress_bar: bool = True,
+        log_to_console: bool = False,
+        console_log_interval: Time | str | int = "1ba",
+        console_stream: str | IO[str] = "stderr",
+        python_log_level: str | None = None,
         seed: int | None = None,
+        dist_timeout: float = 300.0,
         save_folder: str | None = None,
         save_filename: str = "ep{epoch}-ba{batch}-rank{rank}.pt",
         save_latest_filename: str | None = "latest-rank{rank}.pt",
         save_interval: SaveInterval = "1ep",
         save_num_checkpoints_to_keep: int = -1,
         save_overwrite: bool = False,
+        save_weights_only: bool = False,
+        save_metrics: bool = False,
         load_path: str | None = None,
         load_weights_only: bool = False,
         load_strict_model_weights: bool = True,
+        load_ignore_keys: Any = None,
         autoresume: bool = False,
         fsdp_config: dict | None = None,
+        parallelism_config: dict | None = None,
         deepspeed_config: dict | None = None,
         compile_config: dict | None = None,
     ) -> None:
+        setup.set_python_log_level(python_log_level)
+        fsdp_config = setup.fsdp_from_parallelism_config(parallelism_config, fsdp_config)
         self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
                                precision=precision, device_train_microbatch_size=device_train_microbatch_size,
                                grad_accum=grad_accum, seed=seed,
@@ -103,7 +122,9 @@ class Trainer:
         self.checkpoints = CheckpointConfig(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
-            save_overwrite=save_overwrite, load_path=load_path, load_weights_only=load_weights_only,
+            save_overwrite=save_overwrite, save_weights_only=save_weights_only, save_metrics=save_metrics,
+            load_path=load_path, load_weights_only=load_weights_only,
+            load_ignore_keys=load_ignore_keys,
             load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
         deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
         self.parallel = parallel = ParallelConfig(
@@ -112,31 +133,38 @@ class Trainer:
         optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, eval_dataloader)
         self.train_dataloader, self.eval_dataloader = data.shielded(train_dataloader), data.shielded(eval_dataloader)
         self.strategy = build_strategy(
-            parallel, device=self.loop.device, precision=precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
+            parallel, device=self.loop.device, precision=self.loop.precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
             microbatch_size=device_train_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
-        self.state = self._start_distributed(model, optimizer_list, schedulers, run_name)
+        self.state = self._start_distributed(model, optimizer_list, schedulers, run_name, dist_timeout)
+        self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
+            self.state.schedulers, step_schedulers_every_batch)
         self.layout = self.strategy.layout()
         self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
                                               max_duration=self.state.max_duration, layout=self.layout,
                                               device=self.state.device)
-        self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
         self._step_sync, self._position = setup.needs_step_sync(train_dataloader, model), data.DataPosition()
         self._num_tokens = getattr(train_dataloader, "get_num_tokens_in_batch", None) or model.num_tokens
         folder = setup.resolve_run_folder(run_folder)
         self.state.run_folder = None if folder is None else str(folder)
         destinations = setup.check_loggers(loggers)
+        if log_to_console:
+            destinations = [*destinations, ConsoleLogger(console_log_interval, console_stream)]
         self.logger = Logger(self.state, destinations)
         self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
         self._logging, self._closed, self._fitting = False, False, False
         self.saved_checkpoints: list[str] = []
         """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
+        self._index_listeners()
         self._run_event(Event.INIT)
+        self._run_event(Event.BEFORE_LOAD)
+        self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
+        self._run_event(Event.AFTER_LOAD)
 
     def _start_distributed(self, model: Model, optimizers: list[torch.optim.Optimizer], schedulers: Any,
-                           run_name: str | None) -> State:
+                           run_name: str | None, dist_timeout: float) -> State:
         """Join the process group, seed, and prepare the model on every rank (collectives)."""
         loop = self.loop
-        dist.initialize_dist(loop.device, single_process_group=self.strategy.needs_process_group)
+        dist.initialize_dist(loop.device, dist_timeout, single_process_group=self.strategy.needs_process_group)
         if loop.seed is not None:
             rng.seed_everything(loop.seed + dist.get_global_rank())
         self.strategy.setup(model, optimizers)
@@ -212,6 +240,7 @@ class Trainer:
     def _fit(self) -> None:
         s = self.state
         s.model.train()
+        self._index_listeners()  # callbacks added since the Trainer was built
         resume = self._take_resume()
         self._follow_schedules(s)
         self._logging = bool(self.logger.active)
@@ -227,11 +256,17 @@ class Trainer:
                     track=self._position if self.saver else None, resume=resume,
                     limit=self.loop.train_subset_num_batches)
                 trained, resume = resume is not None, None
-                for batch, samples, tokens, is_last in batches:
+                while True:
+                    self._run_event(Event.BEFORE_DATALOADER)
+                    item = next(batches, None)
+                    if item is None:
+                        break
+                    batch, samples, tokens, is_last = item
                     trained = True
                     s.batch = batch
+                    self._run_event(Event.AFTER_DATALOADER)
                     self._run_event(Event.BATCH_START)
-                    s.loss_tensor = self._train_batch(batch, samples)
+                    s.loss_tensor = self._train_batch(s.batch, samples)
                     self._end_batch(samples, tokens, is_last, stop)
                     if is_reached(s.timestamp, s.max_duration):
                         break
@@ -256,37 +291,53 @@ class Trainer:
         progress.heartbeat(s.timestamp.batch)
         if not tokens and s.max_duration.unit is TimeUnit.TOKEN:  # type: ignore[union-attr]
             raise ValueError(setup.NO_TOKENS)
-        for scheduler in s.schedulers:  # after the timestamp: the lr of the next batch
+        for scheduler in self._batch_schedulers:  # after the timestamp: the lr of the next batch
             scheduler.step()
+        if is_last:
+            for scheduler in self._epoch_schedulers:
+                scheduler.step()
         if self._logging:
             self._log_batch()
         self._run_event(Event.BATCH_END)
         if is_last:
             self._run_event(Event.EPOCH_END)
-        if self.eval_dataloader is not None and is_interval_due(
-                before, s.timestamp, self.loop.eval_interval, s.max_duration):
-            self.eval()
+        if self.eval_dataloader is not None and self._eval_due(before, is_last):
+            self._evaluate()
         if self.saver and (self.saver.due(before, s.timestamp, Event.BATCH_END, s) or (
                 is_last and self.saver.due(before, s.timestamp, Event.EPOCH_END, s))):
             self._save(is_last)
+        self._run_event(Event.BATCH_CHECKPOINT)
+        if is_last:
+            self._run_event(Event.EPOCH_CHECKPOINT)
         if stop and stop.agreed():
             self._preempt(is_last)
 
     def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
         """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync)."""
-        s, strategy = self.state, self.strategy
-        microbatches = self._split(strategy.prepare_batch(batch))
+        s, strategy, run = self.state, self.strategy, self._run_event
+        run(Event.BEFORE_TRAIN_BATCH)
+        microbatches = self._split(strategy.prepare_batch(s.batch))
         share = dist.get_world_size() / global_samples  # gradients are averaged over ranks
         losses, counts, last = [], [], len(microbatches) - 1
         for i, micro in enumerate(microbatches):
             n = s.model.num_samples(micro)
+            s.batch = micro
             with strategy.sync_context(i == last):
                 with strategy.autocast():
-                    loss = s.model.loss(strategy.module(micro), micro)
+                    run(Event.BEFORE_FORWARD)
+                    s.outputs = strategy.module(s.batch)
+                    run(Event.AFTER_FORWARD)
+                    run(Event.BEFORE_LOSS)
+                    s.loss_tensor = s.model.loss(s.outputs, s.batch)
+                    run(Event.AFTER_LOSS)
+                run(Event.BEFORE_BACKWARD)
+                loss = s.loss_tensor
                 strategy.backward(loss * (n * share))  # weighted by its share of the global batch
+                run(Event.AFTER_BACKWARD)
             losses.append(loss.detach())
             counts.append(n)
-        self._run_event(Event.AFTER_TRAIN_BATCH)
+        s.batch, s.outputs = batch, None
+        run(Event.AFTER_TRAIN_BATCH)
         strategy.optimizer_step()
         return _mean_loss(losses, counts)
 
@@ -316,7 +367,6 @@ class Trainer:
 
     # -- evaluation ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def eval(self, subset_num_batches: int | None = None) -> dict[str, float]:
         """Evaluate on ``eval_dataloader`` over all ranks; returns and stores ``state.eval_metrics``.
 
@@ -324,10 +374,34 @@ class Trainer:
         equal those of one process over the whole dataset. ``subset_num_batches`` (default: the
         Trainer's ``eval_subset_num_batches``) evaluates only the first batches of each rank.
         """
-        s = self.state
         if self.eval_dataloader is None:
             raise ValueError("eval() needs eval_dataloader passed to Trainer(...)")
-        was_training = s.model.training
+        if self._fitting:  # a callback evaluating during fit
+            return self._eval_loop(subset_num_batches)
+        try:
+            self._run_event(Event.EVAL_STANDALONE_START)
+            results = self._eval_loop(subset_num_batches)
+            self._run_event(Event.EVAL_STANDALONE_END)
+        finally:
+            progress.stop_heartbeat()  # its batches reported progress; what follows may not
+        return results
+
+    def _evaluate(self) -> None:
+        """The evaluation that ``eval_interval`` asks for during fit."""
+        self._run_event(Event.EVAL_BEFORE_ALL)
+        self._eval_loop(None)
+        self._run_event(Event.EVAL_AFTER_ALL)
+
+    def _eval_due(self, before: Timestamp, is_last: bool) -> bool:
+        interval, s = self.loop.eval_interval, self.state
+        if callable(interval):  # Composer's form: asked at BATCH_END, and at EPOCH_END
+            return bool(interval(s, Event.BATCH_END)) or (is_last and bool(interval(s, Event.EPOCH_END)))
+        return is_interval_due(before, s.timestamp, interval, s.max_duration)
+
+    @torch.no_grad()
+    def _eval_loop(self, subset_num_batches: int | None) -> dict[str, float]:
+        s, run = self.state, self._run_event
+        was_training, training_batch = s.model.training, s.batch
         s.model.eval()
         self._run_event(Event.EVAL_START)
         for metric in self.eval_metrics.values():
@@ -348,13 +422,18 @@ class Trainer:
                 if n > remaining:
                     batch, n = take(batch, 0, remaining), remaining
                 remaining -= n
+            s.batch = batch
+            run(Event.EVAL_BATCH_START)
             with self.strategy.autocast():
-                outputs = module(batch)
+                run(Event.EVAL_BEFORE_FORWARD)
+                s.outputs = outputs = module(s.batch)
+                run(Event.EVAL_AFTER_FORWARD)
                 totals[0] += s.model.loss(outputs, batch).double() * n
                 totals[1] += n
                 eval_outputs = s.model.eval_forward(batch, outputs)
             for metric in self.eval_metrics.values():
                 s.model.update_metric(batch, eval_outputs, metric)
+            run(Event.EVAL_BATCH_END)
             progress.heartbeat(s.timestamp.batch)
         dist.all_reduce(totals, "SUM")
         results = {"loss": float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")}
@@ -363,8 +442,7 @@ class Trainer:
         self.logger.log_metrics(eval_metric_names(results))
         self._run_event(Event.EVAL_END)
         s.model.train(was_training)
-        if not self._fitting:
-            progress.stop_heartbeat()
+        s.batch, s.outputs = training_batch, None
         return results
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -389,7 +467,7 @@ class Trainer:
         # onto these ranks. The data position still does when the global batch is the same.
         skip = self.state.timestamp.batch_in_epoch
         if skip == 0:
-            if entry:
+            if entry and entry.get("rng") is not None:  # None: load_ignore_keys left it out
                 rng.restore(entry["rng"])
             return None
         return data.DataPosition(epoch_rng=entry.get("epoch_rng"), fetch_rng=entry.get("fetch_rng"), skip=skip,
@@ -423,8 +501,13 @@ class Trainer:
         for algorithm in self.algorithms:
             if algorithm.match(event, self.state):
                 algorithm.apply(event, self.state, self.logger)
-        for callback in self.callbacks:
+        for callback in self._listeners_of[event]:  # type: ignore[index]
             callback.run_event(event, self.state, self.logger)
+
+    def _index_listeners(self) -> None:
+        """Which callbacks act at each event: most events (per microbatch ones included) have none,
+        and then cost a dict lookup."""
+        self._listeners_of = {e: [c for c in self.callbacks if c.listens_to(e)] for e in Event}
 
     def close(self) -> None:
         """Finish: every callback and logger writes what it holds and releases what it opened (logger
