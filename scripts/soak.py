@@ -16,6 +16,9 @@ sigterm-all    SIGTERM to every process of the job at once (launcher, ranks, the
                checkpoint, and a resumed run bitwise equal.
 kill-launcher  SIGKILL of the launcher at a random moment (also right after it starts ranks).
                Pass: no process of the job is left after 10 s.
+kill-2nodes    the same job as two nodes (two launchers of one rank each, on loopback); a random
+               rank SIGKILLs itself after a random batch, up to 3 times; ``--max_restarts 3`` on
+               both. Pass: both launchers exit 0 and the job ends bitwise equal.
 
 Prints one line per trial and the counts: trials, passes, failures (with the reason of each).
 """
@@ -27,6 +30,7 @@ import contextlib
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +50,20 @@ def launch(folder: Path, name: str, *extra: str, restarts: int = 0) -> subproces
            "--folder", str(folder / name), "--out", str(folder / f"{name}.pt"), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def launch_nodes(folder: Path, name: str, *extra: str, restarts: int = 0) -> list[subprocess.Popen]:
+    """The job as two nodes of one rank each: the same world of 2 as :func:`launch`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    return [subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "-n", "1", "--world_size", "2", "--node_rank", str(node),
+         "--master_addr", "127.0.0.1", "--master_port", port, "--max_restarts", str(restarts),
+         "--run_directory", str(folder / f"run{node}"), str(JOB), "--folder", str(folder / name),
+         "--out", str(folder / f"{name}.pt"), *extra],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for node in (0, 1)]
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
@@ -97,6 +115,15 @@ def kill_ranks(tmp: Path, rng: random.Random, reference: dict) -> str | None:
     return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
 
 
+def kill_2nodes(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+    steps = sorted(rng.sample(range(1, BATCHES), rng.randint(1, 3)))
+    kills = [arg for attempt, step in enumerate(steps) for arg in ("--kill", f"{attempt}:{rng.randint(0, 1)}:{step}")]
+    results = [finish(p) for p in launch_nodes(tmp, "job", *kills, restarts=3)]
+    if any(code != 0 for code, _ in results):
+        return "exits " + ", ".join(str(c) for c, _ in results) + ": " + results[0][1][-300:]
+    return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
+
+
 def sigterm_all(tmp: Path, rng: random.Random, reference: dict) -> str | None:
     progress = tmp / "progress"
     proc = launch(tmp, "job", "--save-interval", "100ba", "--sleep", "0.05", "--workers", "1",
@@ -140,7 +167,7 @@ def kill_launcher(tmp: Path, rng: random.Random, reference: dict) -> str | None:
 
 
 ATTACKS = {"kill-in-save": kill_in_save, "kill-ranks": kill_ranks, "sigterm-all": sigterm_all,
-           "kill-launcher": kill_launcher}
+           "kill-launcher": kill_launcher, "kill-2nodes": kill_2nodes}
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from lockstep.launcher.output import console_streams, tail
 from lockstep.launcher.plan import RankSpec, Stream
@@ -88,3 +89,31 @@ def _show(title: str, lines: list[str]) -> None:
     say(title)
     sys.stderr.write("".join("  | " + line.rstrip("\n") + "\n" for line in lines))
     sys.stderr.flush()
+
+
+def failure_tail(spec: RankSpec) -> list[str]:
+    """What other nodes show of a failed rank: its traceback (``@record``), else its output's tail."""
+    error = read_error_file(spec.error_file)
+    if error is not None and error[1]:
+        return error[1].splitlines()[-TAIL_LINES:]
+    files = [path for path in (spec.stderr_path, spec.stdout_path) if path is not None]
+    for path in files:
+        lines = tail(path, TAIL_LINES)
+        if lines:
+            return [line.rstrip("\n") for line in lines]
+    if files:
+        return [f"(it wrote nothing to {' or '.join(str(p) for p in dict.fromkeys(files))})"]
+    return ["(its output is on its node's console, above that node's report)"]
+
+
+def report_verdict(failure: Any, this_node: int) -> None:
+    """The root cause every node of a multi-node job prints the same way (a job.Failure)."""
+    if failure.rank < 0:
+        say(f"the job failed: node {failure.node}'s launcher stopped answering (killed, or its machine is "
+            f"gone), so node {failure.node} counts as failed (exit code {failure.code})")
+        return
+    where = "this node" if failure.node == this_node else f"node {failure.node}"
+    say(f"the job failed: rank {failure.rank} on {where} (host {failure.host}, pid {failure.pid}) failed first "
+        f"with {describe_exit(failure.code)}")
+    if failure.tail:
+        _show(f"last lines of rank {failure.rank}'s output:", [line + "\n" for line in failure.tail])

@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lockstep.launcher.output import (
     LinePump,
@@ -33,7 +34,8 @@ from lockstep.launcher.output import (
 )
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode, RankSpec, Stream
 from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
-from lockstep.launcher.report import describe_exit, report_failure, say, shell_code
+from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, Failure, JobChannel, StoreLost
+from lockstep.launcher.report import describe_exit, failure_tail, report_failure, report_verdict, say, shell_code
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
 from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose
 from lockstep.launcher.watchdog import Watchdog
@@ -90,7 +92,12 @@ class _Failure:
 
 @dataclass
 class _Stall:
-    ranks: list[int]
+    ranks: list[_Rank]
+
+
+@dataclass
+class _Elsewhere:
+    """Another node reported a failure, or a node stopped answering."""
 
 
 class Supervisor:
@@ -115,14 +122,23 @@ class Supervisor:
         shm = Path("/dev/shm")
         self._control_dir = Path(tempfile.mkdtemp(
             prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        channel = None
         try:
-            if listener and self.plan.mode is Mode.COMMAND:
+            # On several nodes the store must outlive ranks and restarts: this launcher hosts it.
+            if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
                 launcher_store = _host_store_here(self.plan, listener)
-            return self._run_attempts(port, listener, wake_r, watchdog, launcher_store is None)
+            if self.plan.is_multinode:
+                joined = self._join_job(port, launcher_store, wake_r)
+                if isinstance(joined, int):
+                    return joined
+                channel = joined
+            return self._run_attempts(port, listener, wake_r, watchdog, launcher_store is None, channel)
         except LaunchError as e:
             say(f"error: {e}")
             return 2
         finally:
+            if channel is not None:
+                channel.close()
             if self._board is not None:
                 self._board.close()
             shutil.rmtree(self._control_dir, ignore_errors=True)
@@ -135,21 +151,66 @@ class Supervisor:
             if listener:
                 listener.close()
 
-    def _run_attempts(self, port: int, listener, wake_r: int, watchdog: Watchdog, pass_fd: bool) -> int:
+    def _join_job(self, port: int, launcher_store: Any, wake_r: int) -> JobChannel | int:
+        """Connect this node's launcher to the others through the store (the exit code if not)."""
+        if not self.plan.hosts_store:
+            code = self._await_store(port, wake_r)
+            if code is not None:
+                return code
+        try:
+            return JobChannel.connect(self.plan.master_addr, port, self.plan.node_rank,
+                                      self.plan.group_world_size, server=launcher_store)
+        except StoreLost as e:
+            say(f"error: cannot use the rendezvous store at {self.plan.master_addr}:{port} ({e})")
+            return LOST_EXIT_CODE
+
+    def _run_attempts(self, port: int, listener, wake_r: int, watchdog: Watchdog, pass_fd: bool,
+                      channel: JobChannel | None) -> int:
         for attempt in range(self.plan.max_restarts + 1):
-            if not self.plan.hosts_store:
+            if not self.plan.hosts_store and channel is None:
                 code = self._await_store(port, wake_r)
                 if code is not None:
                     return code
-            store_fd = listener.fileno() if (listener and pass_fd) else None
-            ranks = self._spawn_all(port, attempt, store_fd, watchdog)
-            outcome = self._monitor(ranks, wake_r)
-            if outcome is None:
-                self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
-                return 0
-            if isinstance(outcome, int):  # the launcher was signalled
-                self._teardown(ranks, wake_r, watchdog, None)
-                return self._signalled_code(ranks, outcome)
+            ranks: list[_Rank] = []
+            rank_port = port
+            try:
+                if channel is not None:
+                    if attempt and self.plan.hosts_store:
+                        attempt_store = _fresh_store(self.plan)  # the previous one closes with it
+                        channel.publish_port(attempt, attempt_store.port)
+                    missing = channel.begin(attempt, self.plan.rdzv_timeout)
+                    if missing:
+                        say(f"error: node(s) {', '.join(map(str, missing))} did not join attempt {attempt} within "
+                            f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
+                        return LOST_EXIT_CODE
+                    rank_port = channel.port(attempt) if attempt else port
+                store_fd = listener.fileno() if (listener and pass_fd) else None
+                ranks = self._spawn_all(rank_port, attempt, store_fd, watchdog)
+                outcome = self._monitor(ranks, wake_r, channel)
+                if outcome is None and channel is not None:
+                    outcome = self._finish_job(ranks, wake_r, channel)
+                if outcome is None:
+                    self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+                    return 0
+                if isinstance(outcome, int):  # the launcher was signalled
+                    self._teardown(ranks, wake_r, watchdog, None)
+                    return self._signalled_code(ranks, outcome)
+                if channel is not None:
+                    verdict = channel.decide()
+                    self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+                    report_verdict(verdict, self.plan.node_rank)
+                    if self._signals_seen:
+                        return 128 + self._signals_seen[0]
+                    if attempt < self.plan.max_restarts:
+                        say(f"restarting every node's ranks ({attempt + 1} of {self.plan.max_restarts})")
+                        continue
+                    return shell_code(verdict.code)
+            except StoreLost as e:
+                if ranks:
+                    self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+                say(f"the job failed: the rendezvous store at {self.plan.master_addr}:{port}, which node 0's "
+                    f"launcher hosts, stopped answering ({e}): node 0 counts as failed")
+                return LOST_EXIT_CODE
             self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
             if isinstance(outcome, _Stall):
                 if self._signals_seen:
@@ -262,13 +323,15 @@ class Supervisor:
 
     # -- watching -------------------------------------------------------------------------
 
-    def _monitor(self, ranks: list[_Rank], wake_r: int) -> _Failure | _Stall | int | None:
+    def _monitor(self, ranks: list[_Rank], wake_r: int,
+                 channel: JobChannel | None = None) -> _Failure | _Stall | _Elsewhere | int | None:
         """Wait until every rank exited 0 (None), one failed (_Failure), the job stalled (_Stall),
-        or a stopping signal came (int)."""
+        another node failed (_Elsewhere), or a stopping signal came (int)."""
         stall_timeout = self.plan.stall_timeout
+        poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
         with _Waiter(ranks, wake_r) as waiter:
             while any(r.returncode is None for r in ranks):
-                signals, exited = waiter.wait(_STALL_POLL_S if stall_timeout else None)
+                signals, exited = waiter.wait(poll)
                 for signum in signals:
                     if signum in _STOPPING:
                         self._signals_seen.append(signum)
@@ -281,6 +344,9 @@ class Supervisor:
                         self._pass_on(ranks, signum)
                 for r in exited:
                     if r.returncode != 0:
+                        if channel is not None:
+                            channel.report(Failure(self.plan.node_rank, channel.host, r.spec.rank, r.returncode,
+                                                   time.time(), failure_tail(r.spec), r.proc.pid))
                         return _Failure(r, r.returncode)
                     if self.plan.verbose:
                         say(f"rank {r.spec.rank} finished")
@@ -289,7 +355,38 @@ class Supervisor:
                     stalled = self._board.stalled(live, time.monotonic(), stall_timeout)
                     if stalled:
                         self._report_stall(ranks, stalled, stall_timeout)
-                        return _Stall(stalled)
+                        if channel is not None:
+                            channel.report(Failure(self.plan.node_rank, channel.host, stalled[0], STALL_EXIT_CODE,
+                                                   time.time(), ["(it made no progress for --stall_timeout)"]))
+                        return _Stall([r for r in ranks if r.spec.rank in stalled])
+                if channel is not None and self._elsewhere(channel):
+                    return _Elsewhere()
+        return None
+
+    def _elsewhere(self, channel: JobChannel) -> bool:
+        """Whether another node failed or stopped answering (a lost node is reported here)."""
+        if channel.any_failed():
+            return True
+        lost = channel.lost_nodes()
+        for failure in lost:
+            channel.report(failure)
+        return bool(lost)
+
+    def _finish_job(self, ranks: list[_Rank], wake_r: int, channel: JobChannel) -> _Elsewhere | int | None:
+        """This node's ranks all finished: say so, and on the master keep the store up until every
+        node is done (None), another failed (_Elsewhere) or a stopping signal came (int)."""
+        channel.finish()
+        if not self.plan.hosts_store:
+            return None
+        with _Waiter([], wake_r) as waiter:
+            while not channel.all_done():
+                signals, _ = waiter.wait(BEAT_S)
+                stopping = [s for s in signals if s in _STOPPING]
+                if stopping:
+                    self._signals_seen.extend(stopping)
+                    return stopping[0]
+                if self._elsewhere(channel):
+                    return _Elsewhere()
         return None
 
     def _show_stacks(self, ranks: list[_Rank]) -> list[Stacks]:
@@ -417,6 +514,16 @@ class _Waiter:
                     pump.pump()  # what it printed last appears before the launcher's report
                 exited.append(r)
         return signals, exited
+
+
+def _fresh_store(plan: LaunchPlan):
+    """A new store on a free port, for the ranks of a restart of a multi-node job."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
+                    wait_for_workers=False)
 
 
 def _host_store_here(plan: LaunchPlan, listener: socket.socket):
