@@ -342,3 +342,14 @@ def test_binary_or_non_utf8_training_script_is_refused(tmp_path: Path) -> None:
         z.writestr("__main__.py", "print('zip app')\n")
     assert parse_plan([str(app)], env={}).target == str(app)
     assert parse_plan(["-c", "true"], env={}).mode is Mode.COMMAND  # commands are not read
+
+
+def test_torchrun_pet_variables_stand_for_their_flags_and_flags_win(script: str) -> None:
+    env = {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "2", "PET_RDZV_ID": "job7", "PET_STANDALONE": "1",
+           "PET_NNODES": "1", "WORLD_SIZE": "8"}
+    plan = parse_plan([script], env=env)
+    assert (plan.nproc, plan.max_restarts, plan.run_id, plan.world_size) == (3, 2, "job7", 3)  # standalone
+    assert parse_plan(["--nproc-per-node", "1", script], env=env).nproc == 1
+    assert parse_plan([script], env={"PET_STANDALONE": "0", "PET_NPROC_PER_NODE": "2"}).world_size == 2
+    with pytest.raises(LaunchError, match="--run-path: lockstep starts every rank in a fresh interpreter"):
+        parse_plan([script], env={"PET_RUN_PATH": "1"})

@@ -109,13 +109,30 @@ def _error_of(stage: int | None, load: str) -> str:
     return error_of(fit, stage, None, "1ep", load=load, train=False, expected=(CheckpointError, ValueError))
 
 
-def _save(folder: str) -> None:
+def _refusals(folder: str) -> dict[str, str]:
+    """Save, then ask for the refusals one after the other in the same two processes (DeepSpeed's
+    import and setup cost seconds per launch): another stage, DDP, then a truncated and a foreign
+    partition written by rank 0. An intact copy is kept for the one-rank check."""
+    import shutil
+
     fit(2, folder, "3ba")
-
-
-def _errors(folder: str) -> dict[str, str]:
-    checkpoint = os.path.join(folder, "ep0-ba3")
-    return {"stage": _error_of(3, checkpoint), "ddp": _error_of(None, checkpoint)}
+    checkpoint = Path(folder) / "ep0-ba3"
+    out = {"stage": _error_of(3, str(checkpoint)), "ddp": _error_of(None, str(checkpoint))}
+    partition = next((checkpoint / "deepspeed").glob("*rank_1*optim_states.pt"))
+    size = partition.stat().st_size
+    dist.barrier()
+    if dist.get_global_rank() == 0:
+        shutil.copytree(checkpoint, Path(folder) / "intact")
+        partition.write_bytes(partition.read_bytes()[: size // 2])
+    dist.barrier()
+    out.update(truncated=_error_of(2, str(checkpoint)), partition=str(partition), size=str(size))
+    dist.barrier()
+    if dist.get_global_rank() == 0:
+        torch.save({"optimizer_state_dict": Foreign()}, partition)
+        _rewrite_sizes(checkpoint)
+    dist.barrier()
+    out["foreign"] = _error_of(2, str(checkpoint))
+    return out
 
 
 class Foreign:
@@ -134,24 +151,13 @@ def _rewrite_sizes(folder: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path: Path) -> None:
-    run_distributed(_save, world_size=2, args=(str(tmp_path),), timeout=120)
-    errors = run_distributed(_errors, world_size=2, args=(str(tmp_path),), timeout=120)
-    for e in errors:
+    for e in run_distributed(_refusals, world_size=2, args=(str(tmp_path),), timeout=200):
         assert "saved with ZeRO stage 2 and this run uses stage 3" in e["stage"]
         assert "is a DeepSpeed checkpoint: resume it with deepspeed_config" in e["ddp"]
-    one_rank = run_distributed(_error_of, world_size=1, args=(2, str(tmp_path / "ep0-ba3")), timeout=120)[0]
+        size = int(e["size"])
+        assert f"{e['partition']} has {size // 2} bytes, not the {size}" in e["truncated"]
+        assert "would unpickle [" in e["foreign"] and "Foreign'], which lockstep does not load" in e["foreign"]
+    one_rank = run_distributed(_error_of, world_size=1, args=(2, str(tmp_path / "intact")), timeout=120)[0]
     assert "saved by 2 rank(s) and this run has 1" in one_rank
-
-    folder = tmp_path / "ep0-ba3"
-    partition = next((folder / "deepspeed").glob("*rank_1*optim_states.pt"))
-    data = partition.read_bytes()
-    partition.write_bytes(data[: len(data) // 2])
-    errors = run_distributed(_error_of, world_size=2, args=(2, str(folder)), timeout=120)
-    assert all(f"{partition} has {len(data) // 2} bytes, not the {len(data)}" in e for e in errors)
-
-    torch.save({"optimizer_state_dict": Foreign()}, partition)
-    _rewrite_sizes(folder)
-    errors = run_distributed(_error_of, world_size=2, args=(2, str(folder)), timeout=120)
-    assert all("would unpickle [" in e and "Foreign'], which lockstep does not load" in e for e in errors), errors
     with pytest.raises(CheckpointError, match="would unpickle"):
-        export_state_dict(folder)
+        export_state_dict(tmp_path / "ep0-ba3")

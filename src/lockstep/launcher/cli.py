@@ -242,7 +242,11 @@ def _stall_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
 
 def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.datetime | None = None) -> LaunchPlan:
     """Turn the command line and environment into a LaunchPlan; raise LaunchError on bad input."""
-    args = build_parser().parse_args(list(argv))
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    pet = torchrun.pet_arguments(parser, args, env)
+    if pet:
+        args = parser.parse_args([*pet, *argv])
     if args.training_script.startswith("-"):
         raise LaunchError(f"unknown option {args.training_script!r} (see lockstep --help)")
     torchrun.check_accepted(args)

@@ -121,6 +121,31 @@ def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclu
         parser.add_argument(*names, action=_Refuse, nargs=nargs, message=message)
 
 
+def pet_arguments(parser: argparse.ArgumentParser, given: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
+    """torchrun's ``PET_<FLAG>`` variables (``PET_NPROC_PER_NODE=2``, ``PET_NNODES``, ...) as the
+    flags they stand for, for each flag the command line did not set: flags win, as in torchrun."""
+    extra: list[str] = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        dashed = [o for o in action.option_strings if o.startswith("--") and ("-" in o[2:] or o[2:].isalpha())]
+        if not dashed:
+            continue
+        value = next((env[n] for n in (_pet_name(o) for o in dashed) if env.get(n)), None)
+        if value is None or getattr(given, action.dest, None) not in (None, False):
+            continue
+        if action.nargs == 0:  # a switch: torchrun reads 1/0
+            if value.strip().lower() in ("1", "true", "yes"):
+                extra.append(dashed[0])
+        else:
+            extra += [dashed[0], value]
+    return extra
+
+
+def _pet_name(option: str) -> str:
+    return "PET_" + option[2:].replace("-", "_").upper()
+
+
 def resolve_nproc(value: int | str, cuda_devices: int) -> int:
     """A number for torchrun's words, counted as torchrun counts them."""
     if isinstance(value, int):
