@@ -199,12 +199,10 @@ class Supervisor:
                     verdict = channel.decide()
                     self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
                     report_verdict(verdict, self.plan.node_rank)
-                    if self._signals_seen:
-                        return 128 + self._signals_seen[0]
-                    if attempt < self.plan.max_restarts:
-                        say(f"restarting every node's ranks ({attempt + 1} of {self.plan.max_restarts})")
+                    code = self._after_failure(attempt, shell_code(verdict.code), "every node's")
+                    if code is None:
                         continue
-                    return shell_code(verdict.code)
+                    return code
             except StoreLost as e:
                 if ranks:
                     self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
@@ -213,21 +211,23 @@ class Supervisor:
                 return LOST_EXIT_CODE
             self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
             if isinstance(outcome, _Stall):
-                if self._signals_seen:
-                    return 128 + self._signals_seen[0]
-                if attempt < self.plan.max_restarts:
-                    say(f"restarting this node's ranks ({attempt + 1} of {self.plan.max_restarts})")
-                    continue
-                return STALL_EXIT_CODE
-            others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
-            report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
-            if self._signals_seen:
-                return 128 + self._signals_seen[0]
-            if attempt < self.plan.max_restarts:
-                say(f"restarting this node's ranks ({attempt + 1} of {self.plan.max_restarts})")
-                continue
-            return shell_code(outcome.code)
+                code = self._after_failure(attempt, STALL_EXIT_CODE, "this node's")
+            else:
+                others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
+                report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
+                code = self._after_failure(attempt, shell_code(outcome.code), "this node's")
+            if code is not None:
+                return code
         raise AssertionError("unreachable")
+
+    def _after_failure(self, attempt: int, code: int, whose: str) -> int | None:
+        """The launcher's exit code after a failure, or None to restart (a signal stops restarts)."""
+        if self._signals_seen:
+            return 128 + self._signals_seen[0]
+        if attempt < self.plan.max_restarts:
+            say(f"restarting {whose} ranks ({attempt + 1} of {self.plan.max_restarts})")
+            return None
+        return code
 
     # -- starting ---------------------------------------------------------------------------
 
