@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep import Callback, dist
+from lockstep import Callback
 from lockstep.testing import run_distributed
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -35,6 +35,8 @@ class State:
     batch: Any = None
     """This rank's current training batch (from BATCH_START to BATCH_END; the microbatch in the
     microbatch loop; the evaluation batch during evaluation)."""
+    device_train_microbatch_size: int | None = None
+    """The microbatch size in use (None: the whole batch); ``'auto'`` updates it as it searches."""
     outputs: Any = None
     """The model's outputs of the current microbatch (or evaluation batch), from AFTER_FORWARD on."""
     loss_tensor: torch.Tensor | None = None

@@ -34,6 +34,12 @@ def _trainer(**kwargs) -> Trainer:
     return Trainer(model=model, train_dataloader=loader(4), device="cpu", **kwargs)
 
 
+def _fit(**kwargs) -> Trainer:
+    trainer = _trainer(**kwargs)
+    trainer.fit()
+    return trainer
+
+
 def test_events_fire_in_composers_order(tmp_path) -> None:
     record = Recorder()
     trainer = _trainer(max_duration="7ba", grad_accum=2, eval_dataloader=loader(14), eval_interval="7ba",
@@ -102,10 +108,37 @@ def test_log_to_console_prints_every_interval_and_each_evaluation() -> None:
     assert len(evals) == 2 and "metrics/eval/accuracy: " in evals[0]
 
 
-def test_precision_none_is_fp32_on_cpu_and_auto_microbatching_is_a_clear_error() -> None:
+def test_precision_none_is_fp32_on_cpu() -> None:
     assert _trainer(max_duration="1ba", precision=None).state.precision == "fp32"
-    message = error_of(_trainer, max_duration="1ba", device_train_microbatch_size="auto")
-    assert message.startswith("device_train_microbatch_size='auto' searches the largest microbatch")
+
+
+class RunsOutOfMemory(MLP):
+    """Raises the out-of-memory error torch raises, for microbatches above a size per rank."""
+
+    def __init__(self, limits: list[int]) -> None:
+        super().__init__()
+        self.limits = limits
+
+    def forward(self, batch):
+        if batch[0].shape[0] > self.limits[dist.get_global_rank()]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return super().forward(batch)
+
+
+def _auto(limits: list[int]) -> tuple[int | None, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    searched = _fit(model=RunsOutOfMemory(limits), max_duration="2ep", device_train_microbatch_size="auto")
+    fixed = _fit(model=MLP(), max_duration="2ep", device_train_microbatch_size=1)
+    return searched.state.device_train_microbatch_size, dict(searched.state.model.state_dict()), \
+        dict(fixed.state.model.state_dict())
+
+
+def test_auto_microbatching_halves_on_every_rank_until_no_rank_runs_out_of_memory() -> None:
+    # rank 1 fits 1 sample, rank 0 fits 4: both end at 1 (they agree), and train as with size 1
+    for size, searched, fixed in run_distributed(_auto, world_size=2, args=([4, 1],)):
+        assert size == 1
+        assert all(torch.allclose(searched[k], fixed[k], atol=1e-6) for k in fixed)
+    message = error_of(_fit, model=RunsOutOfMemory([0]), max_duration="1ba", device_train_microbatch_size="auto")
+    assert "ran out of memory with a microbatch of 1 sample" in message
 
 
 def test_python_log_level() -> None:
@@ -121,7 +154,8 @@ def _parallelism(_: int) -> tuple[str, str, str]:
     tp = error_of(_trainer, max_duration="1ba", parallelism_config={"tp": {}})
     weights = error_of(_trainer, max_duration="1ba", parallelism_config={"fsdp": {"state_dict_type": "sharded"}},
                        save_folder=tempfile.mkdtemp(), save_weights_only=True)
-    return type(trainer.strategy).__name__, both, tp, weights
+    auto = error_of(_trainer, max_duration="1ba", parallelism_config={"fsdp": {}}, device_train_microbatch_size="auto")
+    return type(trainer.strategy).__name__, both, tp, weights + "\n" + auto
 
 
 def test_parallelism_config_is_where_composer_0_32_keeps_the_fsdp_settings() -> None:
@@ -130,6 +164,7 @@ def test_parallelism_config_is_where_composer_0_32_keeps_the_fsdp_settings() -> 
     assert both.startswith("give the FSDP settings once")
     assert "tensor parallelism ('tp') is not supported" in tp
     assert weights.startswith("save_weights_only=True writes one file of full weights, but this run saves 'sharded'")
+    assert "device_train_microbatch_size='auto' works under DDP and in one process" in weights
 
 
 # --- a Composer-style script: the values Composer's documented semantics give, worked out by hand

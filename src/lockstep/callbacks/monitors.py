@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 

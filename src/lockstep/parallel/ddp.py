@@ -68,6 +68,13 @@ class DDPStrategy(Strategy):
             return _ThenSync(self.module.no_sync(), self.model)
         return self.module.no_sync()
 
+    def abandon_backward(self) -> None:
+        # A forward with gradient sync on arms DDP's reducer for the backward; without this, the
+        # next backward (even under no_sync) would start gradient all-reduces the other ranks do
+        # not expect. _reset_state is the reducer's own recovery for a backward that failed.
+        if isinstance(self.module, DistributedDataParallel):
+            self.module.reducer._reset_state()
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "wrapped": isinstance(self.module, DistributedDataParallel),
                 "sync_strategy": self.sync_strategy.value}

@@ -83,6 +83,10 @@ class Strategy:
         gradients are synchronized over all ranks."""
         return NULL_CONTEXT
 
+    def abandon_backward(self) -> None:
+        """Forget a step whose backward will not run (``device_train_microbatch_size='auto'``
+        retries a batch after an out-of-memory error)."""
+
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 

@@ -32,7 +32,8 @@ class LoopConfig:
     """fp32 | amp_bf16 | amp_fp16 (the latter with a GradScaler); None: Composer's default for the
     device, fp32 on CPU and amp_fp16 on GPU."""
     device_train_microbatch_size: int | str | None = None
-    """Split each rank's batch into microbatches of this many samples (gradients accumulate)."""
+    """Split each rank's batch into microbatches of this many samples (gradients accumulate);
+    ``'auto'``: the largest that fits, found by halving after out-of-memory errors."""
     grad_accum: int | None = None
     """Split each rank's batch into this many microbatches (the older way to say the same)."""
     seed: int | None = None
@@ -54,19 +55,22 @@ class LoopConfig:
         if self.precision is None:
             self.precision = "fp32" if self.device.type == "cpu" else "amp_fp16"
         check_choice("precision", self.precision, PRECISIONS)
-        if self.device_train_microbatch_size == "auto":
-            raise ValueError(
-                "device_train_microbatch_size='auto' searches the largest microbatch that fits in GPU "
-                "memory after an out-of-memory error; lockstep does not do that search yet (and on CPU "
-                "there is nothing to search): give an int, or None for the whole batch")
         for name in ("device_train_microbatch_size", "grad_accum"):
             value = getattr(self, name)
+            if name == "device_train_microbatch_size" and value == "auto":
+                continue
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         for name in ("train_subset_num_batches", "eval_subset_num_batches"):
             setattr(self, name, subset(name, getattr(self, name)))
         if self.device_train_microbatch_size is not None and self.grad_accum is not None:
             raise ValueError("give device_train_microbatch_size or grad_accum, not both")
+
+    @property
+    def fixed_microbatch_size(self) -> int | None:
+        """The microbatch size given as a number (None for the whole batch, or for 'auto')."""
+        size = self.device_train_microbatch_size
+        return None if size == "auto" else size  # type: ignore[return-value]
 
 
 def subset(name: str, value: int | None) -> int | None:

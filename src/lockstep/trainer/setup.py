@@ -185,6 +185,18 @@ def fsdp_from_parallelism_config(parallelism_config: Any, fsdp_config: dict | No
     return parallelism_config.get("fsdp", fsdp_config)
 
 
+def auto_microbatching(loop: Any, parallel: Any) -> Any:
+    """The search of ``device_train_microbatch_size='auto'``, or None when a size is given."""
+    from lockstep.trainer.microbatch import AutoMicrobatch
+
+    if loop.device_train_microbatch_size != "auto":
+        return None
+    if parallel.fsdp_config is not None or parallel.deepspeed_config is not None:
+        raise ValueError("device_train_microbatch_size='auto' works under DDP and in one process; with "
+                         "FSDP or DeepSpeed give the microbatch size as an int")
+    return AutoMicrobatch(loop.device)
+
+
 def split_schedulers(schedulers: list[Any], every_batch: bool | None) -> tuple[list[Any], list[Any]]:
     """(stepped after every batch, stepped after every epoch), with Composer's rule: lockstep's
     schedules of training time step every batch; torch schedulers step every epoch unless

@@ -27,7 +27,7 @@ from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due, is_reached
-from lockstep.trainer import checkpointing, data, setup
+from lockstep.trainer import checkpointing, data, microbatch, setup
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.preemption import Preempted, StopSignal
 
@@ -134,8 +134,10 @@ class Trainer:
         self.train_dataloader, self.eval_dataloader = data.shielded(train_dataloader), data.shielded(eval_dataloader)
         self.strategy = build_strategy(
             parallel, device=self.loop.device, precision=self.loop.precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
-            microbatch_size=device_train_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
+            microbatch_size=self.loop.fixed_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
         self.state = self._start_distributed(model, optimizer_list, schedulers, run_name, dist_timeout)
+        self._auto = setup.auto_microbatching(self.loop, self.parallel)
+        self.state.device_train_microbatch_size = self.loop.fixed_microbatch_size
         self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
             self.state.schedulers, step_schedulers_every_batch)
         self.layout = self.strategy.layout()
@@ -316,8 +318,21 @@ class Trainer:
         """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync)."""
         s, strategy, run = self.state, self.strategy, self._run_event
         run(Event.BEFORE_TRAIN_BATCH)
-        microbatches = self._split(strategy.prepare_batch(s.batch))
+        prepared = strategy.prepare_batch(s.batch)
         share = dist.get_world_size() / global_samples  # gradients are averaged over ranks
+        if self._auto is None:
+            losses, counts = self._microbatches(prepared, share)
+        else:
+            losses, counts = self._microbatches_fitting(prepared, share)
+        s.batch, s.outputs = batch, None
+        run(Event.AFTER_TRAIN_BATCH)
+        strategy.optimizer_step()
+        return _mean_loss(losses, counts)
+
+    def _microbatches(self, batch: Any, share: float) -> tuple[list[torch.Tensor], list[int]]:
+        """Forward and backward of every microbatch of ``batch``; their losses and sample counts."""
+        s, strategy, run, auto = self.state, self.strategy, self._run_event, self._auto
+        microbatches = self._split(batch)
         losses, counts, last = [], [], len(microbatches) - 1
         for i, micro in enumerate(microbatches):
             n = s.model.num_samples(micro)
@@ -330,16 +345,42 @@ class Trainer:
                     run(Event.BEFORE_LOSS)
                     s.loss_tensor = s.model.loss(s.outputs, s.batch)
                     run(Event.AFTER_LOSS)
+                if auto is not None and i == last:
+                    auto.agree(False)  # every rank got here: the gradient all-reduce may start
                 run(Event.BEFORE_BACKWARD)
                 loss = s.loss_tensor
                 strategy.backward(loss * (n * share))  # weighted by its share of the global batch
                 run(Event.AFTER_BACKWARD)
             losses.append(loss.detach())
             counts.append(n)
-        s.batch, s.outputs = batch, None
-        run(Event.AFTER_TRAIN_BATCH)
-        strategy.optimizer_step()
-        return _mean_loss(losses, counts)
+        return losses, counts
+
+    def _microbatches_fitting(self, batch: Any, share: float) -> tuple[list[torch.Tensor], list[int]]:
+        """:meth:`_microbatches`, halving the microbatch until no rank runs out of memory."""
+        auto, s = self._auto, self.state
+        assert auto is not None
+        while True:
+            auto.passed = False
+            try:
+                return self._microbatches(batch, share)
+            except microbatch.RetrySmaller:
+                pass
+            except Exception as e:
+                if auto.passed or not microbatch.is_out_of_memory(e):
+                    raise
+                s.outputs = s.loss_tensor = None
+                try:
+                    auto.agree(True)  # tells every rank, and raises RetrySmaller here too
+                except microbatch.RetrySmaller:
+                    pass
+            for optimizer in s.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            s.outputs = s.loss_tensor = None
+            self.strategy.abandon_backward()
+            s.device_train_microbatch_size = auto.shrink(s.model.num_samples(batch))
+            if dist.get_global_rank() == 0:
+                print(f"lockstep: out of memory on a rank; training this batch again in microbatches of "
+                      f"{s.device_train_microbatch_size} samples", file=sys.stderr, flush=True)
 
     def _log_batch(self) -> None:
         """Rank 0's loss of this batch (a tensor: destinations read it off the training thread)."""
@@ -349,6 +390,8 @@ class Trainer:
 
     def _split(self, batch: Any) -> list[Any]:
         model, loop = self.state.model, self.loop
+        if self._auto is not None:
+            return [batch] if self._auto.size is None else model.split_batch(batch, self._auto.size)
         if loop.device_train_microbatch_size is not None:
             return model.split_batch(batch, loop.device_train_microbatch_size)
         if loop.grad_accum is not None:
