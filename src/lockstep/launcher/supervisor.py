@@ -47,6 +47,7 @@ _STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)
 _HANDLED = (*_STOPPING, *_PASSED_ON, signal.SIGQUIT)
 _STALL_POLL_S = 1.0
+_LIVENESS_EVERY_S = 1.0
 # Test hook: seconds to pause right after each Popen, where a launcher killed used to orphan a rank.
 _PAUSE_AFTER_SPAWN_ENV = "_LOCKSTEP_TEST_PAUSE_AFTER_SPAWN"
 
@@ -108,6 +109,7 @@ class Supervisor:
         self._signals_seen: list[int] = []
         self._control_dir = Path()
         self._board: ProgressBoard | None = None
+        self._next_liveness_check = 0.0
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -367,6 +369,10 @@ class Supervisor:
         """Whether another node failed or stopped answering (a lost node is reported here)."""
         if channel.any_failed():
             return True
+        now = time.monotonic()
+        if now < self._next_liveness_check:  # two store calls per node: not on every poll
+            return False
+        self._next_liveness_check = now + _LIVENESS_EVERY_S
         lost = channel.lost_nodes()
         for failure in lost:
             channel.report(failure)
