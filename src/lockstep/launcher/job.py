@@ -70,6 +70,9 @@ class JobChannel:
         self.host = socket.gethostname()
         self._prefix = "lockstep/attempt0/"
         self._seen: dict[int, tuple[int, float]] = {}
+        self._last_alive: dict[int, float] = {}
+        """Wall-clock time each node was last seen beating: a lost node failed then, before the
+        ranks that broke because of it."""
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
 
@@ -89,6 +92,7 @@ class JobChannel:
         self._stop_beating()
         self._prefix = f"lockstep/attempt{attempt}/"
         self._seen.clear()
+        self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
         self._call(self._store.set, self._key(f"joined{self.node}"), "1")
         self._call(self._store.add, self._key("joined"), 1)
         deadline = time.monotonic() + timeout
@@ -147,8 +151,9 @@ class JobChannel:
             last_count, since = self._seen.get(n, (-1, now))
             if count != last_count:
                 self._seen[n] = (count, now)
+                self._last_alive[n] = time.time()
             elif now - since >= LOST_AFTER_S:
-                lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, time.time() - (now - since)))
+                lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, self._last_alive[n]))
         return lost
 
     def decide(self) -> Failure:
@@ -173,7 +178,7 @@ class JobChannel:
                     waiting.discard(n)  # alive after the failure: its own failures are in
                 elif count == counts[n] and elapsed >= LOST_AFTER_S:
                     waiting.discard(n)
-                    lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, time.time() - elapsed))
+                    lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, self._last_alive.get(n, 0.0)))
             verdict = self._verdict()
             if verdict is not None:
                 return verdict
