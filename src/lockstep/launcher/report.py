@@ -72,12 +72,18 @@ def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, 
         say("other ranks ended: " + ", ".join(stopped))
 
 
-def _show_tail(spec: RankSpec) -> None:
+def _output_tail(spec: RankSpec) -> tuple[Path | None, list[str]]:
+    """The last lines of the rank's stderr file, else of its stdout file, and which file."""
     shown = spec.stderr_path
     lines = tail(shown, TAIL_LINES) if shown else []
     if not lines and spec.stdout_path is not None:
         shown = spec.stdout_path
         lines = tail(shown, TAIL_LINES)
+    return shown, lines
+
+
+def _show_tail(spec: RankSpec) -> None:
+    shown, lines = _output_tail(spec)
     if lines:
         _show(f"last {len(lines)} lines of rank {spec.rank}'s output ({shown}):", lines)
     else:
@@ -96,13 +102,12 @@ def failure_tail(spec: RankSpec) -> list[str]:
     error = read_error_file(spec.error_file)
     if error is not None and error[1]:
         return error[1].splitlines()[-TAIL_LINES:]
-    files = [path for path in (spec.stderr_path, spec.stdout_path) if path is not None]
-    for path in files:
-        lines = tail(path, TAIL_LINES)
-        if lines:
-            return [line.rstrip("\n") for line in lines]
+    shown, lines = _output_tail(spec)
+    if lines:
+        return [line.rstrip("\n") for line in lines]
+    files = [str(p) for p in dict.fromkeys((spec.stderr_path, spec.stdout_path)) if p is not None]
     if files:
-        return [f"(it wrote nothing to {' or '.join(str(p) for p in dict.fromkeys(files))})"]
+        return [f"(it wrote nothing to {' or '.join(files)})"]
     return ["(its output is on its node's console, above that node's report)"]
 
 

@@ -110,6 +110,7 @@ class Supervisor:
         self._control_dir = Path()
         self._board: ProgressBoard | None = None
         self._next_liveness_check = 0.0
+        self._attempt_store: Any = None
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -128,7 +129,7 @@ class Supervisor:
         try:
             # On several nodes the store must outlive ranks and restarts: this launcher hosts it.
             if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
-                launcher_store = _host_store_here(self.plan, listener)
+                launcher_store = _store_server(self.plan, listener)
             if self.plan.is_multinode:
                 joined = self._join_job(port, launcher_store, wake_r)
                 if isinstance(joined, int):
@@ -174,18 +175,12 @@ class Supervisor:
                 if code is not None:
                     return code
             ranks: list[_Rank] = []
-            rank_port = port
+            rank_port: int | None = port
             try:
                 if channel is not None:
-                    if attempt and self.plan.hosts_store:
-                        attempt_store = _fresh_store(self.plan)  # the previous one closes with it
-                        channel.publish_port(attempt, attempt_store.port)
-                    missing = channel.begin(attempt, self.plan.rdzv_timeout)
-                    if missing:
-                        say(f"error: node(s) {', '.join(map(str, missing))} did not join attempt {attempt} within "
-                            f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
+                    rank_port = self._begin_attempt(channel, attempt, port)
+                    if rank_port is None:
                         return LOST_EXIT_CODE
-                    rank_port = channel.port(attempt) if attempt else port
                 store_fd = listener.fileno() if (listener and pass_fd) else None
                 ranks = self._spawn_all(rank_port, attempt, store_fd, watchdog)
                 outcome = self._monitor(ranks, wake_r, channel)
@@ -221,6 +216,21 @@ class Supervisor:
             if code is not None:
                 return code
         raise AssertionError("unreachable")
+
+    def _begin_attempt(self, channel: JobChannel, attempt: int, port: int) -> int | None:
+        """Join ``attempt`` with every node; the port of its ranks' store (None: a node is missing).
+
+        A restart's ranks rendezvous in a fresh store: torch's env:// rendezvous keeps no
+        per-attempt prefix, so the old attempt's keys would mislead them."""
+        if attempt and self.plan.hosts_store:
+            self._attempt_store = _store_server(self.plan)  # the previous one closes with it
+            channel.publish_port(attempt, self._attempt_store.port)
+        missing = channel.begin(attempt, self.plan.rdzv_timeout)
+        if missing:
+            say(f"error: node(s) {', '.join(map(str, missing))} did not join attempt {attempt} within "
+                f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
+            return None
+        return channel.port(attempt) if attempt else port
 
     def _after_failure(self, attempt: int, code: int, whose: str) -> int | None:
         """The launcher's exit code after a failure, or None to restart (a signal stops restarts)."""
@@ -522,22 +532,17 @@ class _Waiter:
         return signals, exited
 
 
-def _fresh_store(plan: LaunchPlan):
-    """A new store on a free port, for the ranks of a restart of a multi-node job."""
+def _store_server(plan: LaunchPlan, listener: socket.socket | None = None):
+    """A c10d store hosted by this launcher: on ``listener``'s socket (-c runs commands that do
+    not host one; a multi-node job's store outlives its ranks), or on a free port (the ranks of a
+    multi-node restart)."""
     import datetime
 
     from torch.distributed import TCPStore
 
-    return TCPStore(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
-                    wait_for_workers=False)
-
-
-def _host_store_here(plan: LaunchPlan, listener: socket.socket):
-    """-c runs arbitrary commands, not our bootstrap, so the launcher hosts the store itself."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
+    if listener is None:
+        return TCPStore(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
+                        wait_for_workers=False)
     return TCPStore(plan.master_addr, listener.getsockname()[1], plan.world_size, True,
                     datetime.timedelta(seconds=1800), wait_for_workers=False,
                     master_listen_fd=listener.fileno())

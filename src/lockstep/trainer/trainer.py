@@ -144,15 +144,10 @@ class Trainer:
         self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
                                               max_duration=self.state.max_duration, layout=self.layout,
                                               device=self.state.device)
-        self._step_sync, self._position = setup.needs_step_sync(train_dataloader, model), data.DataPosition()
-        self._num_tokens = getattr(train_dataloader, "get_num_tokens_in_batch", None) or model.num_tokens
-        folder = setup.resolve_run_folder(run_folder)
-        self.state.run_folder = None if folder is None else str(folder)
-        destinations = setup.check_loggers(loggers)
-        if log_to_console:
-            destinations = [*destinations, ConsoleLogger(console_log_interval, console_stream)]
-        self.logger = Logger(self.state, destinations)
-        self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
+        self._position = data.DataPosition()
+        self._follow_loader(train_dataloader)
+        console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
+        self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
         self._logging, self._closed, self._fitting = False, False, False
         self.saved_checkpoints: list[str] = []
         """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
@@ -161,6 +156,21 @@ class Trainer:
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
         self._run_event(Event.AFTER_LOAD)
+
+    def _set_up_outputs(self, run_folder: str | None, loggers: Sequence[LoggerDestination],
+                        callbacks: Sequence[Callback], progress_bar: bool, console: ConsoleLogger | None) -> None:
+        """The run folder, the logger destinations and the callbacks (the defaults first)."""
+        folder = setup.resolve_run_folder(run_folder)
+        self.state.run_folder = None if folder is None else str(folder)
+        destinations = setup.check_loggers(loggers) + ([console] if console is not None else [])
+        self.logger = Logger(self.state, destinations)
+        self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
+
+    def _follow_loader(self, loader: Any) -> None:
+        """What the loop needs to know of the training dataloader: whether ranks must agree on each
+        batch, and how to count its tokens."""
+        self._step_sync = setup.needs_step_sync(loader, self.state.model)
+        self._num_tokens = getattr(loader, "get_num_tokens_in_batch", None) or self.state.model.num_tokens
 
     def _start_distributed(self, model: Model, optimizers: list[torch.optim.Optimizer], schedulers: Any,
                            run_name: str | None, dist_timeout: float) -> State:
@@ -495,8 +505,7 @@ class Trainer:
         s = self.state
         self.train_dataloader = data.shielded(loader)
         s.batches_per_epoch = setup.epoch_length(loader, self.loop.train_subset_num_batches)
-        self._step_sync = setup.needs_step_sync(loader, s.model)
-        self._num_tokens = getattr(loader, "get_num_tokens_in_batch", None) or s.model.num_tokens
+        self._follow_loader(loader)
 
     def _take_resume(self) -> data.DataPosition | None:
         """Apply a loaded checkpoint's RNG state, or return the data position to resume mid-epoch."""
