@@ -16,7 +16,8 @@ import pytest
 
 pytestmark = pytest.mark.timeout(150)
 
-# Every rank all-reduces in a loop; rank FAIL_RANK exits with FAIL_CODE at step 3 of attempt 0.
+# Every rank all-reduces STEPS times (40 unless set) and marks that it is training after step 1;
+# rank FAIL_RANK exits with FAIL_CODE at step 3 of attempt 0.
 _JOB = textwrap.dedent("""
     import os, sys, time
     import torch, torch.distributed as dist
@@ -24,7 +25,9 @@ _JOB = textwrap.dedent("""
     rank, attempt = dist.get_rank(), int(os.environ["LOCKSTEP_RESTART_COUNT"])
     here = sys.argv[1]
     x = torch.ones(1)
-    for step in range(40):
+    for step in range(int(os.environ.get("STEPS", "40"))):
+        if step == 1:
+            open(os.path.join(here, f"training{rank}"), "w").close()
         if rank == int(os.environ["FAIL_RANK"]) and step == 3 and attempt == 0:
             open(os.path.join(here, "died"), "w").write(repr(time.time()))
             sys.exit(int(os.environ["FAIL_CODE"]))
@@ -70,9 +73,12 @@ def test_every_node_reports_the_rank_that_failed_first_and_exits_with_its_code(t
 
 
 def test_a_node_whose_launcher_dies_fails_the_job_on_the_others(tmp_path: Path) -> None:
-    nodes = _nodes(tmp_path, [], {"FAIL_RANK": "-1", "FAIL_CODE": "0"})
-    time.sleep(8)  # both nodes are training
-    assert nodes[1].poll() is None, nodes[1].communicate()
+    # the job would run for minutes, so it can only end through the lost node
+    nodes = _nodes(tmp_path, [], {"FAIL_RANK": "-1", "FAIL_CODE": "0", "STEPS": "100000"})
+    deadline = time.monotonic() + 90
+    while not all((tmp_path / f"training{r}").exists() for r in range(4)):
+        assert time.monotonic() < deadline and nodes[1].poll() is None, nodes[1].communicate()
+        time.sleep(0.2)
     nodes[1].send_signal(signal.SIGKILL)
     out, err = nodes[0].communicate(timeout=60)
     nodes[1].communicate()
