@@ -2,13 +2,19 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/soak.py --trials 100 kill-in-save
     OMP_NUM_THREADS=1 .venv/bin/python scripts/soak.py --trials 50 kill-ranks sigterm-all kill-launcher
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/soak.py --sharded --trials 100 kill-in-write kill-in-save
 
 Each trial runs ``tests/checkpoint/train_job.py`` (24 batches, autoresume, a checkpoint every 4)
-under ``lockstep -n 2`` and attacks it:
+under ``lockstep -n 2`` and attacks it; with ``--sharded`` the job trains under FSDP and every
+rank writes its shards of each checkpoint in the background:
 
 kill-in-save   rank 0 SIGKILLs itself while a background write of a random checkpoint is in
                flight (after the file is written, before it is published); ``--max_restarts 1``.
                Pass: the job ends bitwise equal to an uninterrupted one, no temporary file left.
+kill-in-write  a random rank SIGKILLs itself as its writer thread starts on a random checkpoint
+               (under ``--sharded`` any rank writes; otherwise only rank 0 does, so rank 0),
+               while the other rank trains on; ``--max_restarts 1``. Pass: bitwise equal, no
+               temporary file left.
 kill-ranks     a random rank SIGKILLs itself after a random batch, up to 3 times; ``--max_restarts
                3``. Pass: bitwise equal.
 sigterm-all    SIGTERM to every process of the job at once (launcher, ranks, their DataLoader
@@ -43,11 +49,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "checkpoint" / "train_job.py"
 BATCHES = 24
+JOB_FLAGS: list[str] = []
+"""Flags every launch of the job gets (``--sharded``)."""
 
 
 def launch(folder: Path, name: str, *extra: str, restarts: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "lockstep", "-n", "2", "--max_restarts", str(restarts), str(JOB),
-           "--folder", str(folder / name), "--out", str(folder / f"{name}.pt"), *extra]
+           "--folder", str(folder / name), "--out", str(folder / f"{name}.pt"), *JOB_FLAGS, *extra]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -61,7 +69,7 @@ def launch_nodes(folder: Path, name: str, *extra: str, restarts: int = 0) -> lis
         [sys.executable, "-m", "lockstep", "-n", "1", "--world_size", "2", "--node_rank", str(node),
          "--master_addr", "127.0.0.1", "--master_port", port, "--max_restarts", str(restarts),
          "--run_directory", str(folder / f"run{node}"), str(JOB), "--folder", str(folder / name),
-         "--out", str(folder / f"{name}.pt"), *extra],
+         "--out", str(folder / f"{name}.pt"), *JOB_FLAGS, *extra],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True) for node in (0, 1)]
 
@@ -99,6 +107,17 @@ def alive(pid: int) -> bool:
 def kill_in_save(tmp: Path, rng: random.Random, reference: dict) -> str | None:
     batch = rng.choice(range(4, BATCHES, 4))
     code, log = finish(launch(tmp, "job", "--kill-in-save", f"0:{batch}", restarts=1))
+    if code != 0:
+        return f"exit {code}: {log[-300:]}"
+    if any(p.name.startswith(".") for p in (tmp / "job").iterdir()):
+        return "a temporary file was left"
+    return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
+
+
+def kill_in_write(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+    batch = rng.choice(range(4, BATCHES, 4))
+    rank = rng.randint(0, 1) if JOB_FLAGS else 0
+    code, log = finish(launch(tmp, "job", "--kill-in-write", f"0:{rank}:{batch}", restarts=1))
     if code != 0:
         return f"exit {code}: {log[-300:]}"
     if any(p.name.startswith(".") for p in (tmp / "job").iterdir()):
@@ -167,7 +186,8 @@ def kill_launcher(tmp: Path, rng: random.Random, reference: dict) -> str | None:
 
 
 ATTACKS = {"kill-in-save": kill_in_save, "kill-ranks": kill_ranks, "sigterm-all": sigterm_all,
-           "kill-launcher": kill_launcher, "kill-2nodes": kill_2nodes}
+           "kill-launcher": kill_launcher, "kill-2nodes": kill_2nodes,
+           "kill-in-write": kill_in_write}
 
 
 def main() -> None:
@@ -175,7 +195,10 @@ def main() -> None:
     parser.add_argument("attacks", nargs="+", choices=sorted(ATTACKS))
     parser.add_argument("--trials", type=int, default=20, help="per attack")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sharded", action="store_true", help="FSDP with sharded checkpoints")
     args = parser.parse_args()
+    if args.sharded:
+        JOB_FLAGS.append("--sharded")
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="soak-") as root:
         code, log = finish(launch(Path(root), "reference"))

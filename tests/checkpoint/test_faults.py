@@ -72,6 +72,22 @@ def test_kill_9_in_the_middle_of_a_save_loses_nothing(reference, tmp_path: Path)
     assert leftovers == []  # the next save removed the dead writer's temporary file
 
 
+@pytest.mark.timeout(240)
+def test_kill_9_of_either_rank_during_background_sharded_writes_loses_nothing(tmp_path: Path) -> None:
+    # FSDP sharded checkpoints, written by every rank's thread while training goes on: rank 1 dies
+    # as it starts on ba12's shards (attempt 0), rank 0 after ba16's are written but before they
+    # are published (attempt 1); each time the checkpoint before stays the latest
+    clean = job(tmp_path, "clean", "--sharded")
+    assert clean.returncode == 0, clean.stderr
+    result = job(tmp_path, "torn", "--sharded", "--kill-in-write", "0:1:12", "--kill-in-save", "1:16", restarts=2)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("restarting this node's ranks") == 2, result.stderr
+    assert "attempt 2 resumed at batch 12" in result.stdout, result.stdout
+    assert_bitwise(final(tmp_path, "torn"), final(tmp_path, "clean"))
+    leftovers = [p.name for p in (tmp_path / "torn").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, from /proc."""
     found, todo = [], [pid]

@@ -2,7 +2,9 @@
 
 Faults come from the command line: ``--kill A:R:B`` makes rank R SIGKILL itself after batch B on
 attempt A (LOCKSTEP_RESTART_COUNT); ``--kill-in-save A:B`` makes rank 0 die on attempt A while
-saving the checkpoint of batch B, after the file is written and before it is renamed.
+saving the checkpoint of batch B, after the file is written and before it is renamed;
+``--kill-in-write A:R:B`` makes rank R die as its writer thread starts to write batch B's
+checkpoint. ``--sharded`` trains under FSDP with sharded checkpoints (every rank writes).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lockstep import Callback, Trainer, dist  # noqa: E402
 from lockstep.checkpoint import files  # noqa: E402
-from tests.trainer.common import DropoutMLP, loader, params  # noqa: E402
+from tests.trainer.common import DropoutMLP, full_params, loader  # noqa: E402
 
 
 def faults(specs: list[str]) -> list[tuple[int, ...]]:
@@ -42,6 +44,28 @@ class Faults(Callback):
         time.sleep(self.sleep)
 
 
+def die_in_write(tags: set[str]) -> None:
+    """SIGKILL this process as a writer starts on a checkpoint whose name holds one of ``tags``."""
+    from lockstep.checkpoint.states import ShardedLayout
+
+    write_temp, write_tensors = files.write_temp, ShardedLayout.write_tensors
+
+    def check(path: Path) -> None:
+        if any(tag in path.name for tag in tags):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def doomed_temp(content, path: Path):
+        check(path)
+        return write_temp(content, path)
+
+    def doomed_tensors(temp: Path, tensors, group) -> None:
+        check(temp)
+        write_tensors(temp, tensors, group)
+
+    files.write_temp = doomed_temp
+    ShardedLayout.write_tensors = staticmethod(doomed_tensors)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--folder", required=True)
@@ -50,6 +74,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kill", action="append", default=[])
     p.add_argument("--kill-in-save", action="append", default=[])
+    p.add_argument("--kill-in-write", action="append", default=[])
+    p.add_argument("--sharded", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--progress", type=Path)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
@@ -62,6 +88,9 @@ def main() -> None:
             if any(tag in path.name for tag in doomed):
                 os.kill(os.getpid(), signal.SIGKILL)
         files._before_publish = die_in_save
+    doomed_writes = {f"-ba{b}-" for a, r, b in faults(args.kill_in_write) if (a, r) == (attempt, dist.get_global_rank())}
+    if doomed_writes:
+        die_in_write(doomed_writes)
 
     torch.manual_seed(0)
     model = DropoutMLP()
@@ -73,11 +102,13 @@ def main() -> None:
                       optimizers=opt, schedulers=torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
                       progress_bar=False, seed=7, save_folder=args.folder, save_interval=args.save_interval,
                       run_name="job", autoresume=True,
+                      fsdp_config={"state_dict_type": "sharded"} if args.sharded else None,
                       callbacks=[Faults(faults(args.kill), args.sleep, args.progress)])
     start = trainer.state.timestamp.batch
     trainer.fit()
+    weights = full_params(model)  # a collective under FSDP
     if dist.get_global_rank() == 0:
-        torch.save(params(model), args.out)
+        torch.save(weights, args.out)
         print(f"attempt {attempt} resumed at batch {start}")
 
 

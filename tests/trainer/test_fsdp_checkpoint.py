@@ -4,12 +4,14 @@ autoresume; export of each layout to full tensors."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from lockstep import Trainer, dist
+from lockstep import Callback, Trainer, dist
 from lockstep.checkpoint import export_state_dict
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
@@ -37,7 +39,7 @@ class NormBlocks(DropoutBlocks):
 
 def fit(kind: str, folder: str | None, duration: str, load: str | None = None, autoresume: bool = False,
         dropout: bool = True, keep: int = -1, pure_bf16: bool = False,
-        schedule_in_samples: bool = False) -> dict[str, torch.Tensor]:
+        schedule_in_samples: bool = False, callbacks: tuple = ()) -> dict[str, torch.Tensor]:
     model = NormBlocks() if pure_bf16 else DropoutBlocks() if dropout else BlockMLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     fsdp_config = {"state_dict_type": kind, **({"mixed_precision": "PURE"} if pure_bf16 else {})}
@@ -51,7 +53,7 @@ def fit(kind: str, folder: str | None, duration: str, load: str | None = None, a
         progress_bar=False, seed=7, fsdp_config=None if kind == "ddp" else fsdp_config,
         save_folder=folder, save_filename=NAMES[kind], save_interval="3ba",
         load_path=load, autoresume=autoresume, run_name="fsdp-ck" if autoresume else None,
-        save_num_checkpoints_to_keep=keep)
+        save_num_checkpoints_to_keep=keep, callbacks=list(callbacks))
     trainer.fit()
     return full_params(model)
 
@@ -102,6 +104,49 @@ def test_buffers_kept_in_bf16_are_saved_in_their_own_dtype(kind: str, tmp_path: 
         assert saved["net.1.running_mean"] == saved["net.1.running_var"] == torch.float32
         assert saved["net.1.num_batches_tracked"] == torch.int64
         assert_same_params(resumed, uninterrupted, atol=0)
+
+
+class _BatchEnds(Callback):
+    def __init__(self) -> None:
+        self.ended: dict[int, float] = {}
+
+    def batch_end(self, state, logger) -> None:
+        self.ended[state.timestamp.batch] = time.monotonic()
+
+
+def _slow_sharded_writes(folder: str) -> tuple[dict, dict, list, dict]:
+    from lockstep.checkpoint.states import ShardedLayout
+
+    writes, write = [], ShardedLayout.write_tensors
+
+    def slow_write(temp, tensors, group):
+        began = time.monotonic()
+        if not writes:
+            time.sleep(1.0)  # long enough for training to take steps meanwhile
+        write(temp, tensors, group)
+        writes.append((temp.name, threading.current_thread().name, began, time.monotonic()))
+
+    uninterrupted = fit("sharded", None, "2ep")
+    ends = _BatchEnds()
+    ShardedLayout.write_tensors = staticmethod(slow_write)
+    try:
+        fit("sharded", folder, "6ba", callbacks=(ends,))  # ba3 and ba6 in the background
+    finally:
+        ShardedLayout.write_tensors = staticmethod(write)
+    resumed = fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3"))
+    return uninterrupted, resumed, writes, ends.ended
+
+
+@pytest.mark.timeout(180)
+def test_sharded_saves_write_in_the_background_and_resume_exactly(tmp_path: Path) -> None:
+    for uninterrupted, resumed, writes, ended in run_distributed(_slow_sharded_writes, world_size=2,
+                                                                 args=(str(tmp_path),), timeout=160):
+        (ba3, thread3, _, done3), (ba6, thread6, _, _) = writes
+        assert ba3.startswith(".ep0-ba3.tmp.") and ba6.startswith(".ep1-ba6.tmp.")
+        assert thread3.startswith("lockstep-checkpoint") and thread6.startswith("lockstep-checkpoint")
+        assert ended[5] < done3  # training went on while the shards of ba3 were written
+        assert_same_params(resumed, uninterrupted, atol=0)  # from a copy taken before those steps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba3", "ep1-ba6", "latest-rank0.pt"]
 
 
 def _save_sharded(folder: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import string
@@ -18,7 +19,7 @@ from lockstep import dist
 from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, staging, states, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
-from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
+from lockstep.checkpoint.states import DEEPSPEED, FOLDER_LAYOUTS, LOCAL, SHARDED, SINGLE
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class CheckpointSaver:
         self._publisher: Future[None] | None = None
         self._failure: BaseException | None = None
         self._stager = staging.Stager()
+        self._shard_group: Any = None
+        """The process group of the sharded layout's writes, made at its first save."""
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
@@ -134,10 +137,11 @@ class CheckpointSaver:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it).
 
         Training waits for one small all-gather and a copy of the state in memory; a thread writes
-        the copy and publishes it. A checkpoint too big to copy into free memory is written to its
-        temporary file before this returns. With ``wait`` (the caller calls :meth:`wait` next: the
-        end of training, preemption) there is nothing to overlap, so the state is written and
-        published straight away, without the copy.
+        the copy and publishes it (under FSDP's ``sharded`` layout, every rank's thread writes its
+        shards). A checkpoint too big to copy into free memory is written before this returns, as
+        is a DeepSpeed one (the engine writes it). With ``wait`` (the caller calls :meth:`wait`
+        next: the end of training, preemption) there is nothing to overlap, so the state is
+        written and published straight away, without the copy.
         """
         name = templates.format_name(self.config.save_filename, self.place, state.timestamp)
         path = self.folder / name
@@ -146,11 +150,34 @@ class CheckpointSaver:
         buffers = layout.rank_buffers()
         if buffers:
             rank_entry = {**rank_entry, "buffers": buffers}
-        failure = self._join() if self.writes else None  # the previous save's publish updates the history
+        ranks, pid = self._agree(path, name, rank_entry)
+        model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
+        if self.writes and not self._swept:  # temporary files of a writer that died mid-save
+            files.remove_stale_temps(self.folder)
+            self._swept = True
+        history = [n for n in self.history if n != name] + [name]
+        if self.layout == SHARDED:
+            self._save_shards(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
+        elif self.layout == DEEPSPEED:
+            temp = files.temp_path(path, pid)
+            rests = layout.write_folder(temp, model, optimizers)  # type: ignore[attr-defined]
+            meta = self._meta(state, ranks, history, layout, rests)
+            if meta is not None:
+                files.save_durably(meta, temp / states.SHARDED_META)
+                self._hand_over(wait, self._publish, temp, None, path, history)
+        elif self.writes:
+            self._save_file(state, ranks, history, layout, model, optimizers, path, wait=wait)
+        self.last_saved_batch = state.timestamp.batch
+        return path if self.writes else None
+
+    def _agree(self, path: Path, name: str, rank_entry: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+        """Every rank's entry and rank 0's pid, once the previous save is published everywhere.
+
+        One gather, so that a refusal or a failed earlier write raises on every rank rather than
+        leaving the others in the next collective; the pid names a folder layout's temporary folder.
+        """
+        failure = self._join()  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.config.save_overwrite or self._may_replace_own)
-        # One gather, so that a refusal or a failed earlier write raises on every rank rather than
-        # leaving the others in the next collective; it also hands every rank the pid that names a
-        # temporary folder.
         gathered = dist.all_gather_object((_to_wire(rank_entry), clash, os.getpid(), failure))
         self._raise_failure(next(((r, f) for r, (*_, f) in enumerate(gathered) if f is not None), None))
         if self.layout == LOCAL:  # only now is the previous save published on every rank
@@ -159,47 +186,70 @@ class CheckpointSaver:
             shown = path if clash else f"{self.folder}/{name} (on another rank)"
             raise FileExistsError(f"checkpoint {shown} already exists: pass save_overwrite=True to "
                                   f"replace it, or choose another save_folder or save_filename")
-        ranks = [_from_wire(e) for e, *_ in gathered] if self.writes else []
-        model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
-        if self.writes and not self._swept:  # temporary files of a writer that died mid-save
-            files.remove_stale_temps(self.folder)
-            self._swept = True
-        history = [n for n in self.history if n != name] + [name]
-        temp, staged = None, None  # written already, or the copy the thread writes
-        if self.layout in FOLDER_LAYOUTS:
-            temp = self._write_folder(state, ranks, history, layout, model, optimizers, path, gathered[0][2])
-        elif self.writes:
-            content = model if self.config.save_weights_only else payload.build(
-                state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
-                metrics=self.config.save_metrics)
-            if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
-                staged = self._stager.stage(content)
-            else:
-                try:
-                    temp = files.write_temp(content, path)
-                except Exception as e:  # raised on every rank by wait() or the next save
-                    self._failure = e
-                    return None
-        if self.writes and wait:
-            self._publish(temp, staged, path, history)
-        elif self.writes:
-            if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint",
-                                                initializer=_yield_to_training)
-            self._publisher = self._pool.submit(self._publish, temp, staged, path, history)
-        self.last_saved_batch = state.timestamp.batch
-        return path if self.writes else None
+        return ([_from_wire(e) for e, *_ in gathered] if self.writes else []), gathered[0][2]
 
-    def _write_folder(self, state: Any, ranks: list[dict[str, Any]],
-                      history: list[str], layout: states.Layout, model: dict[str, Any],
-                      optimizers: list[Any], path: Path, pid: int) -> Path:
-        """Every rank writes its part into one temporary folder; rank 0 adds lockstep.pt."""
-        temp = files.temp_path(path, pid)
-        rests = layout.write_folder(temp, model, optimizers)  # type: ignore[attr-defined]
-        if dist.get_global_rank() == 0:
-            rest = payload.build(state, ranks, history, layout, {}, rests, metrics=self.config.save_metrics)
-            files.save_durably(rest, temp / states.SHARDED_META)
-        return temp
+    def _meta(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
+              rests: list[Any]) -> dict[str, Any] | None:
+        """Rank 0's lockstep.pt of a folder layout: everything but the model and optimizer tensors."""
+        if dist.get_global_rank() != 0:
+            return None
+        return payload.build(state, ranks, history, layout, {}, rests, metrics=self.config.save_metrics)
+
+    def _save_file(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
+                   model: dict[str, Any], optimizers: list[Any], path: Path, *, wait: bool) -> None:
+        """A writer's one file: staged and written by the thread, or written here when it does not fit."""
+        content = model if self.config.save_weights_only else payload.build(
+            state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
+            metrics=self.config.save_metrics)
+        temp, staged = None, None
+        if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
+            staged = self._stager.stage(content)
+        else:
+            try:
+                temp = files.write_temp(content, path)
+            except Exception as e:  # raised on every rank by wait() or the next save
+                self._failure = e
+                return
+        self._hand_over(wait, self._publish, temp, staged, path, history)
+
+    def _save_shards(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
+                     model: dict[str, Any], optimizers: list[Any], path: Path, pid: int, *, wait: bool) -> None:
+        """FSDP ``sharded``: every rank's shards go into one DCP folder, then rank 0 publishes it.
+
+        The writes run over a process group of their own, so that a thread can write while training
+        uses the default one. Each rank decides alone whether its shards fit in memory to be
+        staged: one rank writing in its thread while another writes here still meet in DCP's
+        collectives.
+        """
+        if self._shard_group is None:  # a collective: every rank's first sharded save comes here
+            self._shard_group = _writer_group()
+        tensors, rests = layout.folder_parts(model, optimizers)  # type: ignore[attr-defined]
+        meta = self._meta(state, ranks, history, layout, rests)
+        background = not wait and staging.fits_in_memory(staging.storage_bytes(tensors))
+        if background:  # training goes on changing what these hold
+            tensors, meta = self._stager.stage(tensors), copy.deepcopy(meta)
+        self._hand_over(not background, self._write_shards, files.temp_path(path, pid), tensors, meta,
+                        path, history, layout)
+
+    def _write_shards(self, temp: Path, tensors: dict[str, Any], meta: dict[str, Any] | None, path: Path,
+                      history: list[str], layout: states.Layout) -> None:
+        try:
+            layout.write_tensors(temp, tensors, self._shard_group)  # type: ignore[attr-defined]
+            if meta is not None:  # rank 0: DCP returns there once every rank's shards are durable
+                files.save_durably(meta, temp / states.SHARDED_META)
+                self._publish(temp, None, path, history)
+        except BaseException as e:  # raised on every rank by the next save or wait
+            self._failure = e
+
+    def _hand_over(self, now: bool, write: Any, *args: Any) -> None:
+        """Run ``write`` here (``now``), or on the one lasting writer thread."""
+        if now:
+            write(*args)
+            return
+        if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint",
+                                            initializer=_yield_to_training)
+        self._publisher = self._pool.submit(write, *args)
 
     def _publish(self, temp: Path | None, staged: Any, path: Path, history: list[str]) -> None:
         try:
@@ -230,7 +280,7 @@ class CheckpointSaver:
     def wait(self) -> None:
         """Return on every rank once the newest checkpoint is durable and the latest pointer names
         it; raise on every rank if writing it failed on any."""
-        failure = self._join() if self.writes else None
+        failure = self._join()
         self._raise_failure(dist.first_error(failure, device=self._device))
         if self.layout == LOCAL:
             self._prune()
@@ -244,6 +294,15 @@ class CheckpointSaver:
             return
         while len(self.history) > keep:
             files.remove(self.folder / self.history.pop(0))
+
+
+def _writer_group() -> Any:
+    """A gloo group of every rank for the sharded writes (None without a process group: DCP then
+    writes as one process). gloo, because DCP's collectives move CPU objects, and on a GPU the
+    default group is NCCL's."""
+    if not torch.distributed.is_initialized():
+        return None
+    return torch.distributed.new_group(backend="gloo")
 
 
 def _yield_to_training() -> None:

@@ -15,12 +15,14 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def storage_bytes(obj: Any) -> int:
     """Bytes of the distinct tensor storages in ``obj``: what :meth:`Stager.stage` copies."""
     seen: dict[tuple[str, int], int] = {}
     for t in _tensors(obj):
+        t = _local(t)
         if _plain(t):
             s = t.untyped_storage()
             seen[(str(s.device), s.data_ptr())] = s.nbytes()
@@ -60,6 +62,11 @@ class Stager:
         return copied
 
     def _stage(self, obj: Any, storages: dict[tuple[str, int], torch.UntypedStorage]) -> Any:
+        if isinstance(obj, DTensor):
+            # A shard: its local tensor is copied to CPU and keeps its placement, even on a GPU
+            # mesh (from_local would move it back), as DCP's own staging does.
+            local = self._stage(obj.to_local(), storages)
+            return DTensor(local, obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             if not _plain(obj):
                 return obj.detach().to("cpu", copy=True)
@@ -84,6 +91,10 @@ class Stager:
         if type(obj) is tuple:
             return tuple(self._stage(v, storages) for v in obj)
         return copy.deepcopy(obj)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -251,14 +251,19 @@ class ShardedLayout(_OwnBuffers):
         model = self._restore_buffer_dtypes(get_model_state_dict(self.model))
         return model, [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
 
-    def write_folder(self, temp: Path, model: dict[str, Any], optimizers: list[Any]) -> list[Any]:
-        """Every rank writes its shards into ``temp``; returns the optimizers' non-tensor parts."""
-        import torch.distributed.checkpoint as dcp
-
+    @staticmethod
+    def folder_parts(model: dict[str, Any], optimizers: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+        """(what DCP writes: every tensor, the optimizers' non-tensor parts, which go in lockstep.pt)."""
         split = [split_tensors(o) for o in optimizers]
         tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))
-        return [r or {} for _, r in split]
+        return tensors, [r or {} for _, r in split]
+
+    @staticmethod
+    def write_tensors(temp: Path, tensors: dict[str, Any], group: Any) -> None:
+        """Every rank writes its shards into ``temp`` and fsyncs them (a collective over ``group``)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp, sync_files=True), process_group=group)
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
