@@ -70,7 +70,7 @@ def setup(args: argparse.Namespace) -> tuple[train_gpt.GPT, Any, argparse.Namesp
                                      "--eval_interval", "1000ep"])
     torch.manual_seed(0)
     files = train_gpt.stdlib_files()
-    data = train_gpt.PackedBytes(train_gpt.load_split(files, "train"), gpt_args.block_size)
+    data = train_gpt.PackedTokens(train_gpt.load_split(files, "train"), gpt_args.block_size)
     loader = train_gpt.TokenLoader(data, batch_size=gpt_args.batch_size, drop_last=True,
                                    sampler=dist.get_sampler(data, shuffle=True, seed=0, drop_last=True))
     model = train_gpt.GPT(gpt_args.layers, gpt_args.heads, gpt_args.dim, gpt_args.block_size)

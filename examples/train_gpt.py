@@ -14,6 +14,13 @@ read as UTF-8 bytes (a vocabulary of 256). Every 20th file is held out for valid
 is the same on every machine with the same Python. Each split is packed into one stream of bytes,
 with a 0 byte between files, and cut into sequences of ``--block_size + 1`` bytes.
 
+``--tokenizer bpe`` uses subword tokens instead: a byte-level BPE of ``--vocab_size`` tokens that
+the ``tokenizers`` package (``pip install tokenizers``) learns from the training split, so nothing
+is downloaded either. Local rank 0 learns it and encodes both splits once; the tokenizer and the
+token streams are cached under ``--data_cache`` for the other ranks and the next runs. Files are
+then separated by an end-of-text token, and the loss is in nats per token; the job also reports
+bits per byte, which compares across tokenizers.
+
 The dataloader counts tokens, so ``--max_duration``, the warmup + cosine schedule, evaluation and
 throughput are all in tokens. Validation reports ``metrics/eval/LanguageCrossEntropy`` (nats per
 byte) and ``metrics/eval/LanguagePerplexity``; at the end rank 0 prints a sample that the model
@@ -23,11 +30,14 @@ writes after a fixed prompt.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import os
 import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +52,9 @@ from lockstep.callbacks import LRMonitor, SpeedMonitor
 from lockstep.loggers import TensorboardLogger
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 
-VOCAB = 256
+BYTES = 256
 PROMPT = "import os\n\n\ndef "
+END_OF_TEXT = "<|endoftext|>"
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -55,22 +66,104 @@ def stdlib_files(root: str | None = None) -> list[Path]:
     return sorted(p for p in base.rglob("*.py") if not skip & set(p.relative_to(base).parts))
 
 
-def load_split(files: list[Path], split: str, max_bytes: int | None = None) -> torch.Tensor:
-    """One split's files as a uint8 stream: every 20th file is validation, the rest training."""
-    chosen = [p for i, p in enumerate(files) if (i % 20 == 0) == (split == "val")]
+def split_files(files: list[Path], split: str, max_bytes: int | None = None) -> list[bytes]:
+    """One split's file contents, each followed by a 0 byte: every 20th file is validation, the
+    rest training; cut after ``max_bytes``."""
     parts, total = [], 0
-    for path in chosen:
+    for i, path in enumerate(files):
+        if (i % 20 == 0) != (split == "val"):
+            continue
         data = path.read_bytes() + b"\0"
+        if max_bytes is not None and total + len(data) >= max_bytes:
+            parts.append(data[:max_bytes - total])
+            break
         parts.append(data)
         total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    stream = b"".join(parts)[:max_bytes]
-    return torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+    return parts
 
 
-class PackedBytes(Dataset):
-    """Consecutive, non-overlapping windows of ``block_size + 1`` bytes: inputs and next-byte targets."""
+def load_split(files: list[Path], split: str, max_bytes: int | None = None) -> torch.Tensor:
+    """One split as one uint8 stream of bytes."""
+    return torch.frombuffer(bytearray(b"".join(split_files(files, split, max_bytes))), dtype=torch.uint8)
+
+
+class ByteCodec:
+    """Tokens are UTF-8 bytes."""
+
+    vocab_size, unit = BYTES, "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class BPECodec:
+    """A byte-level BPE learned from the training split by the ``tokenizers`` package."""
+
+    unit = "token"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.end_of_text = tokenizer.token_to_id(END_OF_TEXT)
+
+    @classmethod
+    def learn(cls, texts: list[str], vocab_size: int) -> BPECodec:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=[END_OF_TEXT], show_progress=False))
+        return cls(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def stream(self, texts: list[str]) -> torch.Tensor:
+        """The texts' tokens in one stream, an end-of-text token after each."""
+        ids = [i for e in self.tokenizer.encode_batch(texts) for i in (*e.ids, self.end_of_text)]
+        return torch.tensor(ids, dtype=torch.int16 if self.vocab_size <= 2 ** 15 else torch.int32)
+
+
+def bpe_data(files: list[Path], args: argparse.Namespace) -> tuple[BPECodec, torch.Tensor, torch.Tensor, int]:
+    """(the tokenizer, the training and validation token streams, the validation split's bytes),
+    built by local rank 0 into ``--data_cache`` and read from there by the other ranks."""
+    try:
+        import tokenizers
+    except ImportError:
+        sys.exit("train_gpt.py: --tokenizer bpe needs the tokenizers package: pip install tokenizers")
+    from tokenizers import Tokenizer
+
+    key = hashlib.sha256(repr((args.vocab_size, args.train_bytes, args.eval_bytes, tokenizers.__version__,
+                               [(str(f), f.stat().st_size) for f in files])).encode()).hexdigest()[:16]
+    cache = Path(args.data_cache) / f"bpe-{args.vocab_size}-{key}"
+    with dist.run_local_rank_zero_first():
+        if not (cache / "data.pt").exists():
+            texts = {split: [b.decode("utf-8", errors="replace") for b in split_files(files, split, limit)]
+                     for split, limit in (("train", args.train_bytes), ("val", args.eval_bytes))}
+            codec = BPECodec.learn(texts["train"], args.vocab_size)
+            val_bytes = sum(len(t.encode()) + 1 for t in texts["val"])
+            cache.mkdir(parents=True, exist_ok=True)
+            codec.tokenizer.save(str(cache / "tokenizer.json"))
+            temp = cache / f".data.pt.{os.getpid()}"  # complete or absent, for whoever reads it
+            torch.save({"train": codec.stream(texts["train"]), "val": codec.stream(texts["val"]),
+                        "val_bytes": val_bytes}, temp)
+            os.replace(temp, cache / "data.pt")
+    data = torch.load(cache / "data.pt", weights_only=True)
+    codec = BPECodec(Tokenizer.from_file(str(cache / "tokenizer.json")))
+    return codec, data["train"], data["val"], data["val_bytes"]
+
+
+class PackedTokens(Dataset):
+    """Consecutive, non-overlapping windows of ``block_size + 1`` tokens: inputs and next-token targets."""
 
     def __init__(self, stream: torch.Tensor, block_size: int) -> None:
         self.stream, self.block_size = stream, block_size
@@ -149,16 +242,18 @@ class LanguagePerplexity(LanguageCrossEntropy):
 
 
 class GPT(lockstep.Model):
-    """A decoder-only transformer over bytes. A batch is a ``(B, T + 1)`` tensor of byte values."""
+    """A decoder-only transformer. A batch is a ``(B, T + 1)`` tensor of token ids (bytes by default)."""
 
-    def __init__(self, layers: int = 4, heads: int = 4, dim: int = 128, block_size: int = 128) -> None:
+    def __init__(self, layers: int = 4, heads: int = 4, dim: int = 128, block_size: int = 128,
+                 vocab_size: int = BYTES) -> None:
         super().__init__()
         self.layers, self.heads, self.dim, self.block_size = layers, heads, dim, block_size
-        self.embed = nn.Embedding(VOCAB, dim)
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, dim)
         self.position = nn.Embedding(block_size, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied embeddings
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
@@ -183,7 +278,7 @@ class GPT(lockstep.Model):
         return self.logits(batch[:, :-1])
 
     def loss(self, outputs: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(outputs.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+        return F.cross_entropy(outputs.reshape(-1, self.vocab_size).float(), batch[:, 1:].reshape(-1))
 
     def get_metrics(self, is_train: bool = False) -> dict[str, torchmetrics.Metric]:
         return {"LanguageCrossEntropy": LanguageCrossEntropy(), "LanguagePerplexity": LanguagePerplexity()}
@@ -212,13 +307,13 @@ class GPT(lockstep.Model):
         return float(per_token * batch.shape[0] * tokens)
 
     @torch.no_grad()
-    def generate(self, module: nn.Module, prompt: bytes, length: int, temperature: float = 0.8,
-                 top_k: int = 20, seed: int = 0) -> bytes:
-        """Sample ``length`` bytes after ``prompt``. Every rank calls it with the same seed, so under
+    def generate(self, module: nn.Module, prompt: list[int], length: int, temperature: float = 0.8,
+                 top_k: int = 20, seed: int = 0) -> list[int]:
+        """Sample ``length`` tokens after the ``prompt`` tokens. Every rank calls it with the same seed, so under
         FSDP every rank runs the same forwards (each gathers the shards)."""
         generator = torch.Generator().manual_seed(seed)
         device = next(module.parameters()).device
-        idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        idx = torch.tensor([prompt], dtype=torch.long, device=device)
         for _ in range(length):
             window = idx[:, -self.block_size:]
             # forward() drops a batch's last column (the targets): append a placeholder for it
@@ -226,13 +321,13 @@ class GPT(lockstep.Model):
             cutoff = torch.topk(logits, top_k).values[:, -1:]
             probs = torch.softmax(logits.masked_fill(logits < cutoff, -math.inf), dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator).to(device)], dim=1)
-        return bytes(idx[0, len(prompt):].tolist())
+        return idx[0, len(prompt):].tolist()
 
 
 # -- the job ----------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train a byte-level GPT on the Python standard library with lockstep.")
+    p = argparse.ArgumentParser(description="Train a GPT on the Python standard library with lockstep.")
     p.add_argument("--parallel", choices=("ddp", "fsdp", "zero2"), default="fsdp",
                    help="DDP, FSDP FULL_SHARD (default) or DeepSpeed ZeRO-2")
     p.add_argument("--precision", choices=("fp32", "amp_bf16"), default="fp32")
@@ -245,7 +340,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_interval", default="0.5dur", help="a Time string (default 0.5dur)")
     p.add_argument("--batch_size", type=int, default=16, help="sequences per rank per step (default 16)")
     p.add_argument("--microbatch_size", type=int, default=None, help="sequences per forward/backward")
-    p.add_argument("--block_size", type=int, default=128, help="bytes per sequence (default 128)")
+    p.add_argument("--block_size", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes",
+                   help="UTF-8 bytes (default), or a byte-level BPE learned from the training split "
+                        "(needs the tokenizers package)")
+    p.add_argument("--vocab_size", type=int, default=2048, help="BPE tokens (default 2048)")
+    p.add_argument("--data_cache", default=os.path.join(os.path.expanduser("~"), ".cache", "lockstep", "train_gpt"),
+                   help="where --tokenizer bpe keeps its tokenizer and token streams")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
@@ -253,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", default="0.05dur", help="linear warmup, a Time string (default 0.05dur)")
     p.add_argument("--eval_bytes", type=int, default=65536, help="validation bytes (default 64 KiB)")
     p.add_argument("--train_bytes", type=int, default=None, help="cap on training bytes (default: all)")
-    p.add_argument("--sample_bytes", type=int, default=200, help="bytes generated at the end (0: none)")
+    p.add_argument("--sample_bytes", type=int, default=200, help="tokens generated at the end (0: none)")
     p.add_argument("--save_folder", default=None)
     p.add_argument("--save_interval", default="0.5dur")
     p.add_argument("--autoresume", action="store_true")
@@ -264,18 +365,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
-    torch.manual_seed(args.seed)
+def build_data(args: argparse.Namespace) -> tuple[ByteCodec | BPECodec, torch.Tensor, torch.Tensor, int]:
+    """(the tokenizer, the training and validation token streams, the validation split's bytes)."""
     files = stdlib_files(args.stdlib)
     if not files:
         sys.exit(f"train_gpt.py: no *.py files under {args.stdlib or sysconfig.get_paths()['stdlib']}")
-    train_set = PackedBytes(load_split(files, "train", args.train_bytes), args.block_size)
-    val_set = PackedBytes(load_split(files, "val", args.eval_bytes), args.block_size)
+    if args.tokenizer == "bpe":
+        return bpe_data(files, args)
+    val = load_split(files, "val", args.eval_bytes)
+    return ByteCodec(), load_split(files, "train", args.train_bytes), val, len(val)
+
+
+def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
+    if args.tokenizer == "bpe":  # local rank 0 learns the tokenizer first
+        dist.initialize_dist("cpu" if not torch.cuda.is_available() else None)
+    torch.manual_seed(args.seed)
+    codec, train_stream, val_stream, val_bytes = build_data(args)
+    train_set = PackedTokens(train_stream, args.block_size)
+    val_set = PackedTokens(val_stream, args.block_size)
     train_loader = TokenLoader(train_set, batch_size=args.batch_size, drop_last=True,
                                sampler=dist.get_sampler(train_set, shuffle=True, seed=args.seed, drop_last=True))
     val_loader = DataLoader(val_set, batch_size=64, sampler=dist.get_sampler(val_set, shuffle=False))
 
-    model = GPT(args.layers, args.heads, args.dim, args.block_size)
+    model = GPT(args.layers, args.heads, args.dim, args.block_size, codec.vocab_size)
+    model.codec, model.tokens_per_byte = codec, len(val_stream) / val_bytes
     # no weight decay on biases, norms and embeddings, as in nanoGPT
     decay = [p for p in model.parameters() if p.dim() >= 2 and p is not model.embed.weight]
     rest = [p for p in model.parameters() if not (p.dim() >= 2 and p is not model.embed.weight)]
@@ -315,20 +428,22 @@ def main(argv: list[str] | None = None) -> lockstep.Trainer:
     if trainer.state.timestamp.batch == 0:
         first = trainer.eval()["LanguageCrossEntropy"]
         if rank0:
-            print(f"step 0: validation cross entropy {first:.3f} nats/byte (ln 256 = {math.log(256):.3f})", flush=True)
+            print(f"step 0: validation cross entropy {first:.3f} nats/{model.codec.unit} "
+                  f"(ln {model.vocab_size} = {math.log(model.vocab_size):.3f})", flush=True)
     trainer.fit()
     final = trainer.state.eval_metrics
     if rank0:
+        entropy = final["LanguageCrossEntropy"]
         print(f"end ({trainer.state.timestamp.token:,} tokens, {time.perf_counter() - start:.0f} s): validation "
-              f"cross entropy {final['LanguageCrossEntropy']:.3f} nats/byte "
-              f"({final['LanguageCrossEntropy'] / math.log(2):.2f} bits/byte), "
+              f"cross entropy {entropy:.3f} nats/{model.codec.unit} "
+              f"({entropy * model.tokens_per_byte / math.log(2):.2f} bits/byte), "
               f"perplexity {final['LanguagePerplexity']:.2f}", flush=True)
     if args.sample_bytes:
         module = trainer.strategy.eval_module
         module.eval()
-        text = model.generate(module, PROMPT.encode(), args.sample_bytes, seed=args.seed)
+        ids = model.generate(module, model.codec.encode(PROMPT), args.sample_bytes, seed=args.seed)
         if rank0:
-            print(f"sample:\n{PROMPT}{text.decode('utf-8', errors='replace')}", flush=True)
+            print(f"sample:\n{PROMPT}{model.codec.decode(ids)}", flush=True)
     if rank0 and trainer.state.run_folder:
         folder = Path(trainer.state.run_folder)
         print(f"run folder: {folder}\n  loss curve: {folder / 'loss_curve.png'}\n  TensorBoard: "

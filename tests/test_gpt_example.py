@@ -75,3 +75,33 @@ def test_gpt_crashes_mid_epoch_and_autoresumes_exactly(parallel: str, tmp_path: 
     assert results[0]["eval"]["LanguageCrossEntropy"] < 5.0
     assert results[0]["eval"]["LanguagePerplexity"] == pytest.approx(
         torch.tensor(results[0]["eval"]["LanguageCrossEntropy"]).exp().item(), rel=1e-5)
+
+
+def _bpe(folder: str, stdlib: str) -> dict:
+    gpt = _gpt()
+    args = [*TINY, "--parallel", "ddp", "--tokenizer", "bpe", "--vocab_size", "300", "--stdlib", stdlib,
+            "--data_cache", f"{folder}/cache", "--run_folder", f"{folder}/run", "--max_duration", "5120tok"]
+    trainer = gpt.build_trainer(gpt.parse_args(args))[0]
+    first = dict(trainer.eval())
+    trainer.fit()
+    model = trainer.state.model
+    model = getattr(model, "module", model)
+    text = "def f(x):\n    return x  # é\n"
+    return {"first": first, "last": dict(trainer.state.eval_metrics), "vocab": model.vocab_size,
+            "round trip": model.codec.decode(model.codec.encode(text)) == text,
+            "tokens": len(model.codec.encode(text)), "chars": len(text), "params": full_params(trainer)}
+
+
+@pytest.mark.timeout(200)
+def test_a_bpe_learned_from_the_training_split_trains_on_every_rank_alike(tmp_path: Path) -> None:
+    import sysconfig
+
+    pytest.importorskip("tokenizers")
+    stdlib = str(Path(sysconfig.get_paths()["stdlib"]) / "json")  # a few files: the tokenizer learns in a second
+    results = run_distributed(_bpe, world_size=2, args=(str(tmp_path), stdlib), timeout=180)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # learned once, by local rank 0, and shared
+    for rank in results:
+        assert rank["vocab"] == 300 and rank["round trip"] and rank["tokens"] < rank["chars"]
+        assert rank["last"]["LanguageCrossEntropy"] < rank["first"]["LanguageCrossEntropy"] - 0.3
+    for name, value in results[0]["params"].items():
+        assert torch.equal(value, results[1]["params"][name]), name
