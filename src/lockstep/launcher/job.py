@@ -5,13 +5,15 @@ every restart) and every launcher talks to it under ``lockstep/attempt{N}/``:
 
 * ``alive{node}``: a counter each launcher's beat thread adds to every ``BEAT_S`` seconds. A node
   whose counter stops for ``LOST_AFTER_S`` seconds (its launcher was killed, its machine is gone)
-  counts as failed.
+  counts as failed. A node whose ranks all finished adds ``DONE`` to it, so that one ``multi_get``
+  of every counter tells each launcher who is alive and who is done: a round trip per launcher
+  per check, not one per node.
 * ``failures``: one JSON line per failed rank (appended, so none is lost), with its global rank,
   node, host, exit code, wall-clock time and output tail; ``failed`` counts them.
 * ``verdict``: the root cause every node prints and exits with. The first launcher to decide sets
   it with compare-and-set; the others read it, so every node tells the same story.
-* ``done{node}``: a node whose ranks all finished. ``joined`` counts the nodes ready for the
-  attempt: restarts begin together, and a node that does not come back fails the job.
+* ``joined`` counts the nodes ready for the attempt: restarts begin together, and a node that
+  does not come back fails the job.
 * ``port``: a restart's ranks rendezvous in a fresh store that the master's launcher opens on a
   new port (torch's env:// rendezvous keeps no per-attempt prefix, so the old keys would mislead
   them); attempt 0's ranks use the store on ``--master_port`` itself.
@@ -35,6 +37,8 @@ BEAT_S = 0.25
 LOST_AFTER_S = 3.0
 _SETTLE_S = 0.5  # a node must beat this long after the first failure to count as having reported
 LOST_EXIT_CODE = 1
+DONE = 1 << 40
+"""Added to a node's ``alive`` counter once its ranks all finished (no node beats that often)."""
 
 
 class StoreLost(RuntimeError):
@@ -94,6 +98,7 @@ class JobChannel:
         self._seen.clear()
         self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
         self._call(self._store.set, self._key(f"joined{self.node}"), "1")
+        self._call(self._store.add, self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
         self._call(self._store.add, self._key("joined"), 1)
         deadline = time.monotonic() + timeout
         while self._call(self._store.add, self._key("joined"), 0) < self.nnodes:
@@ -140,14 +145,18 @@ class JobChannel:
     def any_failed(self) -> bool:
         return self._call(self._store.add, self._key("failed"), 0) > 0
 
+    def _alive_counts(self) -> list[int]:
+        """Every node's ``alive`` counter, in one round trip (each exists once every node joined)."""
+        keys = [self._key(f"alive{n}") for n in range(self.nnodes)]
+        return [int(v) for v in self._call(self._store.multi_get, keys)]
+
     def lost_nodes(self) -> list[Failure]:
         """Nodes whose launcher stopped beating, and are not done."""
         now = time.monotonic()
         lost = []
-        for n in range(self.nnodes):
-            if n == self.node or self._call(self._store.check, [self._key(f"done{n}")]):
+        for n, count in enumerate(self._alive_counts()):
+            if n == self.node or count >= DONE:
                 continue
-            count = self._call(self._store.add, self._key(f"alive{n}"), 0)
             last_count, since = self._seen.get(n, (-1, now))
             if count != last_count:
                 self._seen[n] = (count, now)
@@ -163,18 +172,18 @@ class JobChannel:
         if verdict is not None:
             return verdict
         start = time.monotonic()
-        counts = {n: self._call(self._store.add, self._key(f"alive{n}"), 0) for n in range(self.nnodes)}
+        counts = self._alive_counts()
         waiting = {n for n in range(self.nnodes) if n != self.node}
         lost: list[Failure] = []
         while waiting:
             time.sleep(BEAT_S)
             elapsed = time.monotonic() - start
+            now = self._alive_counts()
             for n in list(waiting):
-                if self._call(self._store.check, [self._key(f"done{n}")]):
+                count = now[n]
+                if count >= DONE:
                     waiting.discard(n)
-                    continue
-                count = self._call(self._store.add, self._key(f"alive{n}"), 0)
-                if count != counts[n] and elapsed >= _SETTLE_S:
+                elif count != counts[n] and elapsed >= _SETTLE_S:
                     waiting.discard(n)  # alive after the failure: its own failures are in
                 elif count == counts[n] and elapsed >= LOST_AFTER_S:
                     waiting.discard(n)
@@ -201,10 +210,10 @@ class JobChannel:
     # -- success ------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        self._call(self._store.add, self._key(f"done{self.node}"), 1)
+        self._call(self._store.add, self._key(f"alive{self.node}"), DONE)
 
     def all_done(self) -> bool:
-        return all(self._call(self._store.check, [self._key(f"done{n}")]) for n in range(self.nnodes))
+        return all(count >= DONE for count in self._alive_counts())
 
     def _key(self, name: str) -> str:
         return self._prefix + name
