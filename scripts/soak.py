@@ -3,16 +3,17 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/soak.py --trials 100 kill-in-save
     OMP_NUM_THREADS=1 .venv/bin/python scripts/soak.py --trials 50 kill-ranks sigterm-all kill-launcher
     OMP_NUM_THREADS=1 .venv/bin/python scripts/soak.py --sharded --trials 100 kill-in-write kill-in-save
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/soak.py --zero 2 --trials 20 kill-in-write kill-ranks
 
 Each trial runs ``tests/checkpoint/train_job.py`` (24 batches, autoresume, a checkpoint every 4)
-under ``lockstep -n 2`` and attacks it; with ``--sharded`` the job trains under FSDP and every
-rank writes its shards of each checkpoint in the background:
+under ``lockstep -n 2`` and attacks it; with ``--sharded`` the job trains under FSDP, with ``--zero
+N`` under DeepSpeed ZeRO stage N, and every rank writes its part of each checkpoint in the background:
 
 kill-in-save   rank 0 SIGKILLs itself while a background write of a random checkpoint is in
                flight (after the file is written, before it is published); ``--max_restarts 1``.
                Pass: the job ends bitwise equal to an uninterrupted one, no temporary file left.
 kill-in-write  a random rank SIGKILLs itself as its writer thread starts on a random checkpoint
-               (under ``--sharded`` any rank writes; otherwise only rank 0 does, so rank 0),
+               (under ``--sharded`` or ``--zero`` any rank writes; otherwise only rank 0 does),
                while the other rank trains on; ``--max_restarts 1``. Pass: bitwise equal, no
                temporary file left.
 kill-ranks     a random rank SIGKILLs itself after a random batch, up to 3 times; ``--max_restarts
@@ -120,6 +121,8 @@ def kill_in_write(tmp: Path, rng: random.Random, reference: dict) -> str | None:
     code, log = finish(launch(tmp, "job", "--kill-in-write", f"0:{rank}:{batch}", restarts=1))
     if code != 0:
         return f"exit {code}: {log[-300:]}"
+    if "failed first with signal SIGKILL" not in log:
+        return "no rank was killed"
     if any(p.name.startswith(".") for p in (tmp / "job").iterdir()):
         return "a temporary file was left"
     return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
@@ -196,9 +199,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20, help="per attack")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sharded", action="store_true", help="FSDP with sharded checkpoints")
+    parser.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO at this stage")
     args = parser.parse_args()
     if args.sharded:
         JOB_FLAGS.append("--sharded")
+    if args.zero is not None:
+        JOB_FLAGS.extend(["--zero", str(args.zero)])
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="soak-") as root:
         code, log = finish(launch(Path(root), "reference"))

@@ -4,7 +4,8 @@ Faults come from the command line: ``--kill A:R:B`` makes rank R SIGKILL itself 
 attempt A (LOCKSTEP_RESTART_COUNT); ``--kill-in-save A:B`` makes rank 0 die on attempt A while
 saving the checkpoint of batch B, after the file is written and before it is renamed;
 ``--kill-in-write A:R:B`` makes rank R die as its writer thread starts to write batch B's
-checkpoint. ``--sharded`` trains under FSDP with sharded checkpoints (every rank writes).
+checkpoint. ``--sharded`` trains under FSDP with sharded checkpoints, ``--zero N`` under DeepSpeed
+ZeRO stage N (in both, every rank writes its part of each checkpoint).
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ class Faults(Callback):
 
 def die_in_write(tags: set[str]) -> None:
     """SIGKILL this process as a writer starts on a checkpoint whose name holds one of ``tags``."""
+    from lockstep.checkpoint.deepspeed import DeepSpeedLayout
     from lockstep.checkpoint.states import ShardedLayout
 
-    write_temp, write_tensors = files.write_temp, ShardedLayout.write_tensors
+    write_temp, write_tensors, write_captured = files.write_temp, ShardedLayout.write_tensors, \
+        DeepSpeedLayout.write_captured
 
     def check(path: Path) -> None:
         if any(tag in path.name for tag in tags):
@@ -62,8 +65,13 @@ def die_in_write(tags: set[str]) -> None:
         check(temp)
         write_tensors(temp, tensors, group)
 
+    def doomed_captured(self, captured) -> None:
+        check(Path(captured[0][0]).parents[1])  # .../<temporary folder>/deepspeed/<file>
+        write_captured(self, captured)
+
     files.write_temp = doomed_temp
     ShardedLayout.write_tensors = staticmethod(doomed_tensors)
+    DeepSpeedLayout.write_captured = doomed_captured
 
 
 def main() -> None:
@@ -76,6 +84,7 @@ def main() -> None:
     p.add_argument("--kill-in-save", action="append", default=[])
     p.add_argument("--kill-in-write", action="append", default=[])
     p.add_argument("--sharded", action="store_true")
+    p.add_argument("--zero", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--progress", type=Path)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
@@ -103,6 +112,7 @@ def main() -> None:
                       progress_bar=False, seed=7, save_folder=args.folder, save_interval=args.save_interval,
                       run_name="job", autoresume=True,
                       fsdp_config={"state_dict_type": "sharded"} if args.sharded else None,
+                      deepspeed_config=None if args.zero is None else {"zero_optimization": {"stage": args.zero}},
                       callbacks=[Faults(faults(args.kill), args.sleep, args.progress)])
     start = trainer.state.timestamp.batch
     trainer.fit()

@@ -4,6 +4,7 @@ and damaged or foreign files refused before DeepSpeed unpickles them."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,12 +49,24 @@ def fit(stage: int | None, folder: str | None, duration: str, load: str | None =
 
 
 def _resume_exactly(stage: int, folder: str) -> tuple[dict, dict, dict]:
+    from lockstep.checkpoint.deepspeed import DeepSpeedLayout
+
     uninterrupted = fit(stage, None, "2ep")
-    fit(stage, folder, "6ba")  # saves at ba3 (mid-epoch) and ba6
+    writers, write = [], DeepSpeedLayout.write_captured
+
+    def recorded(self, captured):
+        writers.append(threading.current_thread().name)
+        write(self, captured)
+
+    DeepSpeedLayout.write_captured = recorded
+    try:
+        fit(stage, folder, "6ba")  # saves at ba3 (mid-epoch) and ba6
+    finally:
+        DeepSpeedLayout.write_captured = write
     resumed = fit(stage, None, "2ep", load=os.path.join(folder, "ep0-ba3"))
     exported = export_state_dict(os.path.join(folder, "ep1-ba6"))
     at_ba6 = fit(stage, None, "6ba", load=os.path.join(folder, "ep0-ba3"))
-    return uninterrupted, resumed, {"exported": exported, "at_ba6": at_ba6}
+    return uninterrupted, resumed, {"exported": exported, "at_ba6": at_ba6, "writers": writers}
 
 
 @pytest.mark.timeout(240)
@@ -61,6 +74,8 @@ def _resume_exactly(stage: int, folder: str) -> tuple[dict, dict, dict]:
 def test_exact_resume_and_export(stage: int, tmp_path: Path) -> None:
     results = run_distributed(_resume_exactly, world_size=2, args=(stage, str(tmp_path)), timeout=220)
     for uninterrupted, resumed, extra in results:
+        # both saves are written by every rank's writer thread while training goes on, from a copy
+        assert len(extra["writers"]) == 2 and all(w.startswith("lockstep-checkpoint") for w in extra["writers"])
         assert_same_params(resumed, uninterrupted, atol=0)
         assert_same_params(extra["exported"], extra["at_ba6"], atol=0)
     folder = tmp_path / "ep0-ba3"

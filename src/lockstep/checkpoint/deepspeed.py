@@ -56,12 +56,27 @@ class DeepSpeedLayout(Layout):
     def extra_meta(self) -> dict[str, Any]:
         return {"zero_stage": self.stage, "files": self._sizes}
 
-    def write_folder(self, temp: Path, model: dict[str, Any], optimizers: list[Any]) -> list[Any]:
-        """Every rank: the engine writes into ``temp``; rank 0 then fsyncs and sizes every file."""
-        self.engine.save_checkpoint(str(temp), tag=TAG, client_state={}, save_latest=False)  # ends in a barrier
-        if self.engine.global_rank == 0:
-            self._sizes = _sync_tree(temp)
-        return [{} for _ in optimizers]
+    def capture_folder(self, temp: Path) -> list[tuple[str, Any]]:
+        """Every rank (a collective): run the engine's save into ``temp``, but keep each state dict it
+        would write, by reference, with the file it names; :meth:`write_captured` writes them."""
+        writer = self.engine.checkpoint_engine
+        captured: list[tuple[str, Any]] = []
+        writer.save = lambda state_dict, path: captured.append((str(path), state_dict))
+        try:
+            self.engine.save_checkpoint(str(temp), tag=TAG, client_state={}, save_latest=False)
+        finally:
+            del writer.save  # the class's own again
+        return captured
+
+    def write_captured(self, captured: list[tuple[str, Any]]) -> None:
+        """Write the captured state dicts as the engine would have (its serialization)."""
+        for path, state_dict in captured:
+            self.engine.checkpoint_engine.save(state_dict, path)
+
+    def sync_folder(self, temp: Path) -> dict[str, int]:
+        """Rank 0, once every rank has written: fsync every file and folder; record their sizes."""
+        self._sizes = _sync_tree(temp)
+        return self._sizes
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Resume exactly: the engine loads its model and optimizer states (same world size and stage)."""

@@ -137,9 +137,9 @@ class CheckpointSaver:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it).
 
         Training waits for one small all-gather and a copy of the state in memory; a thread writes
-        the copy and publishes it (under FSDP's ``sharded`` layout, every rank's thread writes its
-        shards). A checkpoint too big to copy into free memory is written before this returns, as
-        is a DeepSpeed one (the engine writes it). With ``wait`` (the caller calls :meth:`wait`
+        the copy and publishes it (in folder layouts every rank's thread writes its part: FSDP
+        shards, DeepSpeed's files). A checkpoint too big to copy into free memory is written
+        before this returns. With ``wait`` (the caller calls :meth:`wait`
         next: the end of training, preemption) there is nothing to overlap, so the state is
         written and published straight away, without the copy.
         """
@@ -159,12 +159,7 @@ class CheckpointSaver:
         if self.layout == SHARDED:
             self._save_shards(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.layout == DEEPSPEED:
-            temp = files.temp_path(path, pid)
-            rests = layout.write_folder(temp, model, optimizers)  # type: ignore[attr-defined]
-            meta = self._meta(state, ranks, history, layout, rests)
-            if meta is not None:
-                files.save_durably(meta, temp / states.SHARDED_META)
-                self._hand_over(wait, self._publish, temp, None, path, history)
+            self._save_engine_files(state, ranks, history, layout, optimizers, path, pid, wait=wait)
         elif self.writes:
             self._save_file(state, ranks, history, layout, model, optimizers, path, wait=wait)
         self.last_saved_batch = state.timestamp.batch
@@ -236,6 +231,36 @@ class CheckpointSaver:
         try:
             layout.write_tensors(temp, tensors, self._shard_group)  # type: ignore[attr-defined]
             if meta is not None:  # rank 0: DCP returns there once every rank's shards are durable
+                files.save_durably(meta, temp / states.SHARDED_META)
+                self._publish(temp, None, path, history)
+        except BaseException as e:  # raised on every rank by the next save or wait
+            self._failure = e
+
+    def _save_engine_files(self, state: Any, ranks: list[dict[str, Any]], history: list[str],
+                           layout: states.Layout, optimizers: list[Any], path: Path, pid: int, *,
+                           wait: bool) -> None:
+        """DeepSpeed: the engine's save runs here, but what it would write is kept (copied, when it
+        fits in memory) and every rank's thread writes its files; once all have, rank 0 fsyncs
+        and sizes them, adds lockstep.pt and publishes the folder."""
+        if self._shard_group is None:  # a collective: every rank's first save comes here
+            self._shard_group = _writer_group()
+        temp = files.temp_path(path, pid)
+        captured = layout.capture_folder(temp)  # type: ignore[attr-defined]
+        meta = self._meta(state, ranks, history, layout, [{} for _ in optimizers])
+        background = not wait and staging.fits_in_memory(staging.storage_bytes([sd for _, sd in captured]))
+        if background:  # training goes on changing what these hold
+            captured = list(zip([p for p, _ in captured], self._stager.stage([sd for _, sd in captured])))
+            meta = copy.deepcopy(meta)
+        self._hand_over(not background, self._write_engine_files, temp, captured, meta, path, history, layout)
+
+    def _write_engine_files(self, temp: Path, captured: list[tuple[str, Any]], meta: dict[str, Any] | None,
+                            path: Path, history: list[str], layout: states.Layout) -> None:
+        try:
+            layout.write_captured(captured)  # type: ignore[attr-defined]
+            if self._shard_group is not None:
+                torch.distributed.barrier(group=self._shard_group)  # every rank's files are written
+            if meta is not None:
+                meta["lockstep"]["files"] = layout.sync_folder(temp)  # type: ignore[attr-defined]
                 files.save_durably(meta, temp / states.SHARDED_META)
                 self._publish(temp, None, path, history)
         except BaseException as e:  # raised on every rank by the next save or wait
