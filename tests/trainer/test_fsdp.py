@@ -337,3 +337,20 @@ def test_local_checkpoints_need_rank_in_the_filename(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"save_filename='ba\{batch\}.pt' must contain \{rank\}"):
         Trainer(model=model, train_dataloader=loader(4), max_duration="1ba", optimizers=sgd(model),
                 fsdp_config={"state_dict_type": "local"}, save_folder=str(tmp_path), save_filename="ba{batch}.pt")
+
+
+def _gathered_after_forward(strategy: str) -> dict[str, bool]:
+    model = BlockMLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="1ba", optimizers=sgd(model),
+                      progress_bar=False, fsdp_config={"sharding_strategy": strategy})
+    trainer.strategy.module(next(iter(loader(4))))
+    return {u.name: u.module._get_fsdp_state()._fsdp_param_group.is_unsharded for u in trainer.strategy.fsdp.units}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_only_the_root_keeps_its_parameters_gathered_for_backward_under_full_shard(strategy: str) -> None:
+    # as FSDP1: the root's backward begins as its forward ends, so it is not resharded in between
+    for gathered in run_distributed(_gathered_after_forward, world_size=2, args=(strategy,), timeout=100):
+        assert gathered == {"": True, "net.0": strategy == "SHARD_GRAD_OP", "net.1": strategy == "SHARD_GRAD_OP",
+                            "net.2": strategy == "SHARD_GRAD_OP"}

@@ -108,7 +108,7 @@ def prepare_fsdp(model: nn.Module, config: FSDPConfig, precision: str, device: t
             if "process_group" in settings else None
         unit = Unit(name, module, type(_unwrapped(module)).__name__, sum(p.numel() for p in module.parameters()),
                     strategy, unit_precision, settings.get("cpu_offload", config.cpu_offload), group)
-        _shard(unit, meshes, device)
+        _shard(unit, meshes, device, root=module is model)
         setup.units.append(unit)
     _cast_buffers(model, setup)
     _set_backward_prefetch(setup, config.backward_prefetch, model)
@@ -256,14 +256,17 @@ class _Meshes:
         return grid[dim]
 
 
-def _shard(unit: Unit, meshes: _Meshes, device: torch.device) -> None:
+def _shard(unit: Unit, meshes: _Meshes, device: torch.device, *, root: bool) -> None:
+    """``fully_shard`` one unit. The root keeps its parameters gathered from forward to backward
+    (FSDP1's behaviour and FSDP2's default): its backward begins the moment its forward ends, so
+    resharding it would only put one more all-gather on the critical path."""
     p = unit.precision
     policy = MixedPrecisionPolicy(
         param_dtype=None if p.param_dtype == torch.float32 else p.param_dtype,
         reduce_dtype=None if p.reduce_dtype == torch.float32 and p.param_dtype == torch.float32 else p.reduce_dtype)
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if unit.cpu_offload else OffloadPolicy()
     fully_shard(unit.module, mesh=meshes.get(unit.strategy, unit.group),
-                reshard_after_forward=unit.strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+                reshard_after_forward=not root and unit.strategy in ("FULL_SHARD", "HYBRID_SHARD"),
                 mp_policy=policy, offload_policy=offload)
 
 
