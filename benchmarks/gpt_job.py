@@ -67,7 +67,8 @@ class Clock:
 
 def setup(args: argparse.Namespace) -> tuple[train_gpt.GPT, Any, argparse.Namespace]:
     gpt_args = train_gpt.parse_args(["--max_duration", f"{args.warmup + args.steps}ba", "--sample_bytes", "0",
-                                     "--eval_interval", "1000ep"])
+                                     "--eval_interval", "1000ep", "--layers", str(args.layers), "--dim", str(args.dim),
+                                     "--heads", str(args.heads)])
     torch.manual_seed(0)
     files = train_gpt.stdlib_files()
     data = train_gpt.PackedTokens(train_gpt.load_split(files, "train"), gpt_args.block_size)
@@ -169,6 +170,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.initialize_dist("cpu")
@@ -182,7 +186,7 @@ def main() -> None:
     torch.distributed.all_gather(every, mine)
     if dist.get_global_rank() == 0:
         (args.out / "result.json").write_text(json.dumps({
-            "tokens_per_s": tokens / clock.seconds, "flops_per_s_per_rank": flops,
+            "tokens_per_s": tokens / clock.seconds, "flops_per_s_per_rank": flops, "params": model.num_params(),
             "peak_rss_mib": [float(t[0]) for t in every], "state_mib": [float(t[1]) / 2 ** 20 for t in every]}))
     dist.barrier()
     torch.distributed.destroy_process_group()  # a process exiting with gloo's threads alive may abort

@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gpt_throughput.py              # about 10 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gpt_throughput.py --runs 5 --steps 60
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gpt_throughput.py --runs 1 --steps 3 --layers 8 --dim 512 \
+        --impls plain-ddp trainer-ddp plain-fsdp trainer-fsdp        # memory of a 25M-parameter model
 
 Each run is a fresh 2-rank job of ``benchmarks/gpt_job.py`` (gloo, one thread per rank): the
 hand-written loops under ``torchrun --standalone --nproc_per_node 2``, the Trainer under
@@ -46,7 +48,8 @@ def matmul_peak(n: int = 1024, repeats: int = 50) -> float:
 
 def run(impl: str, args: argparse.Namespace, root: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"{impl}-", dir=root))
-    job = [str(JOB), "--impl", impl, "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out)]
+    job = [str(JOB), "--impl", impl, "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out),
+           "--layers", str(args.layers), "--dim", str(args.dim), "--heads", str(args.heads)]
     if impl.startswith("trainer"):
         cmd = [sys.executable, "-m", "lockstep", "-n", "2", "--run_directory", str(out / "run"), *job]
     else:
@@ -63,6 +66,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS)
+    parser.add_argument("--layers", type=int, default=4, help="the model's size (train_gpt.py's defaults)")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args()
     peak = matmul_peak()
     results: dict[str, list[dict]] = defaultdict(list)
@@ -75,7 +81,9 @@ def main() -> None:
                 print(f"run {r + 1}/{args.runs} {impl:16s} {results[impl][-1]['tokens_per_s']:8.0f} tokens/s",
                       flush=True)
     print()
-    print(f"GPT of examples/train_gpt.py (0.83M parameters, 16 x 128 bytes per rank), 2 ranks, gloo, 1 thread "
+    params = next(iter(results.values()))[0]["params"]
+    print(f"GPT of examples/train_gpt.py ({params / 1e6:.2f}M parameters: {args.layers} layers of {args.dim}; "
+          f"16 x 128 bytes per rank), 2 ranks, gloo, 1 thread "
           f"each, {time.strftime('%Y-%m-%d')}; {args.runs} runs of {args.steps} steps after {args.warmup}; "
           f"medians; one-core fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
     print(f"{'implementation':16s} {'tokens/s':>9s} {'vs hand':>8s} {'pairwise':>9s} {'MFU':>6s} "
