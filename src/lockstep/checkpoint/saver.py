@@ -35,11 +35,11 @@ class CheckpointSaver:
     rank writes its own file (and pointer); under ``sharded`` the ranks write one DCP folder, and
     under DeepSpeed one folder of the engine's files.
 
-    Training waits only while the state is copied in memory (or, for folder layouts, written); a
-    background thread then writes the file, fsyncs it, renames it into place, moves the latest
-    pointer and prunes old checkpoints. Until that is done the checkpoint is not visible, so a
-    crash in between leaves the previous one as the latest. :meth:`wait` blocks until the newest
-    checkpoint is durable.
+    Training waits only while the state is copied in memory; a background thread then writes the
+    file (in folder layouts, every rank's thread its part), fsyncs it, renames it into place,
+    moves the latest pointer and prunes old checkpoints. Until that is done the checkpoint is not
+    visible, so a crash in between leaves the previous one as the latest. :meth:`wait` blocks
+    until the newest checkpoint is durable.
     """
 
     def __init__(self, config: CheckpointConfig, *, run_name: str, max_duration: Time | None,
@@ -139,9 +139,9 @@ class CheckpointSaver:
         Training waits for one small all-gather and a copy of the state in memory; a thread writes
         the copy and publishes it (in folder layouts every rank's thread writes its part: FSDP
         shards, DeepSpeed's files). A checkpoint too big to copy into free memory is written
-        before this returns. With ``wait`` (the caller calls :meth:`wait`
-        next: the end of training, preemption) there is nothing to overlap, so the state is
-        written and published straight away, without the copy.
+        before this returns. With ``wait`` (the caller calls :meth:`wait` next: the end of
+        training, preemption) there is nothing to overlap, so the state is written and published
+        straight away, without the copy.
         """
         name = templates.format_name(self.config.save_filename, self.place, state.timestamp)
         path = self.folder / name
