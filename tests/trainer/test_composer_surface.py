@@ -312,3 +312,36 @@ def test_load_ignore_keys_leaves_out_what_composers_paths_name(tmp_path) -> None
 
     message = error_of(_trainer, max_duration="1ba", load_path=path, load_ignore_keys=["state/timestamp"])
     assert message.startswith("load_ignore_keys has 'state/timestamp': lockstep checkpoints hold")
+
+
+class Batches(Callback):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def batch_end(self, state, logger) -> None:
+        self.seen.append(state.timestamp.batch)
+
+
+class AddsAndRemoves(Callback):
+    """At batch 2's end, adds a listener; at batch 4's, takes it out again."""
+
+    def __init__(self, trainer_box: list, late: Batches) -> None:
+        self.box, self.late = trainer_box, late
+
+    def batch_end(self, state, logger) -> None:
+        callbacks = self.box[0].callbacks
+        if state.timestamp.batch == 2:
+            callbacks.append(self.late)
+        elif state.timestamp.batch == 4:
+            callbacks.remove(self.late)
+
+
+def test_callbacks_added_or_removed_during_fit_take_part_from_the_next_event() -> None:
+    box, late = [], Batches()
+    trainer = _trainer(max_duration="6ba", callbacks=[AddsAndRemoves(box, late)])
+    box.append(trainer)
+    trainer.fit()
+    assert late.seen == [3, 4]
+    trainer.callbacks = [late]  # a plain list put in place of the Trainer's is followed too
+    trainer.fit(duration="2ba")
+    assert late.seen == [3, 4, 7, 8]

@@ -164,7 +164,8 @@ class Trainer:
         self.state.run_folder = None if folder is None else str(folder)
         destinations = setup.check_loggers(loggers) + ([console] if console is not None else [])
         self.logger = Logger(self.state, destinations)
-        self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
+        self.callbacks: list[Callback] = CallbackList(
+            setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations)
 
     def _follow_loader(self, loader: Any) -> None:
         """What the loop needs to know of the training dataloader: whether ranks must agree on each
@@ -553,13 +554,18 @@ class Trainer:
         for algorithm in self.algorithms:
             if algorithm.match(event, self.state):
                 algorithm.apply(event, self.state, self.logger)
+        if self._indexed_version != getattr(self.callbacks, "version", None):
+            self._index_listeners()  # the list changed (a callback added one, say): from this event on
         for callback in self._listeners_of[event]:  # type: ignore[index]
             callback.run_event(event, self.state, self.logger)
 
     def _index_listeners(self) -> None:
         """Which callbacks act at each event: most events (per microbatch ones included) have none,
         and then cost a dict lookup."""
+        if not isinstance(self.callbacks, CallbackList):  # a plain list assigned in its place
+            self.callbacks = CallbackList(self.callbacks)
         self._listeners_of = {e: [c for c in self.callbacks if c.listens_to(e)] for e in Event}
+        self._indexed_version = self.callbacks.version
 
     def close(self) -> None:
         """Finish: every callback and logger writes what it holds and releases what it opened (logger
@@ -575,6 +581,33 @@ class Trainer:
                 callback.close(self.state, self.logger)
             except Exception as e:  # noqa: BLE001 - the training error is the one to report
                 warnings.warn(f"{type(callback).__name__}.close failed: {e}", stacklevel=2)
+
+
+class CallbackList(list):  # type: ignore[type-arg]
+    """``trainer.callbacks``: a list that counts its changes, so that callbacks added or removed
+    during ``fit`` take part from the next event on."""
+
+    version = 0
+
+    def _changed(self) -> None:
+        self.version += 1
+
+
+def _counting(name: str) -> Any:
+    method = getattr(list, name)
+
+    def change(self: CallbackList, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        self._changed()
+        return self if name in ("__iadd__", "__imul__") else result
+
+    change.__name__ = name
+    return change
+
+
+for _name in ("append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
+              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
+    setattr(CallbackList, _name, _counting(_name))
 
 
 def _mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
