@@ -56,9 +56,10 @@ class DeepSpeedLayout(Layout):
     def extra_meta(self) -> dict[str, Any]:
         return {"zero_stage": self.stage, "files": self._sizes}
 
-    def capture_folder(self, temp: Path) -> list[tuple[str, Any]]:
+    def folder_parts(self, temp: Path, model: dict[str, Any], optimizers: list[Any]) -> tuple[list[Any], list[Any]]:
         """Every rank (a collective): run the engine's save into ``temp``, but keep each state dict it
-        would write, by reference, with the file it names; :meth:`write_captured` writes them."""
+        would write, by reference, with the file it names (:meth:`write_captured` writes them);
+        the optimizers have no part of their own in lockstep.pt."""
         writer = self.engine.checkpoint_engine
         captured: list[tuple[str, Any]] = []
         writer.save = lambda state_dict, path: captured.append((str(path), state_dict))
@@ -66,17 +67,23 @@ class DeepSpeedLayout(Layout):
             self.engine.save_checkpoint(str(temp), tag=TAG, client_state={}, save_latest=False)
         finally:
             del writer.save  # the class's own again
-        return captured
+        return captured, [{} for _ in optimizers]
+
+    def write_parts(self, temp: Path, captured: list[tuple[str, Any]], group: Any) -> None:
+        """This rank's files, then a barrier: every rank's are written on return."""
+        self.write_captured(captured)
+        if group is not None:
+            torch.distributed.barrier(group=group)
 
     def write_captured(self, captured: list[tuple[str, Any]]) -> None:
         """Write the captured state dicts as the engine would have (its serialization)."""
         for path, state_dict in captured:
             self.engine.checkpoint_engine.save(state_dict, path)
 
-    def sync_folder(self, temp: Path) -> dict[str, int]:
+    def seal(self, temp: Path, meta: dict[str, Any]) -> None:
         """Rank 0, once every rank has written: fsync every file and folder; record their sizes."""
         self._sizes = _sync_tree(temp)
-        return self._sizes
+        meta["lockstep"]["files"] = self._sizes
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Resume exactly: the engine loads its model and optimizer states (same world size and stage)."""

@@ -19,7 +19,7 @@ from lockstep import dist
 from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, staging, states, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
-from lockstep.checkpoint.states import DEEPSPEED, FOLDER_LAYOUTS, LOCAL, SHARDED, SINGLE
+from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 if TYPE_CHECKING:
@@ -74,8 +74,8 @@ class CheckpointSaver:
         self._publisher: Future[None] | None = None
         self._failure: BaseException | None = None
         self._stager = staging.Stager()
-        self._shard_group: Any = None
-        """The process group of the sharded layout's writes, made at its first save."""
+        self._writer_group: Any = None
+        """The process group of a folder layout's writes, made at its first save."""
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
@@ -156,10 +156,8 @@ class CheckpointSaver:
             files.remove_stale_temps(self.folder)
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
-        if self.layout == SHARDED:
-            self._save_shards(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
-        elif self.layout == DEEPSPEED:
-            self._save_engine_files(state, ranks, history, layout, optimizers, path, pid, wait=wait)
+        if self.layout in FOLDER_LAYOUTS:
+            self._save_folder(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.writes:
             self._save_file(state, ranks, history, layout, model, optimizers, path, wait=wait)
         self.last_saved_batch = state.timestamp.batch
@@ -207,60 +205,32 @@ class CheckpointSaver:
                 return
         self._hand_over(wait, self._publish, temp, staged, path, history)
 
-    def _save_shards(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
+    def _save_folder(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
                      model: dict[str, Any], optimizers: list[Any], path: Path, pid: int, *, wait: bool) -> None:
-        """FSDP ``sharded``: every rank's shards go into one DCP folder, then rank 0 publishes it.
+        """A folder layout (FSDP ``sharded``: DCP's shards; DeepSpeed: the engine's files): every
+        rank's thread writes its part into one temporary folder, then rank 0 adds lockstep.pt and
+        publishes it.
 
-        The writes run over a process group of their own, so that a thread can write while training
-        uses the default one. Each rank decides alone whether its shards fit in memory to be
-        staged: one rank writing in its thread while another writes here still meet in DCP's
-        collectives.
+        The writes meet over a process group of their own, so that a thread can write while
+        training uses the default one. Each rank decides alone whether its part fits in memory to
+        be copied: one rank writing in its thread while another writes here still meet there.
         """
-        if self._shard_group is None:  # a collective: every rank's first sharded save comes here
-            self._shard_group = _writer_group()
-        tensors, rests = layout.folder_parts(model, optimizers)  # type: ignore[attr-defined]
+        if self._writer_group is None:  # a collective: every rank's first folder save comes here
+            self._writer_group = _writer_group()
+        temp = files.temp_path(path, pid)
+        parts, rests = layout.folder_parts(temp, model, optimizers)  # type: ignore[attr-defined]
         meta = self._meta(state, ranks, history, layout, rests)
-        background = not wait and staging.fits_in_memory(staging.storage_bytes(tensors))
+        background = not wait and staging.fits_in_memory(staging.storage_bytes(parts))
         if background:  # training goes on changing what these hold
-            tensors, meta = self._stager.stage(tensors), copy.deepcopy(meta)
-        self._hand_over(not background, self._write_shards, files.temp_path(path, pid), tensors, meta,
-                        path, history, layout)
+            parts, meta = self._stager.stage(parts), copy.deepcopy(meta)
+        self._hand_over(not background, self._write_folder, temp, parts, meta, path, history, layout)
 
-    def _write_shards(self, temp: Path, tensors: dict[str, Any], meta: dict[str, Any] | None, path: Path,
+    def _write_folder(self, temp: Path, parts: Any, meta: dict[str, Any] | None, path: Path,
                       history: list[str], layout: states.Layout) -> None:
         try:
-            layout.write_tensors(temp, tensors, self._shard_group)  # type: ignore[attr-defined]
-            if meta is not None:  # rank 0: DCP returns there once every rank's shards are durable
-                files.save_durably(meta, temp / states.SHARDED_META)
-                self._publish(temp, None, path, history)
-        except BaseException as e:  # raised on every rank by the next save or wait
-            self._failure = e
-
-    def _save_engine_files(self, state: Any, ranks: list[dict[str, Any]], history: list[str],
-                           layout: states.Layout, optimizers: list[Any], path: Path, pid: int, *,
-                           wait: bool) -> None:
-        """DeepSpeed: the engine's save runs here, but what it would write is kept (copied, when it
-        fits in memory) and every rank's thread writes its files; once all have, rank 0 fsyncs
-        and sizes them, adds lockstep.pt and publishes the folder."""
-        if self._shard_group is None:  # a collective: every rank's first save comes here
-            self._shard_group = _writer_group()
-        temp = files.temp_path(path, pid)
-        captured = layout.capture_folder(temp)  # type: ignore[attr-defined]
-        meta = self._meta(state, ranks, history, layout, [{} for _ in optimizers])
-        background = not wait and staging.fits_in_memory(staging.storage_bytes([sd for _, sd in captured]))
-        if background:  # training goes on changing what these hold
-            captured = list(zip([p for p, _ in captured], self._stager.stage([sd for _, sd in captured])))
-            meta = copy.deepcopy(meta)
-        self._hand_over(not background, self._write_engine_files, temp, captured, meta, path, history, layout)
-
-    def _write_engine_files(self, temp: Path, captured: list[tuple[str, Any]], meta: dict[str, Any] | None,
-                            path: Path, history: list[str], layout: states.Layout) -> None:
-        try:
-            layout.write_captured(captured)  # type: ignore[attr-defined]
-            if self._shard_group is not None:
-                torch.distributed.barrier(group=self._shard_group)  # every rank's files are written
-            if meta is not None:
-                meta["lockstep"]["files"] = layout.sync_folder(temp)  # type: ignore[attr-defined]
+            layout.write_parts(temp, parts, self._writer_group)  # type: ignore[attr-defined]
+            if meta is not None:  # rank 0, once every rank's part is written
+                layout.seal(temp, meta)  # type: ignore[attr-defined]
                 files.save_durably(meta, temp / states.SHARDED_META)
                 self._publish(temp, None, path, history)
         except BaseException as e:  # raised on every rank by the next save or wait
@@ -322,8 +292,8 @@ class CheckpointSaver:
 
 
 def _writer_group() -> Any:
-    """A gloo group of every rank for the sharded writes (None without a process group: DCP then
-    writes as one process). gloo, because DCP's collectives move CPU objects, and on a GPU the
+    """A gloo group of every rank for a folder layout's writes (None without a process group: DCP
+    then writes as one process). gloo, because DCP's collectives move CPU objects, and on a GPU the
     default group is NCCL's."""
     if not torch.distributed.is_initialized():
         return None

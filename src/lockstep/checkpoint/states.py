@@ -252,11 +252,15 @@ class ShardedLayout(_OwnBuffers):
         return model, [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
 
     @staticmethod
-    def folder_parts(model: dict[str, Any], optimizers: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    def folder_parts(temp: Path, model: dict[str, Any], optimizers: list[Any]) -> tuple[dict[str, Any], list[Any]]:
         """(what DCP writes: every tensor, the optimizers' non-tensor parts, which go in lockstep.pt)."""
         split = [split_tensors(o) for o in optimizers]
         tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
         return tensors, [r or {} for _, r in split]
+
+    def write_parts(self, temp: Path, tensors: dict[str, Any], group: Any) -> None:
+        """Every rank's shards, durable in ``temp`` on return (DCP's save ends in a gather)."""
+        self.write_tensors(temp, tensors, group)
 
     @staticmethod
     def write_tensors(temp: Path, tensors: dict[str, Any], group: Any) -> None:
@@ -264,6 +268,10 @@ class ShardedLayout(_OwnBuffers):
         import torch.distributed.checkpoint as dcp
 
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp, sync_files=True), process_group=group)
+
+    @staticmethod
+    def seal(temp: Path, meta: dict[str, Any]) -> None:
+        """Rank 0, before lockstep.pt is written: nothing to add (DCP wrote its own metadata)."""
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
