@@ -259,6 +259,7 @@ class GPT(lockstep.Model):
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith(("proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+        self._weights = self.num_params()  # SpeedMonitor asks for the FLOPs of every batch
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -303,7 +304,7 @@ class GPT(lockstep.Model):
         """Training FLOPs (forward + backward) as in the PaLM paper's appendix B and nanoGPT:
         ``6 N`` per token for the weights, plus ``12 L d T`` per token for attention."""
         tokens = batch.shape[1] - 1
-        per_token = 6 * self.num_params() + 12 * self.layers * self.dim * tokens
+        per_token = 6 * self._weights + 12 * self.layers * self.dim * tokens
         return float(per_token * batch.shape[0] * tokens)
 
     @torch.no_grad()

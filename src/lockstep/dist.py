@@ -557,6 +557,24 @@ def local_rank_zero_download_and_wait(
     return contextlib.nullcontext()
 
 
+# ----------------------------------------------------------------------------- host group
+
+_host_group: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
+
+
+def host_group() -> torch_dist.ProcessGroup | None:
+    """A group for small CPU tensors the library reduces off the critical path: the default group
+    when it is gloo, else a gloo group over every rank, made at the first call after the default
+    group was (a collective: every rank makes that call at the same point)."""
+    global _host_group
+    default = torch_dist.distributed_c10d._get_default_group()
+    if torch_dist.get_backend() == "gloo":
+        return None
+    if _host_group is None or _host_group[0] is not default:
+        _host_group = (default, torch_dist.new_group(backend="gloo"))
+    return _host_group[1]
+
+
 # ----------------------------------------------------------------------------- agreement
 
 

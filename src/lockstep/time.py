@@ -16,6 +16,7 @@ timestamp reaches ``max_duration``), :func:`is_interval_due` (save/eval interval
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import re
 from dataclasses import dataclass
@@ -91,6 +92,12 @@ class Time:
         """Parse a duration string such as ``'160ep'``, ``'1_000sp'``, ``'3e4tok'``."""
         if not isinstance(text, str):
             raise TypeError(f"a duration string must be a str, got {type(text).__name__}")
+        if cls is Time:  # schedules hold their durations as strings and read them every batch
+            return _parse(text)
+        return cls._parse_string(text)
+
+    @classmethod
+    def _parse_string(cls, text: str) -> Time:
         match = _PATTERN.fullmatch(text.strip())
         if match is None:
             reason = "durations cannot be negative; " if text.strip().startswith("-") else ""
@@ -172,6 +179,11 @@ class Time:
             return NotImplemented
         self._same_unit(other, "subtract")
         return Time(self.value - other.value, self.unit)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(text: str) -> Time:
+    return Time._parse_string(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +301,10 @@ def is_reached(
     A ``dur`` limit is a fraction of ``max_duration``. With 64 samples, a global batch of 16 and a
     limit of ``'40sp'``, this first holds after the 3rd batch (48 >= 40).
     """
-    unit, amount = _resolve(Time.from_input(limit), max_duration, "limit")
+    limit = Time.from_input(limit)
+    if limit.unit is not TimeUnit.DURATION:  # a whole count: checked every batch, so no Fraction
+        return timestamp.get(limit.unit) >= limit.value
+    unit, amount = _resolve(limit, max_duration, "limit")
     return timestamp.get(unit) >= amount
 
 

@@ -42,6 +42,46 @@ def test_each_duration_unit_stops_at_the_right_step(duration, batches, epochs) -
     assert trainer.state.timestamp.token == 160 * batches
 
 
+class RankTokenMLP(MLP):
+    """Ranks count different tokens per sample (10 on rank 0, 30 on rank 1): only a sum tells."""
+
+    def num_tokens(self, batch):
+        from lockstep import dist
+        return (10 + 20 * dist.get_global_rank()) * batch[0].shape[0]
+
+
+class RankTokenLoader(DataLoader):
+    @staticmethod
+    def get_num_tokens_in_batch(batch):
+        from lockstep import dist
+        return (10 + 20 * dist.get_global_rank()) * batch[0].shape[0]
+
+
+def _token_totals(counter: str) -> list[tuple[int, int, int]]:
+    from lockstep import dist
+    seen = []
+
+    class Record(Callback):
+        def batch_end(self, state, logger):
+            seen.append((state.timestamp.batch, state.timestamp.sample, state.timestamp.token))
+
+    model = RankTokenMLP() if counter == "model" else MLP()
+    ds = dataset(64)
+    cls = RankTokenLoader if counter == "loader" else DataLoader
+    train = cls(ds, batch_size=8, sampler=dist.get_sampler(ds))  # 4 equal batches per rank and epoch
+    Trainer(model=model, train_dataloader=train, max_duration="1000tok", optimizers=sgd(model),
+            progress_bar=False, callbacks=[Record()]).fit()
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("counter", ["model", "loader"])
+def test_tokens_that_differ_by_rank_are_summed_over_the_ranks(counter) -> None:
+    # 8 samples a rank: 80 + 240 tokens a step; 1000 tokens are reached at the 4th step (1280)
+    expected = [(1, 16, 320), (2, 32, 640), (3, 48, 960), (4, 64, 1280)]
+    assert run_distributed(_token_totals, world_size=2, args=(counter,), timeout=100) == [expected, expected]
+
+
 def test_epoch_counts_completed_epochs_at_the_last_batch_end() -> None:
     seen = []
 

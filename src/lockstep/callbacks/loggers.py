@@ -196,14 +196,13 @@ class MetricsJSONL(_Buffered):
         self._file.write(json.dumps(record) + "\n")
 
     def _write_records(self, records: list[tuple[Any, float]]) -> None:
-        for record, loss in records:
-            self._emit({**record, "loss": loss})
+        for (run_name, timestamp, lr), loss in records:
+            self._emit({"kind": "train", "run_name": run_name, **timestamp.state_dict(), "lr": lr, "loss": loss})
         self._file.flush()
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        if self._file is not None:
-            record = {"kind": "train", "run_name": state.run_name, **state.timestamp.state_dict(), "lr": state.lr}
-            self._add(record, state.loss_tensor)
+        if self._file is not None:  # a Timestamp is immutable: turned into a dict when written
+            self._add((state.run_name, state.timestamp, state.lr), state.loss_tensor)
 
     def eval_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:

@@ -59,8 +59,10 @@ class SpeedMonitor(Callback):
         self._train_seconds = 0.0
         self._last = 0.0
         self._eval_start = 0.0
+        self._world = 1
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        self._world = dist.get_world_size()
         if self.gpu_flops_available is None:
             self.gpu_flops_available = peak_flops(state.device, state.precision)
         self._restart(state)
@@ -77,7 +79,7 @@ class SpeedMonitor(Callback):
         self._last = now
         model = state.model
         if hasattr(model, "flops_per_batch") and state.batch is not None:
-            self._flops += float(model.flops_per_batch(state.batch)) * dist.get_world_size()
+            self._flops += float(model.flops_per_batch(state.batch)) * self._world
         t = state.timestamp
         self._history.append((now, t.batch, t.sample, t.token, self._flops))
         logger.log_metrics({**self._rates(), "time/train": self._train_seconds / 3600})
@@ -85,7 +87,7 @@ class SpeedMonitor(Callback):
     def _rates(self) -> dict[str, float]:
         (t0, b0, s0, k0, f0), (t1, b1, s1, k1, f1) = self._history[0], self._history[-1]
         seconds = max(t1 - t0, 1e-9)
-        world = dist.get_world_size()
+        world = self._world
         rates = {"batches_per_sec": (b1 - b0) / seconds, "samples_per_sec": (s1 - s0) / seconds}
         if k1 > k0:
             rates["tokens_per_sec"] = (k1 - k0) / seconds

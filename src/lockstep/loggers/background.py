@@ -20,7 +20,8 @@ class BackgroundWriter:
     (the thread keeps going). :meth:`flush` waits until everything submitted so far has run."""
 
     def __init__(self, name: str, on_error: Callable[[BaseException], None]) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue()
+        # SimpleQueue: a put is a few hundred nanoseconds on the training thread, a tenth of Queue's
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._on_error = on_error
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -30,7 +31,10 @@ class BackgroundWriter:
 
     def flush(self) -> None:
         if self._thread.is_alive():
-            self._queue.join()
+            done = threading.Event()
+            self._queue.put((done.set, ()))
+            while not done.wait(0.1) and self._thread.is_alive():
+                pass
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -41,15 +45,13 @@ class BackgroundWriter:
         _lower_priority()
         while True:
             item = self._queue.get()
+            if item is _STOP:
+                return
             try:
-                if item is _STOP:
-                    return
                 fn, args = item
                 fn(*args)
             except BaseException as e:  # noqa: BLE001 - reported; the writer must outlive a bad value
                 self._on_error(e)
-            finally:
-                self._queue.task_done()
 
 
 def _lower_priority() -> None:

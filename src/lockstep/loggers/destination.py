@@ -43,10 +43,13 @@ class Logger:
         self._state = state
         self.destinations = list(destinations)
         self._failed: set[int] = set()
+        self._rank: int | None = None  # read at the first call: a rank does not change during a run
 
     @property
     def active(self) -> list[LoggerDestination]:
-        rank = dist.get_global_rank()
+        if self._rank is None:
+            self._rank = dist.get_global_rank()
+        rank = self._rank
         return [d for d in self.destinations if rank == 0 or not d.rank_zero_only]
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:

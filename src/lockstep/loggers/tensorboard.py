@@ -50,8 +50,13 @@ class TensorboardLogger(ThreadedDestination):
         self._submit(self._write, dict(metrics), step)
 
     def _write(self, metrics: dict[str, Any], step: int | None) -> None:
-        for name, value in metrics.items():
-            self._writer.add_scalar(name, as_number(value), global_step=step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # one event for all of a call's scalars: an event each costs ten times the CPU, on a core
+        # that training needs
+        summary = Summary(value=[Summary.Value(tag=name, simple_value=as_number(value))
+                                 for name, value in metrics.items()])
+        self._writer._get_file_writer().add_summary(summary, global_step=step)
         if step is not None and step % self.flush_interval == 0:
             self._writer.flush()
 

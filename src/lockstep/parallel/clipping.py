@@ -27,6 +27,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
+    if len(norms) == 1:  # as clip_grad_norm_ computes it, to the bit
+        return norms[0]
     device = norms[0].device
     stacked = torch.stack([n.to(device) for n in norms])
     if math.isinf(norm_type):

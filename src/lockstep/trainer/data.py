@@ -9,9 +9,10 @@ import itertools
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsInt
 
 import torch
+import torch.distributed as torch_dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lockstep import dist
@@ -120,15 +121,18 @@ def resume_caveat(loader: Any, epoch: int) -> str | None:
             "generator in state_dict()")
 
 
-def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
+def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, sum_tokens: bool = False,
                   track: DataPosition | None = None, resume: DataPosition | None = None,
-                  limit: int | None = None) -> Iterator[tuple[Any, int, int, bool]]:
+                  limit: int | None = None) -> Iterator[tuple[Any, int, SupportsInt, bool]]:
     """Yield ``(batch, global_samples, global_tokens, is_last)`` for one epoch.
 
     When every rank is known to get ``len(loader)`` equal batches, the last batch is known by
     count. Otherwise it reads one batch ahead, and with ``sync`` one small all-reduce per batch
     makes every rank agree on the global counts and on the end of the epoch, so ranks whose
     loaders have different lengths stop together instead of hanging in DDP.
+    With equal batches and ``sum_tokens`` (ranks may count different tokens), the tokens are
+    summed by an all-reduce started as the batch is read: ``int(global_tokens)`` waits for it, so
+    read it after the step, which it overlaps.
     ``count(batch) -> (samples, tokens)`` counts one rank's batch. With ``track``, the RNG states
     a checkpoint needs are recorded in it; ``resume`` puts the stream back where one was saved.
     ``limit`` ends the epoch after that many batches (``train_subset_num_batches``).
@@ -157,13 +161,14 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *,
         if limit is not None:
             it = itertools.islice(it, max(limit - done, 0))
         if length is not None:
-            yield from _counted(it, length, done, count, track, state_of, resume)
+            yield from _counted(it, length, done, count, track, state_of, resume, sum_tokens)
         else:
             yield from _read_ahead(it, count, sync, device, track, state_of, resume)
 
 
 def _counted(it: Iterator[Any], length: int, done: int, count: Any, track: DataPosition | None,
-             state_of: Any, resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
+             state_of: Any, resume: DataPosition | None,
+             sum_tokens: bool) -> Iterator[tuple[Any, int, SupportsInt, bool]]:
     world_size = dist.get_world_size()
     if resume is not None and resume.rng_after is not None:
         rng.restore(resume.rng_after)
@@ -174,7 +179,8 @@ def _counted(it: Iterator[Any], length: int, done: int, count: Any, track: DataP
         if state_of is not None:
             track.loader_state = state_of()  # type: ignore[union-attr]
         samples, tokens = count(batch)
-        yield batch, samples * world_size, tokens * world_size, index == length - 1
+        yield (batch, samples * world_size, TokenSum(tokens) if sum_tokens else tokens * world_size,
+               index == length - 1)
 
 
 def _read_ahead(it: Iterator[Any], count: Any, sync: bool, device: torch.device, track: DataPosition | None,
@@ -254,6 +260,23 @@ class _Skip(Sampler[Any]):
 
     def __len__(self) -> int:
         return max(len(self.sampler) - self.count, 0)
+
+
+class TokenSum:
+    """One batch's token count summed over the ranks, by an all-reduce started at construction and
+    waited for by ``int()``: it overlaps the step instead of delaying it."""
+
+    __slots__ = ("_tensor", "_work")
+
+    def __init__(self, tokens: int) -> None:
+        self._tensor = torch.tensor([tokens], dtype=torch.int64)
+        self._work: Any = torch_dist.all_reduce(self._tensor, group=dist.host_group(), async_op=True)
+
+    def __int__(self) -> int:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return int(self._tensor[0])
 
 
 def _agree(values: list[int], device: torch.device) -> list[int]:

@@ -60,9 +60,7 @@ class StopSignal:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
             self._installed = True
         if dist.get_world_size() > 1 and dist.is_initialized():
-            # the flag is a CPU tensor: on NCCL it needs a gloo group of its own
-            if torch_dist.get_backend() != "gloo":
-                self._group = torch_dist.new_group(backend="gloo")
+            self._group = dist.host_group()  # the flag is a CPU tensor: NCCL cannot reduce it
             self._tensor = torch.zeros(2, dtype=torch.int64)  # [any rank stopping, -(next interval)]
         self._checked_at = time.perf_counter()
         return self

@@ -148,12 +148,16 @@ def check_algorithms(algorithms: Any) -> list[Any]:
                     "(e.g. GradientClipping(clipping_type='norm', clipping_threshold=1.0))")
 
 
-def needs_step_sync(train_dataloader: Any, model: Any) -> bool:
-    """Whether the ranks must agree, each step, on the global batch size and on whether every
-    rank still has a batch: not when the sampler already guarantees equal batches and the model
-    counts no tokens (whose numbers only the ranks themselves know)."""
-    return dist.get_world_size() > 1 and not (data.equal_batches_guaranteed(train_dataloader)
-                                              and not counts_tokens(model))
+def step_agreement(train_dataloader: Any, model: Model) -> tuple[bool, bool]:
+    """``(sync, sum_tokens)``: whether the ranks must agree, each step and before it, on the global
+    batch size and on whether every rank still has a batch (not when the sampler guarantees equal
+    batches); and, when it does, whether the tokens, which only each rank knows, are summed
+    alongside the step."""
+    if dist.get_world_size() == 1:
+        return False, False
+    if not data.equal_batches_guaranteed(train_dataloader):
+        return True, False
+    return False, callable(getattr(train_dataloader, "get_num_tokens_in_batch", None)) or counts_tokens(model)
 
 
 def set_python_log_level(level: str | None) -> None:

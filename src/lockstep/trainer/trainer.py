@@ -9,7 +9,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO, Any, SupportsInt
 
 import torch
 
@@ -170,7 +170,7 @@ class Trainer:
     def _follow_loader(self, loader: Any) -> None:
         """What the loop needs to know of the training dataloader: whether ranks must agree on each
         batch, and how to count its tokens."""
-        self._step_sync = setup.needs_step_sync(loader, self.state.model)
+        self._step_sync, self._sum_tokens = setup.step_agreement(loader, self.state.model)
         self._num_tokens = getattr(loader, "get_num_tokens_in_batch", None) or self.state.model.num_tokens
 
     def _start_distributed(self, model: Model, optimizers: list[torch.optim.Optimizer], schedulers: Any,
@@ -265,7 +265,7 @@ class Trainer:
                 data.set_epoch(self.train_dataloader, s.timestamp.epoch)
                 self._run_event(Event.EPOCH_START)
                 batches = data.epoch_batches(
-                    self.train_dataloader, self._count, self._step_sync, s.device,
+                    self.train_dataloader, self._count, self._step_sync, s.device, sum_tokens=self._sum_tokens,
                     track=self._position if self.saver else None, resume=resume,
                     limit=self.loop.train_subset_num_batches)
                 trained, resume = resume is not None, None
@@ -293,11 +293,12 @@ class Trainer:
                     self.saver.wait()
         self._run_event(Event.FIT_END)
 
-    def _end_batch(self, samples: int, tokens: int, is_last: bool, stop: StopSignal | None) -> None:
+    def _end_batch(self, samples: int, tokens: SupportsInt, is_last: bool, stop: StopSignal | None) -> None:
         """After a step: move the timestamp and the schedules, log, then evaluate, save and stop
         when due."""
         s = self.state
         before = s.timestamp
+        tokens = int(tokens)  # a sum over the ranks may still be on its way
         s.timestamp = before.to_next_batch(samples, tokens)
         if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
             s.timestamp = s.timestamp.to_next_epoch()
@@ -360,7 +361,8 @@ class Trainer:
                     auto.agree(False)  # every rank got here: the gradient all-reduce may start
                 run(Event.BEFORE_BACKWARD)
                 loss = s.loss_tensor
-                strategy.backward(loss * (n * share))  # weighted by its share of the global batch
+                weight = n * share  # its share of the global batch: 1.0 (no op) for one even microbatch
+                strategy.backward(loss if weight == 1.0 else loss * weight)
                 run(Event.AFTER_BACKWARD)
             losses.append(loss.detach())
             counts.append(n)
