@@ -97,6 +97,23 @@ def test_getters_collectives_and_sampler() -> None:
             assert len(rank0) + len(rank1) == size + WORLD_SIZE - size % WORLD_SIZE
 
 
+def _small_objects() -> list[list[Any]]:
+    from lockstep import dist
+    rank = dist.get_global_rank()
+    small = {"rank": rank, "tensor": torch.arange(5) + rank}
+    big = b"x" * (40_000 + rank)  # past the one-buffer size, and a different size per rank
+    return [dist.gather_small_objects(small), dist.gather_small_objects(big), dist.gather_small_objects(None)]
+
+
+@pytest.mark.timeout(120)
+def test_gather_small_objects_returns_every_ranks_object_small_or_big() -> None:
+    for small, big, nothing in run_distributed(_small_objects, world_size=2, timeout=100):
+        assert [s["rank"] for s in small] == [0, 1]
+        assert [s["tensor"].tolist() for s in small] == [[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
+        assert big == [b"x" * 40_000, b"x" * 40_001]
+        assert nothing == [None, None]
+
+
 def _local_rank_zero_helpers(folder: str) -> dict[str, Any]:
     rank = dist.get_local_rank()
     marker = Path(folder) / "prepared.txt"

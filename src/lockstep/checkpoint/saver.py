@@ -171,7 +171,7 @@ class CheckpointSaver:
         """
         failure = self._join()  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.config.save_overwrite or self._may_replace_own)
-        gathered = dist.all_gather_object((_to_wire(rank_entry), clash, os.getpid(), failure))
+        gathered = dist.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure))
         self._raise_failure(next(((r, f) for r, (*_, f) in enumerate(gathered) if f is not None), None))
         if self.layout == LOCAL:  # only now is the previous save published on every rank
             self._prune()
