@@ -602,7 +602,7 @@ def _gather_rows(data: bytes, row: int, world: int, group: Any) -> list[bytes]:
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     every = torch.empty(world * row, dtype=torch.uint8)
-    torch_dist.all_gather_into_tensor(every, mine, group=group)
+    torch_dist.all_gather_single(every, mine, group=group)
     flat = every.numpy().tobytes()
     return [flat[r * row:(r + 1) * row] for r in range(world)]
 

@@ -21,6 +21,7 @@ class InMemoryLogger(LoggerDestination):
 
     def __init__(self) -> None:
         self._data: dict[str, list[tuple[Timestamp, Any]]] = {}
+        self._read: dict[str, int] = {}  # how much of each series is numbers already
         self.hyperparameters: dict[str, Any] = {}
         self._state: State | None = None
 
@@ -37,8 +38,10 @@ class InMemoryLogger(LoggerDestination):
 
     @property
     def data(self) -> dict[str, list[tuple[Timestamp, float | int]]]:
-        for series in self._data.values():
-            series[:] = [(t, as_number(v)) for t, v in series]
+        for name, series in self._data.items():
+            start = self._read.get(name, 0)
+            series[start:] = [(t, as_number(v)) for t, v in series[start:]]
+            self._read[name] = len(series)
         return self._data
 
     @property

@@ -164,8 +164,19 @@ class Trainer:
         self.state.run_folder = None if folder is None else str(folder)
         destinations = setup.check_loggers(loggers) + ([console] if console is not None else [])
         self.logger = Logger(self.state, destinations)
-        self.callbacks: list[Callback] = CallbackList(
-            setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations)
+        self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
+
+    @property
+    def callbacks(self) -> list[Callback]:
+        """Every callback, in the order they run (the defaults and the logger destinations too).
+        Changing this list during ``fit``, or putting another in its place, takes effect from the
+        next event."""
+        return self._callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks: Sequence[Callback]) -> None:
+        self._callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
+        self._indexed_version = -1  # a CallbackList counts from 0: re-index at the next event
 
     def _follow_loader(self, loader: Any) -> None:
         """What the loop needs to know of the training dataloader: whether ranks must agree on each
@@ -556,7 +567,7 @@ class Trainer:
         for algorithm in self.algorithms:
             if algorithm.match(event, self.state):
                 algorithm.apply(event, self.state, self.logger)
-        if self._indexed_version != getattr(self.callbacks, "version", None):
+        if self._indexed_version != self._callbacks.version:
             self._index_listeners()  # the list changed (a callback added one, say): from this event on
         for callback in self._listeners_of[event]:  # type: ignore[index]
             callback.run_event(event, self.state, self.logger)
@@ -564,10 +575,8 @@ class Trainer:
     def _index_listeners(self) -> None:
         """Which callbacks act at each event: most events (per microbatch ones included) have none,
         and then cost a dict lookup."""
-        if not isinstance(self.callbacks, CallbackList):  # a plain list assigned in its place
-            self.callbacks = CallbackList(self.callbacks)
-        self._listeners_of = {e: [c for c in self.callbacks if c.listens_to(e)] for e in Event}
-        self._indexed_version = self.callbacks.version
+        self._listeners_of = {e: [c for c in self._callbacks if c.listens_to(e)] for e in Event}
+        self._indexed_version = self._callbacks.version
 
     def close(self) -> None:
         """Finish: every callback and logger writes what it holds and releases what it opened (logger
