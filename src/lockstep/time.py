@@ -280,12 +280,15 @@ def check_max_duration(max_duration: Time | str | int) -> Time:
 
 def _resolve(
     duration: Time, max_duration: Time | str | None, name: str
-) -> tuple[TimeUnit, Fraction]:
-    """Return ``duration`` as (count unit, exact amount); ``dur`` is a share of max_duration."""
+) -> tuple[TimeUnit, int | Fraction]:
+    """Return ``duration`` as (count unit, exact amount); ``dur`` is a share of max_duration.
+
+    A whole count stays an int: the Trainer checks limits and intervals every batch, and Fraction
+    arithmetic there costs microseconds each."""
     if max_duration is not None:
         max_duration = check_max_duration(max_duration)
     if duration.unit is not TimeUnit.DURATION:
-        return duration.unit, Fraction(duration.value)
+        return duration.unit, int(duration.value)
     if max_duration is None:
         raise ValueError(
             f"{name} '{duration}' is a fraction of max_duration, so max_duration is needed")
@@ -301,10 +304,7 @@ def is_reached(
     A ``dur`` limit is a fraction of ``max_duration``. With 64 samples, a global batch of 16 and a
     limit of ``'40sp'``, this first holds after the 3rd batch (48 >= 40).
     """
-    limit = Time.from_input(limit)
-    if limit.unit is not TimeUnit.DURATION:  # a whole count: checked every batch, so no Fraction
-        return timestamp.get(limit.unit) >= limit.value
-    unit, amount = _resolve(limit, max_duration, "limit")
+    unit, amount = _resolve(Time.from_input(limit), max_duration, "limit")
     return timestamp.get(unit) >= amount
 
 
