@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import math
 import random
 import socket
 import string
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,6 +191,10 @@ def test_collectives_are_noops_at_world_size_one() -> None:
     for op in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "avg"):
         assert dist.all_reduce(tensor, op) is tensor
         assert tensor.tolist() == [1.0, -2.0, 3.0]
+    bits = torch.tensor([6, 3])
+    for op in ("BAND", "BOR", "BXOR", "bxor"):
+        assert dist.all_reduce(bits, op) is bits
+        assert bits.tolist() == [6, 3]
     assert dist.broadcast(tensor, src=0) is tensor
     gathered = dist.all_gather(tensor)
     assert len(gathered) == 1 and gathered[0] is tensor
@@ -202,8 +208,15 @@ def test_collectives_are_noops_at_world_size_one() -> None:
 def test_all_reduce_argument_errors() -> None:
     with pytest.raises(TypeError, match="floating-point"):
         dist.all_reduce(torch.tensor([1, 2]), "AVG")
-    with pytest.raises(ValueError, match="SUM, PRODUCT, MIN, MAX, AVG"):
+    with pytest.raises(ValueError, match=r"'MEAN'\): unknown operation; valid names are SUM, PRODUCT, MIN, MAX, "
+                                         r"BAND, BOR, BXOR, AVG\.$"):
         dist.all_reduce(torch.tensor([1.0]), "MEAN")
+    with pytest.raises(ValueError, match="unknown operation"):
+        dist.all_reduce(torch.tensor([1]), "PREMUL_SUM")  # a torch ReduceOp, but it needs a factor
+    for op in ("BAND", "bor", "BXOR"):
+        with pytest.raises(TypeError, match=f"reduce_operation='{op.upper()}'\\) needs an integer or bool tensor, "
+                                            "got torch.float32"):
+            dist.all_reduce(torch.tensor([1.0]), op)
     with pytest.raises(TypeError, match="as a string"):
         dist.all_reduce(torch.tensor([1.0]), torch_dist.ReduceOp.SUM)  # type: ignore[arg-type]
     assert dist.all_reduce(torch.tensor([1, 2]), "SUM").tolist() == [1, 2]
@@ -332,6 +345,28 @@ def test_download_and_wait_on_non_zero_local_rank(
     with pytest.raises(TimeoutError, match="Local rank 1 waited"):
         with dist.local_rank_zero_download_and_wait(tmp_path / "missing.bin", timeout=0.2):
             pytest.fail("the body must not run before the file exists")
+
+
+def test_download_and_wait_has_no_time_limit_by_default_as_in_composer() -> None:
+    params = inspect.signature(dist.local_rank_zero_download_and_wait).parameters
+    assert params["timeout"].default == math.inf
+
+
+def test_download_and_wait_warns_once_while_it_keeps_waiting(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _set_env(clean_env, RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2)
+    clean_env.setattr(dist, "_SLOW_WAIT_WARNING", 0.05)
+    late = tmp_path / "late.bin"
+    writer = threading.Timer(0.5, late.write_bytes, args=(b"x",))
+    writer.start()
+    try:
+        with pytest.warns(UserWarning, match=r"Local rank 1 has waited \d+ s for .*late\.bin.*goes on waiting") as seen:
+            dist.local_rank_zero_download_and_wait(late, poll_interval=0.01)
+    finally:
+        writer.cancel()
+    assert late.exists()
+    assert len(seen) == 1
 
 
 def _token(seed: int) -> str:

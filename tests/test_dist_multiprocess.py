@@ -97,6 +97,35 @@ def test_getters_collectives_and_sampler() -> None:
             assert len(rank0) + len(rank1) == size + WORLD_SIZE - size % WORLD_SIZE
 
 
+def _bitwise_all_reduce() -> dict[str, Any]:
+    rank = dist.get_global_rank()
+    out: dict[str, Any] = {}
+    for op in ("BAND", "BOR", "BXOR"):
+        for dtype in (torch.int64, torch.int32, torch.uint8):
+            tensor = torch.tensor([6 + rank, 3 * rank, 12], dtype=dtype)  # rank 0: 6 0 12; rank 1: 7 3 12
+            returned = dist.all_reduce(tensor, op.lower() if dtype is torch.int32 else op)
+            out[op, str(dtype)] = (returned is tensor, tensor.tolist())
+        flags = torch.tensor([True, rank == 1, False])
+        out[op, "bool"] = dist.all_reduce(flags, op).tolist()
+    with pytest.raises(TypeError, match="needs an integer or bool tensor"):
+        dist.all_reduce(torch.ones(2), "BAND")
+    with pytest.raises(ValueError, match="unknown operation"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), "NAND")
+    dist.barrier()  # the refusals above happened on every rank without a collective
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_all_reduce_bitwise_operations_on_integer_and_bool_tensors() -> None:
+    expected = {"BAND": [6, 0, 12], "BOR": [7, 3, 12], "BXOR": [1, 3, 0]}
+    expected_bool = {"BAND": [True, False, False], "BOR": [True, True, False], "BXOR": [False, True, False]}
+    for out in run_distributed(_bitwise_all_reduce, WORLD_SIZE, timeout=90):
+        for op, values in expected.items():
+            for dtype in ("torch.int64", "torch.int32", "torch.uint8"):
+                assert out[op, dtype] == (True, values), (op, dtype)
+            assert out[op, "bool"] == expected_bool[op]
+
+
 def _small_objects() -> list[list[Any]]:
     from lockstep import dist
     rank = dist.get_global_rank()

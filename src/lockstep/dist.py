@@ -26,6 +26,7 @@ import pickle
 import random
 import string
 import time
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -74,8 +75,11 @@ _VAR_MEANING = {
     "MASTER_ADDR": "the address of the host that runs rank 0",
     "MASTER_PORT": "a free TCP port on the host that runs rank 0",
 }
-_REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
+_BITWISE_OPS = ("BAND", "BOR", "BXOR")
+_REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", *_BITWISE_OPS, "AVG")
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# A wait for local rank 0's file this long is worth a word (a wrong path would otherwise hang silently).
+_SLOW_WAIT_WARNING = 300.0
 _atexit_registered = False
 
 
@@ -348,14 +352,9 @@ def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
         torch_dist.barrier(group=group)
 
 
-def all_reduce(
-    tensor: torch.Tensor, reduce_operation: str = "SUM", group: torch_dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks (of ``group``, if given) in place and return it.
-
-    ``reduce_operation`` is one of SUM, PRODUCT, MIN, MAX, AVG (case-insensitive). AVG needs a
-    floating-point or complex tensor and divides by the size of ``group``.
-    """
+def _reduce_op_name(tensor: torch.Tensor, reduce_operation: str) -> str:
+    """The upper-case name of ``reduce_operation``, checked against ``tensor``'s dtype on every rank
+    (world size 1 included), so a script fails the same way at any world size."""
     if not isinstance(reduce_operation, str):
         raise TypeError(
             f"all_reduce(reduce_operation={reduce_operation!r}): pass the name as a string, one of "
@@ -372,6 +371,24 @@ def all_reduce(
             f"all_reduce(reduce_operation='AVG') needs a floating-point tensor, got {tensor.dtype}. "
             "Convert it first, e.g. `tensor.float()`, or reduce with 'SUM' and divide yourself."
         )
+    if op_name in _BITWISE_OPS and (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"all_reduce(reduce_operation={op_name!r}) needs an integer or bool tensor, got {tensor.dtype}. "
+            "Convert it first, e.g. `tensor.int()` or `tensor.bool()`."
+        )
+    return op_name
+
+
+def all_reduce(
+    tensor: torch.Tensor, reduce_operation: str = "SUM", group: torch_dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (of ``group``, if given) in place and return it.
+
+    ``reduce_operation`` is one of SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR, AVG (case-insensitive).
+    BAND, BOR and BXOR need an integer or bool tensor. AVG needs a floating-point or complex tensor
+    and divides by the size of ``group``.
+    """
+    op_name = _reduce_op_name(tensor, reduce_operation)
     if not _group_ready("all_reduce", group):
         return tensor
     # gloo has no AVG reduction: sum, then divide by the group's size.
@@ -478,7 +495,8 @@ def busy_wait_for_local_rank_zero(dir_path: str | os.PathLike[str] | None = None
     path = write_signal_file(signal_file_name, dir_path)
     # Polling a file rather than waiting in a collective: local rank 0's body may outlast the
     # process group's timeout (a long download, say).
-    local_rank_zero_download_and_wait(path, timeout=math.inf)
+    if get_world_size() > 1 and get_local_rank() != 0:
+        _wait_for_file(path, math.inf, 0.1, warn_after=math.inf)
     # Every local rank must have seen the file before local rank 0 removes it.
     barrier()
     if get_local_rank() == 0:
@@ -533,29 +551,45 @@ def run_local_rank_zero_first() -> Iterator[None]:
 
 
 def local_rank_zero_download_and_wait(
-    expected_file_path: str | os.PathLike[str], *, timeout: float = 300.0, poll_interval: float = 0.1
+    expected_file_path: str | os.PathLike[str], *, timeout: float = math.inf, poll_interval: float = 0.1
 ) -> contextlib.AbstractContextManager[None]:
     """On local ranks other than 0, wait until ``expected_file_path`` exists (local rank 0 is
     expected to create it).
 
-    Local rank 0 returns at once. Raises TimeoutError after ``timeout`` seconds. No-op at world size 1.
-    Needs no process group. Composer's version is a context manager that waits on entry; this one
-    waits in the call and returns an empty context manager, so both
-    ``local_rank_zero_download_and_wait(path)`` and ``with local_rank_zero_download_and_wait(path):``
-    work.
+    Local rank 0 returns at once. No-op at world size 1. Needs no process group. As in Composer, the
+    wait has no time limit by default (a download may take hours); pass ``timeout`` (seconds) to raise
+    TimeoutError instead. A rank still waiting after 300 s warns once, naming the path. Composer's
+    version is a context manager that waits on entry; this one waits in the call and returns an empty
+    context manager, so both ``local_rank_zero_download_and_wait(path)`` and
+    ``with local_rank_zero_download_and_wait(path):`` work.
     """
-    if get_world_size() == 1 or get_local_rank() == 0:
-        return contextlib.nullcontext()
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(expected_file_path):
-        if time.monotonic() >= deadline:
+    if get_world_size() > 1 and get_local_rank() != 0:
+        _wait_for_file(expected_file_path, timeout, poll_interval, warn_after=_SLOW_WAIT_WARNING)
+    return contextlib.nullcontext()
+
+
+def _wait_for_file(
+    path: str | os.PathLike[str], timeout: float, poll_interval: float, warn_after: float
+) -> None:
+    start = time.monotonic()
+    warned = False
+    while not os.path.exists(path):
+        waited = time.monotonic() - start
+        if waited >= timeout:
             raise TimeoutError(
-                f"Local rank {get_local_rank()} waited {timeout:g} s for {os.fspath(expected_file_path)!r}, "
-                "which local rank 0 should create, and it does not exist. Check that local rank 0 writes "
-                "this exact path, or raise the timeout."
+                f"Local rank {get_local_rank()} waited {timeout:g} s for {os.fspath(path)!r}, which local "
+                "rank 0 should create, and it does not exist. Check that local rank 0 writes this exact "
+                "path, or raise the timeout."
+            )
+        if not warned and waited >= warn_after:
+            warned = True
+            warnings.warn(
+                f"Local rank {get_local_rank()} has waited {waited:.0f} s for {os.fspath(path)!r}, which "
+                "local rank 0 should create, and goes on waiting. Check that local rank 0 writes this "
+                "exact path; to give up after a while, pass timeout=SECONDS.",
+                stacklevel=3,
             )
         time.sleep(poll_interval)
-    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- host group

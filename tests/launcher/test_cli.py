@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.launcher.cli import parse_plan
+from lockstep.launcher.cli import main, parse_plan
 from lockstep.launcher.plan import LaunchError, Mode, Stream
 
 
@@ -120,6 +120,11 @@ def test_worker_env_contract(script: str) -> None:
     assert expected.items() <= env.items()
     assert int(env["OMP_NUM_THREADS"]) >= 1
     assert plan.worker_env(0, 5, 0, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+    # As torchrun's agent: on unless the user set it, in which case theirs is kept (even empty).
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    for users in ("0", "3", ""):
+        user_env = plan.worker_env(0, 5, 0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": users})
+        assert user_env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == users
 
 
 def test_commands_per_mode(script: str) -> None:
@@ -177,6 +182,10 @@ def test_version_and_help() -> None:
         (["-t", "1", "-r", "2"], {}, {"tee": Stream.STDOUT, "redirects": Stream.STDERR}),
         (["--monitor-interval", "0.1", "--start-method", "fork", "--event-log-handler", "null",
           "--role", "worker"], {}, {"role": "worker"}),
+        # torchrun takes any float; lockstep ignores it, 0 included
+        (["--monitor-interval", "0"], {}, {"nproc": 1}),
+        (["--monitor_interval", "0"], {}, {"nproc": 1}),
+        (["--monitor_interval=2.5", "--start_method", "spawn", "--event_log_handler", "null"], {}, {"nproc": 1}),
         # --standalone: one node with a port lockstep picks; rank variables in the env do not apply
         (["--standalone", "-n", "2"], {"WORLD_SIZE": "8", "NODE_RANK": "3", "MASTER_PORT": "1234",
                                         "MASTER_ADDR": "10.1.1.1"},
@@ -208,7 +217,11 @@ def test_torchrun_nproc_words(script) -> None:
         (["--nnodes", "1:4"], {}, "elastic node ranges are not supported; lockstep runs a fixed number"),
         (["--nnodes", "x"], {}, "--nnodes: expected N or N:N"),
         (["--nnodes", "1", "-n", "2", "--world_size", "3"], {}, "is not --nnodes 1 x nproc 2"),
-        (["--nnodes", "2", "-n", "2"], {"MASTER_ADDR": "a", "MASTER_PORT": "1"}, "needs --node_rank or --base_rank"),
+        (["--nnodes", "2", "-n", "2"], {"MASTER_ADDR": "a", "MASTER_PORT": "1"},
+         "a 2-node run needs --node-rank on each node: lockstep's rendezvous is static"),
+        (["--monitor-interval", "-1"], {}, "--monitor-interval/--monitor_interval: expected seconds >= 0, got '-1'"),
+        (["--monitor_interval", "-0.5"], {}, "expected seconds >= 0, got '-0.5'"),
+        (["--monitor_interval", "nan"], {}, "expected seconds >= 0, got 'nan'"),
         (["--standalone", "--nnodes", "2", "--node-rank", "1"], {}, "--standalone runs one node"),
         (["--rdzv-backend", "etcd"], {}, "--rdzv-backend etcd: not supported"),
         (["--rdzv-endpoint", "h:99999"], {}, "port 1-65535"),
@@ -241,6 +254,56 @@ def test_torchrun_usage_errors(script, argv, env, needle) -> None:
         parse_plan([*argv, script], env=env)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host1:29400"], {},
+         "--rdzv-backend c10d needs --node-rank on each node: lockstep's rendezvous is static and does not "
+         "number the nodes as torchrun's c10d backend does; pass --node-rank R (0 on host1, the host of "
+         "--rdzv-endpoint; 1 on the other node)"),
+        (["--nnodes=4", "--rdzv_backend=c10d", "--rdzv_endpoint=[fe80::1]"], {},
+         "(0 on fe80::1, the host of --rdzv-endpoint; 1..3 on the others, one each)"),
+        (["--nnodes", "2", "--rdzv-endpoint", "host1"], {}, "a 2-node run needs --node-rank on each node"),
+        (["--nnodes", "2", "--master-addr", "a", "--master-port", "1"], {}, "(0 on the --master-addr host; 1 on"),
+        (["--world_size", "2", "--rdzv-backend", "static"], {"MASTER_ADDR": "a", "MASTER_PORT": "1"},
+         "--rdzv-backend static needs --node-rank on each node"),
+    ],
+)
+def test_torchrun_multinode_line_without_node_rank_names_the_static_way(script, argv, env, needle) -> None:
+    with pytest.raises(LaunchError) as info:
+        parse_plan([*argv, script], env=env)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("ranks", [["--node-rank", "1"], ["--node_rank", "1"], ["--base_rank", "1"]])
+def test_torchrun_c10d_line_with_a_node_rank_runs(script, ranks) -> None:
+    plan = parse_plan(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host1:29400", *ranks,
+                       script], env={})
+    assert (plan.world_size, plan.node_rank, plan.master_addr, plan.master_port) == (2, 1, "host1", 29400)
+    # The node rank may come from the environment too, as with any multi-node run.
+    plan = parse_plan(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host1", script],
+                      env={"NODE_RANK": "1"})
+    assert plan.node_rank == 1
+
+
+def test_c10d_line_without_node_rank_is_one_line_exit_2(script, capsys) -> None:
+    code = main(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host1:29400", script])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("lockstep: error: --rdzv-backend c10d needs --node-rank") and err.count("\n") == 1
+
+
+def test_every_torchrun_spelling_is_known_to_lockstep() -> None:
+    from torch.distributed.run import get_args_parser
+
+    from lockstep.launcher.cli import build_parser
+
+    known = set(build_parser()._option_string_actions)
+    torchruns = {flag for action in get_args_parser()._actions for flag in action.option_strings}
+    assert torchruns - known == set()
 
 
 def test_every_torchrun_flag_is_accepted_or_refused_with_a_reason(script) -> None:

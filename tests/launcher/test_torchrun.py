@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 ELASTIC_KEYS = ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
                 "TORCHELASTIC_ERROR_FILE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK",
-                "ROLE_WORLD_SIZE", "RANK", "WORLD_SIZE"]
+                "ROLE_WORLD_SIZE", "RANK", "WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
 
 ELASTIC_DUMP = textwrap.dedent(f"""
     import json, os, sys
@@ -60,6 +60,8 @@ def test_workers_see_the_torchelastic_environment(tmp_path: Path, write_script) 
             "TORCHELASTIC_ERROR_FILE": str(tmp_path / "run" / f"rank{rank}.error.json"),
             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "trainer",
             "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "2",
+            # torchrun's agent sets it unless the launcher's environment has it
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         }
 
 

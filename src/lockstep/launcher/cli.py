@@ -199,7 +199,13 @@ def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_si
     node_rank = args.node_rank
     if node_rank is None:
         node_rank = _from_env(env, "NODE_RANK", _non_negative_int, "--node_rank")
+    if base_rank is None and node_rank is None and world_size > nproc and _torchrun_style(args):
+        raise torchrun.missing_node_rank(args, math.ceil(world_size / nproc))
     return _resolve_ranks(nproc, world_size, base_rank, node_rank)
+
+
+def _torchrun_style(args: argparse.Namespace) -> bool:
+    return any(getattr(args, name, None) is not None for name in ("nnodes", "rdzv_backend", "rdzv_endpoint"))
 
 
 def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool) -> tuple[str | None, int | None]:

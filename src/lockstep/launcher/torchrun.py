@@ -80,6 +80,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclusiveGroup, types) -> None:
     """torchrun's flags; ``types`` holds lockstep's own argparse types by flag dest."""
     group = parser.add_argument_group("torchrun's flags, accepted as aliases (see the README)")
@@ -96,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclu
     alias("--master-port", dest="master_port", type=types["master_port"], help="= --master_port")
     alias("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
           help="HOST[:PORT] = --master_addr HOST --master_port PORT (default port 29400)")
-    alias("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", help="c10d or static (both mean the same)")
+    alias("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
+          help="c10d or static: either is lockstep's static store on the master; give --node-rank on each node")
     alias("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="TORCHELASTIC_RUN_ID (default: the run directory's name)")
     alias("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", help="join_timeout=SECONDS = --rdzv_timeout")
     alias("--standalone", dest="standalone", action="store_true", help="one node, the launcher picks the port")
@@ -111,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclu
     alias("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter",
           help="with --tee: the local ranks (e.g. 0,1) whose lines are shown")
     alias("--role", dest="role", help="ROLE_NAME of every rank (default: default)")
-    alias("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_positive_seconds,
+    alias("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_non_negative_seconds,
           help="accepted and ignored: lockstep sees a rank exit at once")
     alias("--start-method", "--start_method", dest="start_method", choices=("spawn", "fork", "forkserver"),
           help="accepted and ignored: every rank is a fresh process")
@@ -225,6 +236,19 @@ def check_accepted(args: argparse.Namespace) -> None:
     if getattr(args, "local_ranks_filter", None) is not None and not getattr(args, "tee", None):
         raise LaunchError("--local-ranks-filter picks the ranks --tee shows: add --tee 3 "
                           "(without --tee only local rank 0 reaches the console)")
+
+
+def missing_node_rank(args: argparse.Namespace, nnodes: int) -> LaunchError:
+    """The usage error for a multi-node torchrun line without a node rank, which torchrun's c10d
+    rendezvous would have assigned."""
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    where = f"{parse_endpoint(endpoint)[0]}, the host of --rdzv-endpoint" if endpoint else "the --master-addr host"
+    others = "1 on the other node" if nnodes == 2 else f"1..{nnodes - 1} on the others, one each"
+    backend = getattr(args, "rdzv_backend", None)
+    head = f"--rdzv-backend {backend}" if backend else f"a {nnodes}-node run"
+    return LaunchError(
+        f"{head} needs --node-rank on each node: lockstep's rendezvous is static and does not number "
+        f"the nodes as torchrun's c10d backend does; pass --node-rank R (0 on {where}; {others})")
 
 
 def parse_local_ranks(text: str | None, nproc: int) -> frozenset[int] | None:
