@@ -26,6 +26,7 @@ from lockstep.optim import (
     ScheduledLR,
     StepScheduler,
 )
+from lockstep.optim.stepper import scale_torch_scheduler
 from lockstep.time import Time, Timestamp
 from tests.trainer.common import MLP, error_of, loader
 
@@ -159,6 +160,28 @@ def test_torch_schedulers_step_every_epoch_unless_asked_to_step_every_batch() ->
     assert _torch_lrs("2ep", False, 1) == [1.0] * 7 + [0.5] * 7
     assert _torch_lrs("5ba", True, 2) == [1.0, 1.0, 0.5, 0.5, 0.25]
     assert "must be True, False or None" in error_of(_torch_lrs, "1ep", "yes", 1)
+
+
+def test_scale_schedule_ratio_stretches_torch_schedulers_as_composer_does() -> None:
+    # 7 batches per epoch; StepLR every 2 steps stretched by 1.5 steps every 3: lr halves at batches 3 and 6
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    record = LRs()
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="6ba", optimizers=opt,
+                      schedulers=torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), callbacks=[record],
+                      step_schedulers_every_batch=True, scale_schedule_ratio=1.5, progress_bar=False)
+    assert str(trainer.state.max_duration) == "9ba"
+    trainer.fit()
+    assert record.lrs == [1.0] * 3 + [0.5] * 3 + [0.25] * 3
+    opt = torch.optim.SGD(MLP().parameters(), lr=1.0)
+    multi = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 3, 4], gamma=0.5)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    exponential = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.25)
+    for scheduler in (multi, cosine, exponential):
+        scale_torch_scheduler(scheduler, 0.5)
+    assert dict(multi.milestones) == {1: 2, 2: 1} and cosine.T_max == 5 and exponential.gamma == 0.0625
+    assert "cannot stretch a LambdaLR" in error_of(
+        scale_torch_scheduler, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0), 2.0)
 
 
 def test_token_durations_need_a_token_count() -> None:

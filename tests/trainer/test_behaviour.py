@@ -82,15 +82,20 @@ def test_tokens_that_differ_by_rank_are_summed_over_the_ranks(counter) -> None:
     assert run_distributed(_token_totals, world_size=2, args=(counter,), timeout=100) == [expected, expected]
 
 
-def test_epoch_counts_completed_epochs_at_the_last_batch_end() -> None:
+def test_the_epoch_is_counted_at_epoch_end_as_in_composer() -> None:
     seen = []
 
     class Record(Callback):
         def batch_end(self, state, logger):
-            seen.append((state.timestamp.epoch, state.timestamp.batch))
+            seen.append(("batch_end", state.timestamp.epoch, state.timestamp.batch))
+
+        def epoch_end(self, state, logger):
+            seen.append(("epoch_end", state.timestamp.epoch, state.timestamp.batch))
 
     fit_steps("2ep", callbacks=[Record()])
-    assert seen == [(0, 1), (0, 2), (0, 3), (1, 4), (1, 5), (1, 6), (1, 7), (2, 8)]
+    assert seen == [("batch_end", 0, 1), ("batch_end", 0, 2), ("batch_end", 0, 3), ("batch_end", 0, 4),
+                    ("epoch_end", 1, 4), ("batch_end", 1, 5), ("batch_end", 1, 6), ("batch_end", 1, 7),
+                    ("batch_end", 1, 8), ("epoch_end", 2, 8)]
 
 
 def test_set_epoch_is_called_every_epoch() -> None:
@@ -147,7 +152,7 @@ def test_subsets_of_the_train_and_eval_dataloaders() -> None:
                       callbacks=[type("Seen", (Callback,), {"batch_end": lambda self, s, logger: seen.append(
                           (s.timestamp.epoch, s.timestamp.batch_in_epoch))})()], progress_bar=False)
     trainer.fit()
-    assert seen == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
+    assert seen == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]  # the epoch moves on at EPOCH_END
     assert trainer.state.batches_per_epoch == 3
     first_batch = Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model), progress_bar=False,
                           eval_dataloader=DataLoader(Subset(dataset(), range(4)), batch_size=4)).eval()

@@ -52,15 +52,74 @@ def test_events_fire_in_composers_order(tmp_path) -> None:
     evaluation = ["eval_before_all", "eval_start",
                   *["eval_batch_start", "eval_before_forward", "eval_after_forward", "eval_batch_end"] * 2,
                   "eval_end", "eval_after_all"]
-    first = record.events[3:3 + 2 + len(batch) + 1]
-    assert first == ["fit_start", "epoch_start", *batch, "batch_checkpoint"]
+    first = record.events[3:3 + 3 + len(batch) + 1]
+    assert first == ["fit_start", "iteration_start", "epoch_start", *batch, "batch_checkpoint"]
+    # Composer's order: a batch's evaluation and checkpoint event come before the epoch's end
     last = ["before_dataloader", "after_dataloader", "batch_start", "before_train_batch", *micro, *micro,
-            "after_train_batch", "batch_end", "epoch_end", *evaluation, "batch_checkpoint", "epoch_checkpoint",
+            "after_train_batch", "batch_end", *evaluation, "batch_checkpoint", "epoch_end", "epoch_checkpoint",
             "fit_end"]
     assert record.events[-len(last):] == last
+    assert "iteration_end" not in record.events and "iteration_checkpoint" not in record.events
     record.events.clear()
     trainer.eval()
     assert record.events == ["eval_standalone_start", *evaluation[1:-1], "eval_standalone_end"]
+
+
+class Timestamps(Callback):
+    """Where each event of the epoch's end sees the timestamp, as (epoch, batch_in_epoch)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int]] = []
+
+    def run_event(self, event, state, logger) -> None:
+        if event.value in ("batch_end", "batch_checkpoint", "epoch_end", "eval_start", "epoch_checkpoint",
+                           "epoch_start", "iteration_start"):
+            t = state.timestamp
+            self.seen.append((event.value, t.epoch, t.batch_in_epoch))
+
+
+def test_the_epoch_counts_from_epoch_end_and_epoch_evaluations_and_saves_follow_it(tmp_path) -> None:
+    record = Timestamps()
+    trainer = _trainer(max_duration="2ep", eval_dataloader=loader(14), eval_interval="1ep",
+                       save_folder=str(tmp_path), save_interval="7ba", callbacks=[record])
+    trainer.fit()
+    end_of_first = record.seen[record.seen.index(("batch_end", 0, 7)):][:6]
+    assert end_of_first == [("batch_end", 0, 7), ("batch_checkpoint", 0, 7), ("epoch_end", 1, 0),
+                            ("eval_start", 1, 0), ("epoch_checkpoint", 1, 0), ("epoch_start", 1, 0)]
+    assert record.seen[0] == ("iteration_start", 0, 0)
+    assert [e for e, *_ in record.seen].count("iteration_start") == 1
+    # a batch interval due at the epoch's last batch saves once the epoch is counted: {epoch} says 1
+    assert [p.rsplit("/", 1)[1] for p in trainer.saved_checkpoints] == ["ep1-ba7-rank0.pt", "ep2-ba14-rank0.pt"]
+
+
+class Predictions(Callback):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.training: list[bool] = []
+
+    def run_event(self, event, state, logger) -> None:
+        if event.value.startswith("predict"):
+            self.events.append(event.value)
+            self.training.append(state.model.training)
+
+
+def test_predict_returns_each_batchs_outputs_with_composers_events() -> None:
+    record = Predictions()
+    model = MLP()
+    trainer = _trainer(model=model, max_duration="1ba", callbacks=[record])
+    batches = list(loader(4))[:3]
+    outputs = trainer.predict(batches)
+    assert len(outputs) == 3 and all(not o.requires_grad for o in outputs)
+    with torch.no_grad():
+        expected = [model(b) for b in batches]
+    assert all(torch.equal(o, e) for o, e in zip(outputs, expected, strict=True))
+    per_batch = ["predict_batch_start", "predict_before_forward", "predict_after_forward", "predict_batch_end"]
+    assert record.events == ["predict_start", *per_batch * 3, "predict_end"]
+    assert not any(record.training) and model.training  # eval mode inside, train mode restored
+    assert trainer.predict(batches, subset_num_batches=2, return_outputs=False) == []
+    assert record.events.count("predict_batch_end") == 5
+    with pytest.raises(ValueError, match="subset_num_batches must be an integer >= 1"):
+        trainer.predict(batches, subset_num_batches=0)
 
 
 class ZeroLoss(Callback):

@@ -6,7 +6,8 @@ Where each :class:`Event` fires (Composer's events and order), as pseudocode of 
     BEFORE_LOAD, AFTER_LOAD               # around loading load_path / autoresume
     FIT_START
     while not reached(max_duration):
-        EPOCH_START
+        ITERATION_START                   # before the first epoch of training (timestamp at zero)
+        EPOCH_START                       # not when resuming mid-epoch
         while True:
             BEFORE_DATALOADER
             batch = next(train_dataloader)  # every rank stops together if one runs out
@@ -18,21 +19,31 @@ Where each :class:`Event` fires (Composer's events and order), as pseudocode of 
                 BEFORE_LOSS; loss = model.loss(outputs, microbatch); AFTER_LOSS
                 BEFORE_BACKWARD; (loss * share of global batch).backward(); AFTER_BACKWARD
             AFTER_TRAIN_BATCH             # gradients synchronized, not yet applied (clipping)
-            optimizer.step(); schedulers.step(); zero_grad()
+            optimizer.step(); zero_grad()
+            timestamp.to_next_batch(); per-batch schedulers.step()
             BATCH_END                     # state.timestamp and state.loss are updated
-            EPOCH_END                     # after the epoch's last batch
-            if eval due:                  # EVAL_BEFORE_ALL, EVAL_START,
+            if eval due (ba sp tok):      # EVAL_BEFORE_ALL, EVAL_START,
                 evaluate                  #   per batch EVAL_BATCH_START, EVAL_BEFORE_FORWARD,
                                           #   EVAL_AFTER_FORWARD, EVAL_BATCH_END; EVAL_END, EVAL_AFTER_ALL
-            if save due: checkpoint       # with save_folder; also once more at the end
-            BATCH_CHECKPOINT              # after the batch's checkpoint, if any
-            EPOCH_CHECKPOINT              # after the epoch's last batch, likewise
+            if save due (ba sp tok) and not the epoch's last batch: checkpoint
+            BATCH_CHECKPOINT
+            if the epoch's last batch:
+                timestamp.to_next_epoch(); per-epoch schedulers.step()
+                EPOCH_END                 # state.timestamp counts the finished epoch from here on
+                if eval due (ep): evaluate
+                if save due (any unit): checkpoint   # so {epoch} in its name counts this epoch
+                EPOCH_CHECKPOINT
             if every rank saw SIGTERM: checkpoint, FIT_END, exit 143
             if reached(max_duration): break
+    if not saved at this batch: checkpoint   # with save_folder
     FIT_END
 
+ITERATION_END and ITERATION_CHECKPOINT exist for ported callbacks; as in Composer, they fire only
+for runs split into iterations of several epochs, which lockstep does not have, so they never fire.
 ``Trainer.eval()`` called by the user runs EVAL_STANDALONE_START, the evaluation (EVAL_START ...
-EVAL_END), then EVAL_STANDALONE_END. During the microbatch loop ``state.batch`` is the microbatch,
+EVAL_END), then EVAL_STANDALONE_END. ``Trainer.predict(dataloader)`` runs PREDICT_START, per batch
+PREDICT_BATCH_START, PREDICT_BEFORE_FORWARD, ``outputs = model(batch)``, PREDICT_AFTER_FORWARD,
+PREDICT_BATCH_END, then PREDICT_END. During the microbatch loop ``state.batch`` is the microbatch,
 ``state.outputs`` its outputs and ``state.loss`` its loss (a callback or algorithm may replace
 either); after the batch ``state.loss`` is the batch's mean loss.
 
@@ -64,6 +75,7 @@ class Event(StrEnum):
     BEFORE_LOAD = "before_load"
     AFTER_LOAD = "after_load"
     FIT_START = "fit_start"
+    ITERATION_START = "iteration_start"
     EPOCH_START = "epoch_start"
     BEFORE_DATALOADER = "before_dataloader"
     AFTER_DATALOADER = "after_dataloader"
@@ -77,9 +89,11 @@ class Event(StrEnum):
     AFTER_BACKWARD = "after_backward"
     AFTER_TRAIN_BATCH = "after_train_batch"
     BATCH_END = "batch_end"
-    EPOCH_END = "epoch_end"
     BATCH_CHECKPOINT = "batch_checkpoint"
+    EPOCH_END = "epoch_end"
     EPOCH_CHECKPOINT = "epoch_checkpoint"
+    ITERATION_END = "iteration_end"
+    ITERATION_CHECKPOINT = "iteration_checkpoint"
     FIT_END = "fit_end"
     EVAL_BEFORE_ALL = "eval_before_all"
     EVAL_START = "eval_start"
@@ -91,6 +105,12 @@ class Event(StrEnum):
     EVAL_AFTER_ALL = "eval_after_all"
     EVAL_STANDALONE_START = "eval_standalone_start"
     EVAL_STANDALONE_END = "eval_standalone_end"
+    PREDICT_START = "predict_start"
+    PREDICT_BATCH_START = "predict_batch_start"
+    PREDICT_BEFORE_FORWARD = "predict_before_forward"
+    PREDICT_AFTER_FORWARD = "predict_after_forward"
+    PREDICT_BATCH_END = "predict_batch_end"
+    PREDICT_END = "predict_end"
 
 
 class Callback:
@@ -108,6 +128,7 @@ class Callback:
     def before_load(self, state: State, logger: Logger) -> None: ...
     def after_load(self, state: State, logger: Logger) -> None: ...
     def fit_start(self, state: State, logger: Logger) -> None: ...
+    def iteration_start(self, state: State, logger: Logger) -> None: ...
     def epoch_start(self, state: State, logger: Logger) -> None: ...
     def before_dataloader(self, state: State, logger: Logger) -> None: ...
     def after_dataloader(self, state: State, logger: Logger) -> None: ...
@@ -121,9 +142,11 @@ class Callback:
     def after_backward(self, state: State, logger: Logger) -> None: ...
     def after_train_batch(self, state: State, logger: Logger) -> None: ...
     def batch_end(self, state: State, logger: Logger) -> None: ...
-    def epoch_end(self, state: State, logger: Logger) -> None: ...
     def batch_checkpoint(self, state: State, logger: Logger) -> None: ...
+    def epoch_end(self, state: State, logger: Logger) -> None: ...
     def epoch_checkpoint(self, state: State, logger: Logger) -> None: ...
+    def iteration_end(self, state: State, logger: Logger) -> None: ...
+    def iteration_checkpoint(self, state: State, logger: Logger) -> None: ...
     def fit_end(self, state: State, logger: Logger) -> None: ...
     def eval_before_all(self, state: State, logger: Logger) -> None: ...
     def eval_start(self, state: State, logger: Logger) -> None: ...
@@ -135,6 +158,12 @@ class Callback:
     def eval_after_all(self, state: State, logger: Logger) -> None: ...
     def eval_standalone_start(self, state: State, logger: Logger) -> None: ...
     def eval_standalone_end(self, state: State, logger: Logger) -> None: ...
+    def predict_start(self, state: State, logger: Logger) -> None: ...
+    def predict_batch_start(self, state: State, logger: Logger) -> None: ...
+    def predict_before_forward(self, state: State, logger: Logger) -> None: ...
+    def predict_after_forward(self, state: State, logger: Logger) -> None: ...
+    def predict_batch_end(self, state: State, logger: Logger) -> None: ...
+    def predict_end(self, state: State, logger: Logger) -> None: ...
 
     def close(self, state: State, logger: Logger) -> None:
         """Called by ``Trainer.close()``, and when ``fit`` raises: write out anything held in memory

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim import lr_scheduler as torch_schedulers
 
 if TYPE_CHECKING:
     from lockstep.state import State
@@ -79,10 +81,36 @@ def compile_schedulers(schedulers: list[Any], state: State, ssr: float) -> list[
     compiled: list[Any] = []
     for i, scheduler in enumerate(schedulers):
         if is_torch_scheduler(scheduler):
-            compiled.append(scheduler)
+            compiled.append(scale_torch_scheduler(scheduler, ssr))
         elif callable(scheduler):
             compiled.extend(ScheduledLR(optimizer, scheduler, state, ssr) for optimizer in state.optimizers)
         else:
             raise TypeError(f"schedulers[{i}] is a {type(scheduler).__name__}: give a torch lr scheduler or a "
                             f"schedule from lockstep.optim (a callable (state, ssr) -> multiplier)")
     return compiled
+
+
+def scale_torch_scheduler(scheduler: Any, ssr: float) -> Any:
+    """Stretch a torch scheduler's schedule by ``scale_schedule_ratio`` in place, as Composer does
+    for the torch schedulers it knows; any other one cannot be stretched, so with a ratio other
+    than 1 it is an error rather than a schedule that silently ends early or late."""
+    if ssr == 1.0:
+        return scheduler
+    if isinstance(scheduler, torch_schedulers.StepLR):
+        scheduler.step_size = int(scheduler.step_size * ssr)
+    elif isinstance(scheduler, torch_schedulers.MultiStepLR):
+        milestones: Counter[int] = Counter()
+        for milestone, count in scheduler.milestones.items():  # milestones that meet add up
+            milestones[int(milestone * ssr)] += count
+        scheduler.milestones = milestones
+    elif isinstance(scheduler, torch_schedulers.CosineAnnealingLR):
+        scheduler.T_max = int(scheduler.T_max * ssr)
+    elif isinstance(scheduler, torch_schedulers.CosineAnnealingWarmRestarts):
+        scheduler.T_0 = int(scheduler.T_0 * ssr)
+    elif isinstance(scheduler, torch_schedulers.ExponentialLR):
+        scheduler.gamma = scheduler.gamma ** (1 / ssr)  # the same total decay over the stretched time
+    else:
+        raise ValueError(f"scale_schedule_ratio={ssr} cannot stretch a {type(scheduler).__name__}: use StepLR, "
+                         f"MultiStepLR, CosineAnnealingLR, CosineAnnealingWarmRestarts or ExponentialLR, or a "
+                         f"schedule from lockstep.optim")
+    return scheduler

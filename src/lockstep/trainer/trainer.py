@@ -27,7 +27,7 @@ from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due, is_reached
-from lockstep.trainer import checkpointing, data, microbatch, setup
+from lockstep.trainer import checkpointing, data, microbatch, predict, setup
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.preemption import Preempted, StopSignal
 
@@ -274,7 +274,10 @@ class Trainer:
         with StopSignal() if self.saver else contextlib.nullcontext() as stop:
             while not is_reached(s.timestamp, s.max_duration):
                 data.set_epoch(self.train_dataloader, s.timestamp.epoch)
-                self._run_event(Event.EPOCH_START)
+                if s.timestamp.batch_in_epoch == 0:  # as in Composer, not when resuming mid-epoch
+                    if s.timestamp.epoch == 0:  # the run is one iteration
+                        self._run_event(Event.ITERATION_START)
+                    self._run_event(Event.EPOCH_START)
                 batches = data.epoch_batches(
                     self.train_dataloader, self._count, self._step_sync, s.device, sum_tokens=self._sum_tokens,
                     track=self._position if self.saver else None, resume=resume,
@@ -305,37 +308,48 @@ class Trainer:
         self._run_event(Event.FIT_END)
 
     def _end_batch(self, samples: int, tokens: SupportsInt, is_last: bool, stop: StopSignal | None) -> None:
-        """After a step: move the timestamp and the schedules, log, then evaluate, save and stop
-        when due."""
+        """After a step, in Composer's order: move the timestamp and the schedules, log, then
+        BATCH_END, evaluate and save when due, BATCH_CHECKPOINT; after the epoch's last batch, the
+        epoch's turn (:meth:`_end_epoch`); then stop if SIGTERM arrived."""
         s = self.state
         before = s.timestamp
         tokens = int(tokens)  # a sum over the ranks may still be on its way
-        s.timestamp = before.to_next_batch(samples, tokens)
-        if is_last:  # {epoch} counts completed epochs, also at the epoch's last BATCH_END
-            s.timestamp = s.timestamp.to_next_epoch()
-        progress.heartbeat(s.timestamp.batch)
+        s.timestamp = after = before.to_next_batch(samples, tokens)
+        progress.heartbeat(after.batch)
         if not tokens and s.max_duration.unit is TimeUnit.TOKEN:  # type: ignore[union-attr]
             raise ValueError(setup.NO_TOKENS)
         for scheduler in self._batch_schedulers:  # after the timestamp: the lr of the next batch
             scheduler.step()
-        if is_last:
-            for scheduler in self._epoch_schedulers:
-                scheduler.step()
         if self._logging:
             self._log_batch()
         self._run_event(Event.BATCH_END)
-        if is_last:
-            self._run_event(Event.EPOCH_END)
-        if self.eval_dataloader is not None and self._eval_due(before, is_last):
+        if self.eval_dataloader is not None and self._eval_due(before, Event.BATCH_END):
             self._evaluate()
-        if self.saver and (self.saver.due(before, s.timestamp, Event.BATCH_END, s) or (
-                is_last and self.saver.due(before, s.timestamp, Event.EPOCH_END, s))):
-            self._save(is_last)
+        # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
+        if self.saver and not is_last and self.saver.due(before, after, Event.BATCH_END, s):
+            self._save(False)
         self._run_event(Event.BATCH_CHECKPOINT)
         if is_last:
-            self._run_event(Event.EPOCH_CHECKPOINT)
+            self._end_epoch(before)
         if stop and stop.agreed():
             self._preempt(is_last)
+
+    def _end_epoch(self, before_batch: Timestamp) -> None:
+        """After the epoch's last batch: the timestamp counts the epoch, the per-epoch schedulers
+        step, EPOCH_END, evaluate and save when due (a save the last batch was due included),
+        EPOCH_CHECKPOINT."""
+        s = self.state
+        after_batch = s.timestamp
+        s.timestamp = s.timestamp.to_next_epoch()
+        for scheduler in self._epoch_schedulers:
+            scheduler.step()
+        self._run_event(Event.EPOCH_END)
+        if self.eval_dataloader is not None and self._eval_due(after_batch, Event.EPOCH_END):
+            self._evaluate()
+        if self.saver and (self.saver.due(before_batch, s.timestamp, Event.BATCH_END, s)
+                           or self.saver.due(before_batch, s.timestamp, Event.EPOCH_END, s)):
+            self._save(True)
+        self._run_event(Event.EPOCH_CHECKPOINT)
 
     def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
         """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync)."""
@@ -453,16 +467,27 @@ class Trainer:
             progress.stop_heartbeat()  # its batches reported progress; what follows may not
         return results
 
+    def predict(self, dataloader: Any, subset_num_batches: int = -1, *, return_outputs: bool = True) -> list[Any]:
+        """The model's outputs on this rank's batches of ``dataloader``, on CPU, one entry per
+        batch (Composer's ``Trainer.predict``, with its PREDICT events); an empty list without
+        ``return_outputs`` (callbacks still see each ``state.outputs``). Give the dataloader a
+        sampler from ``lockstep.dist.get_sampler`` to split a dataset over the ranks; under FSDP
+        every rank must run the same number of batches, since each forward gathers parameters."""
+        limit = subset("subset_num_batches", subset_num_batches)
+        return predict.predict(self.state, self.strategy, self._run_event, dataloader, limit, return_outputs)
+
     def _evaluate(self) -> None:
         """The evaluation that ``eval_interval`` asks for during fit."""
         self._run_event(Event.EVAL_BEFORE_ALL)
         self._eval_loop(None)
         self._run_event(Event.EVAL_AFTER_ALL)
 
-    def _eval_due(self, before: Timestamp, is_last: bool) -> bool:
+    def _eval_due(self, before: Timestamp, event: Event) -> bool:
+        """Whether ``eval_interval`` asks for an evaluation at ``event`` (BATCH_END or EPOCH_END),
+        ``before`` being the timestamp before the batch or the epoch end that just passed."""
         interval, s = self.loop.eval_interval, self.state
         if callable(interval):  # Composer's form: asked at BATCH_END, and at EPOCH_END
-            return bool(interval(s, Event.BATCH_END)) or (is_last and bool(interval(s, Event.EPOCH_END)))
+            return bool(interval(s, event))
         return is_interval_due(before, s.timestamp, interval, s.max_duration)
 
     @torch.no_grad()
