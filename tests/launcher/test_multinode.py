@@ -1,5 +1,5 @@
 """One job across nodes: two launchers on loopback form one world of 4, and agree on the root
-cause of a failure, on a lost node, and on restarts."""
+cause of a failure, a stall, a lost node or a stopping signal, and on restarts."""
 
 from __future__ import annotations
 
@@ -10,14 +10,20 @@ import subprocess
 import sys
 import textwrap
 import time
+from io import BytesIO
 from pathlib import Path
 
 import pytest
 
+from lockstep.launcher.job import EXITED, LOST, SIGNALLED, STOPPED, WAITING, Failure, root_cause
+from lockstep.launcher.output import ConsolePump
+from lockstep.launcher.plan import Stream
+from lockstep.launcher.stall import STALL_EXIT_CODE
+
 pytestmark = pytest.mark.timeout(150)
 
 # Every rank all-reduces STEPS times (40 unless set) and marks that it is training after step 1;
-# rank FAIL_RANK exits with FAIL_CODE at step 3 of attempt 0.
+# rank FAIL_RANK says so on stderr and exits with FAIL_CODE at step 3 of attempt 0.
 _JOB = textwrap.dedent("""
     import os, sys, time
     import torch, torch.distributed as dist
@@ -30,10 +36,30 @@ _JOB = textwrap.dedent("""
             open(os.path.join(here, f"training{rank}"), "w").close()
         if rank == int(os.environ["FAIL_RANK"]) and step == 3 and attempt == 0:
             open(os.path.join(here, "died"), "w").write(repr(time.time()))
+            print(f"rank {rank} gives up at step {step}", file=sys.stderr, flush=True)
             sys.exit(int(os.environ["FAIL_CODE"]))
         dist.all_reduce(x)
         time.sleep(0.02)
     print(f"rank {rank} attempt {attempt} restart count {os.environ['TORCHELASTIC_RESTART_COUNT']} done", flush=True)
+""")
+
+# Rank STOP_RANK stops outside any collective at step 3, for good; the others wait for it in an
+# all_reduce. Every rank reports progress after each step.
+_STALLING = textwrap.dedent("""
+    import os, sys, time
+    import torch, torch.distributed as dist
+    import lockstep.dist as ld
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    x = torch.ones(1)
+    for step in range(100000):
+        if rank == int(os.environ["STOP_RANK"]) and step == 3:
+            open(os.path.join(sys.argv[1], "stopped"), "w").close()
+            while True:
+                time.sleep(0.05)
+        dist.all_reduce(x)
+        ld.heartbeat(step + 1)
+        time.sleep(0.02)
 """)
 
 
@@ -44,9 +70,9 @@ def _free_port() -> int:
 
 
 def _nodes(tmp_path: Path, extra: list[str], env: dict[str, str],
-           per_node: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen[str]]:
+           per_node: tuple[list[str], list[str]] = ([], []), job: str = _JOB) -> list[subprocess.Popen[str]]:
     script = tmp_path / "job.py"
-    script.write_text(_JOB)
+    script.write_text(job)
     port = str(_free_port())
     common = ["-n", "2", "--world_size", "4", "--master_addr", "127.0.0.1", "--master_port", port,
               "--rdzv_timeout", "60", "--stdout", str(tmp_path / "out{rank}"), *extra]
@@ -55,6 +81,28 @@ def _nodes(tmp_path: Path, extra: list[str], env: dict[str, str],
                               "--run_directory", str(tmp_path / f"run{node}"), str(script), str(tmp_path)],
                              cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for node in (0, 1)]
+
+
+def _wait_until_training(tmp_path: Path, nodes: list[subprocess.Popen[str]]) -> None:
+    deadline = time.monotonic() + 90
+    while not all((tmp_path / f"training{r}").exists() for r in range(4)):
+        assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), nodes[1].communicate()
+        time.sleep(0.2)
+
+
+def _stacks(console: str) -> dict[int, str]:
+    """The stacks a launcher printed, by rank (a ``rank N (pid P)`` heading, then indented lines)."""
+    out: dict[int, str] = {}
+    current = None
+    for line in console.splitlines():
+        if line.startswith("rank ") and "(pid " in line:
+            current = int(line.split()[1])
+            out[current] = ""
+        elif current is not None and line.startswith("  "):
+            out[current] += line + "\n"
+        else:
+            current = None
+    return out
 
 
 def test_every_node_reports_the_rank_that_failed_first_and_exits_with_its_code(tmp_path: Path) -> None:
@@ -75,10 +123,7 @@ def test_every_node_reports_the_rank_that_failed_first_and_exits_with_its_code(t
 def test_a_node_whose_launcher_dies_fails_the_job_on_the_others(tmp_path: Path) -> None:
     # the job would run for minutes, so it can only end through the lost node
     nodes = _nodes(tmp_path, [], {"FAIL_RANK": "-1", "FAIL_CODE": "0", "STEPS": "100000"})
-    deadline = time.monotonic() + 90
-    while not all((tmp_path / f"training{r}").exists() for r in range(4)):
-        assert time.monotonic() < deadline and nodes[1].poll() is None, nodes[1].communicate()
-        time.sleep(0.2)
+    _wait_until_training(tmp_path, nodes)
     nodes[1].send_signal(signal.SIGKILL)
     out, err = nodes[0].communicate(timeout=60)
     nodes[1].communicate()
@@ -105,3 +150,81 @@ def test_a_node_that_does_not_come_back_for_a_restart_fails_the_job_clearly(tmp_
     outs = [n.communicate(timeout=120) for n in nodes]
     assert [n.returncode for n in nodes] == [1, 4], outs
     assert "error: node(s) 1 did not join attempt 1 within 4 s (--rdzv_timeout): the job stops" in outs[0][1]
+
+
+def test_a_failed_local_rank_0s_last_lines_reach_every_node(tmp_path: Path) -> None:
+    # rank 2 is node 1's local rank 0: its output goes to node 1's console, not to a file
+    nodes = _nodes(tmp_path, [], {"FAIL_RANK": "2", "FAIL_CODE": "7"})
+    outs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [7, 7], outs
+    node0, node1 = outs[0][1], outs[1][1]
+    assert "the job failed: rank 2 on node 1 (host" in node0
+    assert "last lines of rank 2's output:\n  | rank 2 gives up at step 3\n" in node0, node0
+    assert "on its node's console" not in node0
+    assert node1.startswith("rank 2 gives up at step 3\n")  # its own console shows it as it was written
+
+
+@pytest.mark.parametrize("node1_watches", [True, False], ids=["both-watch", "node1-learns-from-node0"])
+def test_a_stall_names_the_rank_that_stopped_on_every_node(tmp_path: Path, node1_watches: bool) -> None:
+    # node 0's ranks only wait, so node 0 may report the stall first; without --stall_timeout,
+    # node 1 learns of it from node 0 alone
+    watch = ["--stall_timeout", "2"]
+    nodes = _nodes(tmp_path, [], {"STOP_RANK": "2"}, per_node=(watch, watch if node1_watches else []), job=_STALLING)
+    outs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [STALL_EXIT_CODE] * 2, outs
+    node0, node1 = outs[0][1], outs[1][1]
+    if not node1_watches:
+        assert "stall: another node found the job stalled (--stall_timeout)" in node1, node1
+    assert "look at rank 2 on node 1 (host" in node0, node0
+    assert "look at rank 2 on this node (host" in node1, node1
+    for err in (node0, node1):
+        assert "main thread of rank 2:\n  |" in err and "no node found a rank stopped" not in err
+    # each node printed its own ranks' stacks, and only those
+    stacks0, stacks1 = _stacks(node0), _stacks(node1)
+    assert set(stacks0) == {0, 1} and set(stacks1) == {2, 3}, (node0, node1)
+    assert all("in all_reduce" in stacks0[r] for r in (0, 1)) and "in all_reduce" in stacks1[3]
+    assert "in all_reduce" not in stacks1[2] and "job.py" in stacks1[2]
+    assert "rank 2 (pid" in node1 and "stopped first" in node1
+
+
+@pytest.mark.parametrize(("node", "signum"), [(1, signal.SIGTERM), (0, signal.SIGHUP)])
+def test_a_stopping_signal_to_one_launcher_is_the_cause_every_node_reports(
+        tmp_path: Path, node: int, signum: signal.Signals) -> None:
+    nodes = _nodes(tmp_path, [], {"FAIL_RANK": "-1", "FAIL_CODE": "0", "STEPS": "100000"})
+    _wait_until_training(tmp_path, nodes)
+    nodes[node].send_signal(signum)
+    outs = [n.communicate(timeout=60) for n in nodes]
+    assert [n.returncode for n in nodes] == [128 + signum] * 2, outs
+    other = outs[1 - node][1]
+    assert f"the job stopped: the launcher on node {node} (host" in other, other
+    assert f"received {signum.name} and stopped its ranks (exit code {128 + signum})" in other
+    assert "stopped answering" not in other and "failed first" not in other
+    assert f"received {signum.name}, forwarding it to every rank" in outs[node][1]
+
+
+def _failure(cause: str, when: float, rank: int = 0) -> Failure:
+    return Failure(0, "h", rank, 1, when, cause=cause)
+
+
+@pytest.mark.parametrize(("failures", "expected"), [
+    ([_failure(EXITED, 2.0, 1), _failure(EXITED, 1.0, 2)], 1),  # the earliest
+    ([_failure(WAITING, 1.0), _failure(STOPPED, 5.0)], 1),  # a stopped rank, whenever it was seen
+    ([_failure(WAITING, 2.0), _failure(WAITING, 1.0)], 1),  # no stopped rank: the earliest waiting one
+    ([_failure(LOST, 1.0), _failure(EXITED, 1.0)], 1),  # a tie: the rank, not the lost node
+    ([_failure(EXITED, 2.0), _failure(SIGNALLED, 1.0)], 1),  # a signal before its victims
+])
+def test_root_cause(failures: list[Failure], expected: int) -> None:
+    assert root_cause(failures) is failures[expected]
+
+
+def test_a_console_pump_passes_bytes_unchanged_and_keeps_the_last_lines() -> None:
+    read_fd, write_fd = os.pipe()
+    console = BytesIO()
+    pump = ConsolePump(os.fdopen(read_fd, "rb"), console, Stream.STDERR)
+    written = b"".join(b"line %d\r\n" % i for i in range(100)) + b"\x1b[1mno newline"
+    os.write(write_fd, written)
+    os.close(write_fd)
+    assert not pump.pump()
+    pump.close()
+    assert console.getvalue() == written
+    assert pump.last_lines(2) == ["line 99\n", "\x1b[1mno newline\n"]

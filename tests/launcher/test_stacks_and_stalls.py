@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from lockstep.launcher.stacks import Stacks
-from lockstep.launcher.stall import STALL_EXIT_CODE, diagnose
+from lockstep.launcher.job import STOPPED, WAITING
+from lockstep.launcher.stall import STALL_EXIT_CODE, diagnose, stall_failures
 from lockstep.progress import Phase, Progress
 from tests.launcher.conftest import launch, wait_for_files
 
@@ -203,3 +204,16 @@ def test_diagnosis_when_every_rank_is_in_a_collective_names_the_ones_behind() ->
     assert d.stopped == [1] and d.waiting == [0, 2]
     same = diagnose(dumps, {r: Progress(9, 9, 0.0, Phase.RUNNING) for r in range(3)}, now=10.0)
     assert same.stopped == [] and "every rank is waiting in the same collective" in same.lines[-1]
+
+
+def test_a_node_records_the_ranks_it_found_stopped_else_a_waiting_one_as_a_lesser_cause() -> None:
+    collective = 'File "/x/torch/distributed/distributed_c10d.py", line 1 in all_reduce'
+    dumps = [_dump(2, collective), _dump(3, 'File "/x/job.py", line 7 in <module>')]
+    progress = {r: Progress(3, 3, 0.0, Phase.RUNNING) for r in (2, 3)}
+    [stopped] = stall_failures(diagnose(dumps, progress, now=10.0), dumps, progress, 1, "h", suspects=[2, 3])
+    assert (stopped.node, stopped.rank, stopped.pid, stopped.cause) == (1, 3, 103, STOPPED)
+    assert stopped.code == STALL_EXIT_CODE
+    assert stopped.tail[-1].strip() == 'File "/x/job.py", line 7 in <module>'
+    waiting = dumps[:1]
+    [other] = stall_failures(diagnose(waiting, progress, now=10.0), waiting, progress, 0, "h", suspects=[])
+    assert (other.rank, other.cause) == (2, WAITING)

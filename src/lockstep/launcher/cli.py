@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run_directory", default=None,
                    help="Folder for run artifacts and rank logs. Default: runs/<timestamp>.")
     p.add_argument("--max_restarts", type=_non_negative_int, default=None,
-                   help="When a rank fails, stop and restart this node's ranks up to this many "
-                        "times (env LOCKSTEP_MAX_RESTARTS). Default: 0.")
+                   help="When a rank fails, stop every rank and restart them all (on several nodes, "
+                        "every node's together) up to this many times (env LOCKSTEP_MAX_RESTARTS). "
+                        "Default: 0.")
     p.add_argument("--grace_period", type=_grace_seconds, default=5.0,
                    help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
     p.add_argument("--stall_timeout", type=_stall_seconds, default=None,

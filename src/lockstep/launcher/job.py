@@ -8,8 +8,12 @@ every restart) and every launcher talks to it under ``lockstep/attempt{N}/``:
   counts as failed. A node whose ranks all finished adds ``DONE`` to it, so that one ``multi_get``
   of every counter tells each launcher who is alive and who is done: a round trip per launcher
   per check, not one per node.
-* ``failures``: one JSON line per failed rank (appended, so none is lost), with its global rank,
+* ``failures``: one JSON line per failure (appended, so none is lost): a rank that failed, a
+  stalled rank, a launcher that received a stopping signal or a lost node, with its global rank,
   node, host, exit code, wall-clock time and output tail; ``failed`` counts them.
+* ``stage{node}``: ``REPORTED`` once the launcher has recorded every failure it will (it is
+  deciding, or was signalled), ``LEFT`` once it no longer uses the store; node 0's launcher keeps
+  the store up until every other one left, so that none misses the verdict.
 * ``verdict``: the root cause every node prints and exits with. The first launcher to decide sets
   it with compare-and-set; the others read it, so every node tells the same story.
 * ``joined`` counts the nodes ready for the attempt: restarts begin together, and a node that
@@ -18,9 +22,10 @@ every restart) and every launcher talks to it under ``lockstep/attempt{N}/``:
   new port (torch's env:// rendezvous keeps no per-attempt prefix, so the old keys would mislead
   them); attempt 0's ranks use the store on ``--master_port`` itself.
 
-Deciding waits until every other node has either beaten after the first failure (it is alive, so
-its own failures are in) or is lost, then picks the earliest failure: the rank that failed first,
-not a victim whose collective broke because of it.
+Deciding waits until every other node has reported, left, finished or is lost, then picks the
+earliest failure: the rank that failed first, not a victim whose collective broke because of it.
+On a stall, every node first prints its own ranks' stacks and records what it found: a rank that
+stopped outside a collective outranks any rank found waiting in one, whichever node saw it first.
 """
 
 from __future__ import annotations
@@ -35,10 +40,26 @@ from typing import Any
 
 BEAT_S = 0.25
 LOST_AFTER_S = 3.0
-_SETTLE_S = 0.5  # a node must beat this long after the first failure to count as having reported
+_SILENT_S = 10.0
+"""A node that beats but has not reported this long after deciding began is not waited for."""
 LOST_EXIT_CODE = 1
 DONE = 1 << 40
 """Added to a node's ``alive`` counter once its ranks all finished (no node beats that often)."""
+
+
+_RUNNING, _REPORTED, _LEFT = 0, 1, 2  # a node's stage
+
+EXITED = "exited"
+"""The rank exited with ``code``."""
+LOST = "lost"
+"""The node's launcher stopped answering (``rank`` -1)."""
+SIGNALLED = "signalled"
+"""The node's launcher received signal ``code`` - 128 and stopped its ranks (``rank`` -1)."""
+STOPPED = "stopped"
+"""A stall: the rank made no progress and its main thread is not in a collective."""
+WAITING = "waiting"
+"""A stall: the rank waits in a collective, and its node found no rank stopped outside one."""
+STALLS = (STOPPED, WAITING)
 
 
 class StoreLost(RuntimeError):
@@ -47,7 +68,7 @@ class StoreLost(RuntimeError):
 
 @dataclass
 class Failure:
-    """A failed rank, or a lost node (``rank`` -1), as the launchers record it."""
+    """What went wrong on one node, as the launchers record it; ``cause`` says which kind."""
 
     node: int
     host: str
@@ -56,6 +77,7 @@ class Failure:
     when: float
     tail: list[str] = field(default_factory=list)
     pid: int = 0
+    cause: str = EXITED
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -63,6 +85,12 @@ class Failure:
     @classmethod
     def from_json(cls, text: str) -> Failure:
         return cls(**json.loads(text))
+
+
+def root_cause(failures: list[Failure]) -> Failure:
+    """The earliest failure; a rank found waiting in a stalled collective is a symptom, named only
+    when no node recorded anything else, and a lost node yields to a rank failure at the same time."""
+    return min(failures, key=lambda f: (f.cause == WAITING, f.when, f.cause == LOST))
 
 
 class JobChannel:
@@ -98,6 +126,7 @@ class JobChannel:
         self._seen.clear()
         self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
         self._call(self._store.set, self._key(f"joined{self.node}"), "1")
+        self._call(self._store.set, self._key(f"stage{self.node}"), str(_RUNNING))
         self._call(self._store.add, self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
         self._call(self._store.add, self._key("joined"), 1)
         deadline = time.monotonic() + timeout
@@ -142,59 +171,82 @@ class JobChannel:
         self._call(self._store.append, self._key("failures"), failure.to_json() + "\n")
         self._call(self._store.add, self._key("failed"), 1)
 
+    def done_reporting(self) -> None:
+        """This node has recorded every failure it will: deciders need not wait for it."""
+        self._call(self._store.set, self._key(f"stage{self.node}"), str(_REPORTED))
+
+    def leave(self) -> None:
+        """This node is done with the store (it will not restart)."""
+        self._call(self._store.set, self._key(f"stage{self.node}"), str(_LEFT))
+
     def any_failed(self) -> bool:
         return self._call(self._store.add, self._key("failed"), 0) > 0
 
-    def _alive_counts(self) -> list[int]:
-        """Every node's ``alive`` counter, in one round trip (each exists once every node joined)."""
-        keys = [self._key(f"alive{n}") for n in range(self.nnodes)]
-        return [int(v) for v in self._call(self._store.multi_get, keys)]
+    def stall_reported(self) -> bool:
+        """Whether a node recorded a stall."""
+        return any(f.cause in STALLS for f in self._failures())
 
-    def lost_nodes(self) -> list[Failure]:
-        """Nodes whose launcher stopped beating, and are not done."""
+    def _counts(self) -> tuple[list[int], list[int]]:
+        """Every node's ``alive`` counter and stage, in one round trip (each exists once all joined)."""
+        keys = [self._key(f"{name}{n}") for name in ("alive", "stage") for n in range(self.nnodes)]
+        values = [int(v) for v in self._call(self._store.multi_get, keys)]
+        return values[:self.nnodes], values[self.nnodes:]
+
+    def lost_nodes(self, counts: tuple[list[int], list[int]] | None = None) -> list[Failure]:
+        """Nodes whose launcher stopped beating, and are neither done nor gone."""
         now = time.monotonic()
         lost = []
-        for n, count in enumerate(self._alive_counts()):
-            if n == self.node or count >= DONE:
+        alive, stage = counts or self._counts()
+        for n, count in enumerate(alive):
+            if n == self.node or count >= DONE or stage[n] == _LEFT:
                 continue
             last_count, since = self._seen.get(n, (-1, now))
             if count != last_count:
                 self._seen[n] = (count, now)
                 self._last_alive[n] = time.time()
             elif now - since >= LOST_AFTER_S:
-                lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, self._last_alive[n]))
+                lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, self._last_alive[n], cause=LOST))
         return lost
+
+    def others_gone(self) -> bool:
+        """Whether every other node left, finished or is lost: node 0 may close the store."""
+        counts = self._counts()
+        lost = {f.node for f in self.lost_nodes(counts)}
+        alive, stage = counts
+        return all(n == self.node or stage[n] == _LEFT or alive[n] >= DONE or n in lost for n in range(self.nnodes))
 
     def decide(self) -> Failure:
         """The agreed root cause (call once a failure is known): wait until every other node has
-        reported or is lost, then the earliest failure, as the first decider set it."""
+        reported or is lost, then the root cause of every failure recorded, as the first decider set it."""
+        self.done_reporting()
+        lost = self._await_reports()
         verdict = self._verdict()
-        if verdict is not None:
-            return verdict
+        if verdict is None:
+            first = root_cause(self._failures() + lost)
+            verdict = Failure.from_json(self._call(self._store.compare_set, self._key("verdict"), "",
+                                                   first.to_json()).decode())
+        return verdict
+
+    def _await_reports(self) -> list[Failure]:
+        """Wait until no other node may still record a failure (or a verdict exists); the lost ones."""
         start = time.monotonic()
-        counts = self._alive_counts()
-        waiting = {n for n in range(self.nnodes) if n != self.node}
+        alive, _ = self._counts()
+        pending = {n: (alive[n], start) for n in range(self.nnodes) if n != self.node}  # last beat seen
         lost: list[Failure] = []
-        while waiting:
+        while pending and self._verdict() is None:
             time.sleep(BEAT_S)
-            elapsed = time.monotonic() - start
-            now = self._alive_counts()
-            for n in list(waiting):
-                count = now[n]
-                if count >= DONE:
-                    waiting.discard(n)
-                elif count != counts[n] and elapsed >= _SETTLE_S:
-                    waiting.discard(n)  # alive after the failure: its own failures are in
-                elif count == counts[n] and elapsed >= LOST_AFTER_S:
-                    waiting.discard(n)
-                    lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, self._last_alive.get(n, 0.0)))
-            verdict = self._verdict()
-            if verdict is not None:
-                return verdict
-        failures = self._failures() + lost
-        first = min(failures, key=lambda f: (f.when, f.rank < 0))
-        return Failure.from_json(self._call(self._store.compare_set, self._key("verdict"), "",
-                                            first.to_json()).decode())
+            now = time.monotonic()
+            alive, stage = self._counts()
+            for n, (count, since) in list(pending.items()):
+                if alive[n] != count:
+                    pending[n], since = (alive[n], now), now
+                    self._last_alive[n] = time.time()
+                if alive[n] >= DONE or stage[n] != _RUNNING or now - start >= _SILENT_S:
+                    del pending[n]
+                elif now - since >= LOST_AFTER_S:
+                    del pending[n]
+                    lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, self._last_alive.get(n, 0.0), cause=LOST))
+        return lost
 
     def _verdict(self) -> Failure | None:
         if self._call(self._store.check, [self._key("verdict")]):
@@ -213,7 +265,7 @@ class JobChannel:
         self._call(self._store.add, self._key(f"alive{self.node}"), DONE)
 
     def all_done(self) -> bool:
-        return all(count >= DONE for count in self._alive_counts())
+        return all(count >= DONE for count in self._counts()[0])
 
     def _key(self, name: str) -> str:
         return self._prefix + name

@@ -4,6 +4,11 @@ A stream that is not teed is handed to the rank as a file descriptor (the consol
 file's), so the launcher never copies it. A teed stream goes through a pipe that the supervisor
 drains with :class:`LinePump`, which appends the bytes to the rank's log file as they come and
 writes each complete line to the launcher's console behind a ``[rank N]`` prefix.
+
+On several nodes, local rank 0's console streams also go through a pipe, drained by
+:class:`ConsolePump`: it passes the bytes to the console unchanged and keeps the last ones, so
+that the other nodes can show its last lines if it fails. A stream whose console is a terminal
+is left alone: behind a pipe, the rank would stop writing colours and redrawing progress bars.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from lockstep.launcher.plan import LaunchError, LaunchPlan, RankSpec, Stream
 
 _READ_SIZE = 64 * 1024
 _MAX_LINE = 64 * 1024  # a longer line without a newline (a progress bar) is shown in pieces
+_KEPT_BYTES = 16 * 1024  # of a console stream, for the tail that other nodes show
 
 
 @dataclass
@@ -75,17 +81,32 @@ def console_streams(spec: RankSpec) -> Stream:
     return shown
 
 
-class LinePump:
-    """Copies one rank's piped stream to its log file and, line by line, to the console."""
+def kept_streams(spec: RankSpec) -> Stream:
+    """The rank's console-only streams whose console is not a terminal: the ones a ConsolePump may
+    carry (a terminal must stay the rank's own, see the module's docstring)."""
+    kept = Stream.NONE
+    for stream, path, console in ((Stream.STDOUT, spec.stdout_path, sys.stdout),
+                                  (Stream.STDERR, spec.stderr_path, sys.stderr)):
+        if path is None and not _is_terminal(console):
+            kept |= stream
+    return kept
 
-    def __init__(self, source: IO[bytes], log: IO[bytes], console: BinaryIO, prefix: bytes) -> None:
+
+def _is_terminal(console: IO[str] | None) -> bool:
+    try:
+        return console is None or os.isatty(console.fileno())
+    except (OSError, ValueError):
+        return True  # no usable descriptor: leave the stream as it is
+
+
+class Pump:
+    """Drains one rank's piped stream as it comes (the supervisor selects on it)."""
+
+    def __init__(self, source: IO[bytes], console: BinaryIO) -> None:
         self._source = source
         self._fd = source.fileno()
         os.set_blocking(self._fd, False)
-        self._log = log
         self._console = console
-        self._prefix = prefix
-        self._partial = b""
         self.closed = False
 
     def fileno(self) -> int:
@@ -100,22 +121,43 @@ class LinePump:
                 return True
             if not data:
                 return False
-            os.write(self._log.fileno(), data)
-            self._show(data)
+            self._take(data)
         return False
 
     def close(self) -> None:
-        """Copy what is left, end a last unterminated line, and close the pipe."""
+        """Copy what is left and close the pipe."""
         if self.closed:
             return
         self.pump()
-        if self._partial:
-            self._write_lines([self._partial])
-            self._partial = b""
+        self._finish()
         self._source.close()
         self.closed = True
 
-    def _show(self, data: bytes) -> None:
+    def _take(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """Called once the pipe is drained for good."""
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._console.write(data)
+            self._console.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the console went away; a log file, if any, still has everything
+
+
+class LinePump(Pump):
+    """Copies one rank's piped stream to its log file and, line by line, to the console."""
+
+    def __init__(self, source: IO[bytes], log: IO[bytes], console: BinaryIO, prefix: bytes) -> None:
+        super().__init__(source, console)
+        self._log = log
+        self._prefix = prefix
+        self._partial = b""
+
+    def _take(self, data: bytes) -> None:
+        os.write(self._log.fileno(), data)
         *lines, self._partial = (self._partial + data).split(b"\n")
         if len(self._partial) > _MAX_LINE:
             lines.append(self._partial)
@@ -123,23 +165,46 @@ class LinePump:
         if lines:
             self._write_lines(lines)
 
+    def _finish(self) -> None:
+        if self._partial:  # end a last unterminated line
+            self._write_lines([self._partial])
+            self._partial = b""
+
     def _write_lines(self, lines: list[bytes]) -> None:
-        try:
-            self._console.write(b"".join(self._prefix + line + b"\n" for line in lines))
-            self._console.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # the console went away; the log file still has everything
+        self._write(b"".join(self._prefix + line + b"\n" for line in lines))
+
+
+class ConsolePump(Pump):
+    """Passes one rank's stream to the console unchanged, keeping its last bytes."""
+
+    def __init__(self, source: IO[bytes], console: BinaryIO, stream: Stream) -> None:
+        super().__init__(source, console)
+        self.stream = stream
+        self._kept = bytearray()
+
+    def _take(self, data: bytes) -> None:
+        self._write(data)
+        self._kept += data
+        if len(self._kept) > 2 * _KEPT_BYTES:  # trimmed now and then, not at every read
+            del self._kept[:-_KEPT_BYTES]
+
+    def last_lines(self, count: int) -> list[str]:
+        """The last ``count`` lines that passed, each ending in a newline."""
+        text = self._kept[-_KEPT_BYTES:].decode(errors="replace")
+        return [line + "\n" for line in deque(text.splitlines(), maxlen=count)]
 
 
 def start_pumps(spec: RankSpec, logs: RankLogs, stdout: IO[bytes] | None,
-                stderr: IO[bytes] | None) -> list[LinePump]:
-    """Pumps for the teed streams of a just started rank (Popen's stdout/stderr pipes)."""
+                stderr: IO[bytes] | None) -> list[Pump]:
+    """Pumps for the piped streams of a just started rank (Popen's stdout/stderr pipes): a teed
+    stream has a log file, a kept one (:func:`kept_streams`) has none."""
     prefix = f"[rank {spec.rank}] ".encode()
-    pumps = []
-    if stdout is not None and logs.stdout is not None:
-        pumps.append(LinePump(stdout, logs.stdout, sys.stdout.buffer, prefix))
-    if stderr is not None and logs.stderr is not None:
-        pumps.append(LinePump(stderr, logs.stderr, sys.stderr.buffer, prefix))
+    pumps: list[Pump] = []
+    for stream, pipe, log, console in ((Stream.STDOUT, stdout, logs.stdout, sys.stdout.buffer),
+                                       (Stream.STDERR, stderr, logs.stderr, sys.stderr.buffer)):
+        if pipe is None:
+            continue
+        pumps.append(LinePump(pipe, log, console, prefix) if log is not None else ConsolePump(pipe, console, stream))
     return pumps
 
 

@@ -6,8 +6,8 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
+from lockstep.launcher.job import LOST, SIGNALLED, STALLS, STOPPED, WAITING, Failure
 from lockstep.launcher.output import console_streams, tail
 from lockstep.launcher.plan import RankSpec, Stream
 
@@ -97,28 +97,43 @@ def _show(title: str, lines: list[str]) -> None:
     sys.stderr.flush()
 
 
-def failure_tail(spec: RankSpec) -> list[str]:
-    """What other nodes show of a failed rank: its traceback (``@record``), else its output's tail."""
+def failure_tail(spec: RankSpec, kept: dict[Stream, list[str]] | None = None) -> list[str]:
+    """What other nodes show of a failed rank: its traceback (``@record``), else its output's tail
+    (from its log files, or ``kept``: what the launcher kept of its console streams)."""
     error = read_error_file(spec.error_file)
     if error is not None and error[1]:
         return error[1].splitlines()[-TAIL_LINES:]
-    shown, lines = _output_tail(spec)
-    if lines:
-        return [line.rstrip("\n") for line in lines]
+    kept = kept or {}
+    for stream, path in ((Stream.STDERR, spec.stderr_path), (Stream.STDOUT, spec.stdout_path)):
+        lines = kept.get(stream) or (tail(path, TAIL_LINES) if path is not None else [])
+        if lines:
+            return [line.rstrip("\n") for line in lines[-TAIL_LINES:]]
     files = [str(p) for p in dict.fromkeys((spec.stderr_path, spec.stdout_path)) if p is not None]
     if files:
         return [f"(it wrote nothing to {' or '.join(files)})"]
     return ["(its output is on its node's console, above that node's report)"]
 
 
-def report_verdict(failure: Any, this_node: int) -> None:
-    """The root cause every node of a multi-node job prints the same way (a job.Failure)."""
-    if failure.rank < 0:
+def report_verdict(failure: Failure, this_node: int) -> None:
+    """The root cause every node of a multi-node job prints the same way."""
+    where = "this node" if failure.node == this_node else f"node {failure.node}"
+    at = f"{where} (host {failure.host}, pid {failure.pid})"
+    if failure.cause == LOST:
         say(f"the job failed: node {failure.node}'s launcher stopped answering (killed, or its machine is "
             f"gone), so node {failure.node} counts as failed (exit code {failure.code})")
-        return
-    where = "this node" if failure.node == this_node else f"node {failure.node}"
-    say(f"the job failed: rank {failure.rank} on {where} (host {failure.host}, pid {failure.pid}) failed first "
-        f"with {describe_exit(failure.code)}")
+    elif failure.cause == SIGNALLED:
+        name = describe_exit(128 - failure.code).removeprefix("signal ")
+        say(f"the job stopped: the launcher on {at} received {name} and stopped its ranks "
+            f"(exit code {failure.code})")
+    elif failure.cause == STOPPED:
+        say(f"the job stalled (--stall_timeout): look at rank {failure.rank} on {at} first: it made no "
+            f"progress and its main thread is not in a collective")
+    elif failure.cause == WAITING:
+        say(f"the job stalled (--stall_timeout): no node found a rank stopped outside a collective; rank "
+            f"{failure.rank} on {at} made no progress, waiting in one (a rank may be stuck in the transport)")
+    else:
+        say(f"the job failed: rank {failure.rank} on {at} failed first with {describe_exit(failure.code)}")
     if failure.tail:
-        _show(f"last lines of rank {failure.rank}'s output:", [line + "\n" for line in failure.tail])
+        title = f"main thread of rank {failure.rank}:" if failure.cause in STALLS else \
+            f"last lines of rank {failure.rank}'s output:"
+        _show(title, [line + "\n" for line in failure.tail])

@@ -9,14 +9,17 @@ whose main thread is not in a collective stopped on its own; the ones in a colle
 from __future__ import annotations
 
 import mmap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep.launcher.job import STOPPED, WAITING, Failure
 from lockstep.launcher.stacks import Stacks
 from lockstep.progress import SLOT, Phase, Progress, slot_path
 
 STALL_EXIT_CODE = 124
 """The launcher's exit code after a stall (as timeout(1)'s): distinct from any rank's failure."""
+_STACK_LINES = 30  # of a stalled rank's main thread, shown on every node
 
 
 class ProgressBoard:
@@ -83,6 +86,28 @@ def diagnose(dumps: list[Stacks], progress: dict[int, Progress], now: float) -> 
         lines.append("every rank is waiting in the same collective: one may be stuck inside the "
                      "transport, or a rank on another node stopped")
     return Diagnosis(stopped, waiting, lines)
+
+
+def stall_failures(diagnosis: Diagnosis, dumps: list[Stacks], progress: dict[int, Progress], node: int,
+                   host: str, suspects: list[int]) -> list[Failure]:
+    """What this node records of a stall for the other nodes: each rank it found stopped, dated by
+    its last progress; else one rank of ``suspects`` (or any) as waiting, a lower-ranked cause."""
+    by_rank = {d.rank: d for d in dumps}
+    now, wall = time.monotonic(), time.time()
+    failures = []
+    for rank in diagnosis.stopped:
+        p = progress.get(rank)
+        when = wall - (now - p.time) if p is not None and p.beats else wall
+        failures.append(_stall_failure(by_rank[rank], node, host, when, STOPPED))
+    if failures:
+        return failures
+    rank = [*diagnosis.waiting, *suspects, *by_rank, -1][0]
+    return [_stall_failure(by_rank.get(rank, Stacks(rank, 0, "")), node, host, wall, WAITING)]
+
+
+def _stall_failure(dump: Stacks, node: int, host: str, when: float, cause: str) -> Failure:
+    tail = dump.main_thread.splitlines()[:_STACK_LINES] if dump.text else []
+    return Failure(node, host, dump.rank, STALL_EXIT_CODE, when, tail, dump.pid, cause)
 
 
 def _join(ranks: list[int]) -> str:

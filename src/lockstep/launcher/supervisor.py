@@ -7,7 +7,9 @@ signalled as one process group; the watchdog kills those groups if the launcher 
 Signals to the launcher: SIGINT, SIGTERM and SIGHUP are forwarded and stop the job; SIGUSR1 and
 SIGUSR2 are forwarded to each rank's main process and the job goes on; SIGQUIT prints every rank's
 stacks and the job goes on. The ranks' progress slots and stack files live in a node-local control
-folder that exists while the launcher runs.
+folder that exists while the launcher runs. On several nodes, a stopping signal is recorded for the
+other nodes as the cause of the job's end, and a stall found on any node makes every node print
+its own ranks' stacks.
 """
 
 from __future__ import annotations
@@ -26,18 +28,28 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.launcher.output import (
-    LinePump,
+    ConsolePump,
+    Pump,
     RankLogs,
+    kept_streams,
     open_logs,
     prepare_run_directory,
     start_pumps,
 )
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode, RankSpec, Stream
 from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
-from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, Failure, JobChannel, StoreLost
-from lockstep.launcher.report import describe_exit, failure_tail, report_failure, report_verdict, say, shell_code
+from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel, StoreLost
+from lockstep.launcher.report import (
+    TAIL_LINES,
+    describe_exit,
+    failure_tail,
+    report_failure,
+    report_verdict,
+    say,
+    shell_code,
+)
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
-from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose
+from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose, stall_failures
 from lockstep.launcher.watchdog import Watchdog
 from lockstep.progress import CONTROL_DIR_ENV
 
@@ -48,6 +60,7 @@ _PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)
 _HANDLED = (*_STOPPING, *_PASSED_ON, signal.SIGQUIT)
 _STALL_POLL_S = 1.0
 _LIVENESS_EVERY_S = 1.0
+_DEPARTURE_S = 20.0  # beyond the grace period: node 0 keeps the store up this long for the others
 # Test hook: seconds to pause right after each Popen, where a launcher killed used to orphan a rank.
 _PAUSE_AFTER_SPAWN_ENV = "_LOCKSTEP_TEST_PAUSE_AFTER_SPAWN"
 
@@ -58,8 +71,12 @@ class _Rank:
     proc: subprocess.Popen
     pidfd: int | None
     logs: RankLogs
-    pumps: list[LinePump] = field(default_factory=list)
+    pumps: list[Pump] = field(default_factory=list)
     returncode: int | None = None
+
+    def kept(self) -> dict[Stream, list[str]]:
+        """The last lines of its console streams that passed through the launcher."""
+        return {p.stream: p.last_lines(TAIL_LINES) for p in self.pumps if isinstance(p, ConsolePump)}
 
     @property
     def pgid(self) -> int:
@@ -191,14 +208,20 @@ class Supervisor:
                     return 0
                 if isinstance(outcome, int):  # the launcher was signalled
                     self._teardown(ranks, wake_r, watchdog, None)
-                    return self._signalled_code(ranks, outcome)
+                    code = self._signalled_code(ranks, outcome)
+                    if channel is not None:
+                        self._leave(channel, wake_r)
+                    return code
                 if channel is not None:
                     verdict = channel.decide()
                     self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
                     report_verdict(verdict, self.plan.node_rank)
-                    code = self._after_failure(attempt, shell_code(verdict.code), "every node's")
+                    code = shell_code(verdict.code)
+                    if verdict.cause != SIGNALLED:  # as on the signalled node, a signal stops restarts
+                        code = self._after_failure(attempt, code, "every node's")
                     if code is None:
                         continue
+                    self._leave(channel, wake_r)
                     return code
             except StoreLost as e:
                 if ranks:
@@ -231,6 +254,23 @@ class Supervisor:
                 f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
             return None
         return channel.port(attempt) if attempt else port
+
+    def _leave(self, channel: JobChannel, wake_r: int) -> None:
+        """Tell the other nodes that this one is done with the store. Node 0's launcher, which
+        hosts it, keeps it up until the others are done too (or lost), so that none misses the
+        verdict; a second stopping signal cuts that short."""
+        try:
+            if not self.plan.hosts_store:
+                channel.leave()
+                return
+            deadline = time.monotonic() + self.plan.grace_period + _DEPARTURE_S
+            with _Waiter([], wake_r) as waiter:
+                while not channel.others_gone() and time.monotonic() < deadline:
+                    signals, _ = waiter.wait(BEAT_S)
+                    if any(s in _STOPPING for s in signals):
+                        return
+        except StoreLost:
+            pass  # no one left to tell
 
     def _after_failure(self, attempt: int, code: int, whose: str) -> int | None:
         """The launcher's exit code after a failure, or None to restart (a signal stops restarts)."""
@@ -317,12 +357,14 @@ class Supervisor:
 
     def _spawn(self, spec: RankSpec, logs: RankLogs, env: dict[str, str], pass_fds: tuple[int, ...],
                watchdog: Watchdog) -> _Rank:
+        # Other nodes show local rank 0's last lines only if they pass through this launcher.
+        piped = spec.tee | (kept_streams(spec) if self.plan.is_multinode else Stream.NONE)
         # preexec_fn with threads (-c's launcher-hosted store): register_child only formats a few
         # bytes and writes them, taking no lock another thread could hold.
         proc = subprocess.Popen(
             self.plan.command(), env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if spec.tee & Stream.STDOUT else logs.stdout,
-            stderr=subprocess.PIPE if spec.tee & Stream.STDERR else logs.stderr,
+            stdout=subprocess.PIPE if piped & Stream.STDOUT else logs.stdout,
+            stderr=subprocess.PIPE if piped & Stream.STDERR else logs.stderr,
             pass_fds=pass_fds, start_new_session=True, preexec_fn=watchdog.register_child,  # noqa: PLW1509
         )
         if pause := os.environ.get(_PAUSE_AFTER_SPAWN_ENV):
@@ -346,34 +388,69 @@ class Supervisor:
                 signals, exited = waiter.wait(poll)
                 for signum in signals:
                     if signum in _STOPPING:
-                        self._signals_seen.append(signum)
-                        self._forward(ranks, signum)
+                        self._stop(ranks, signum, channel)
                         return signum
                     if signum == signal.SIGQUIT:
                         say("received SIGQUIT: the stacks of this node's ranks follow; the job goes on")
                         self._show_stacks(ranks)
                     else:
                         self._pass_on(ranks, signum)
-                for r in exited:
-                    if r.returncode != 0:
-                        if channel is not None:
-                            channel.report(Failure(self.plan.node_rank, channel.host, r.spec.rank, r.returncode,
-                                                   time.time(), failure_tail(r.spec), r.proc.pid))
-                        return _Failure(r, r.returncode)
-                    if self.plan.verbose:
-                        say(f"rank {r.spec.rank} finished")
+                failure = self._first_failure(exited, channel)
+                if failure is not None:
+                    return failure
                 if stall_timeout and self._board is not None:
-                    live = {r.spec.rank for r in ranks if r.returncode is None}
-                    stalled = self._board.stalled(live, time.monotonic(), stall_timeout)
-                    if stalled:
-                        self._report_stall(ranks, stalled, stall_timeout)
-                        if channel is not None:
-                            channel.report(Failure(self.plan.node_rank, channel.host, stalled[0], STALL_EXIT_CODE,
-                                                   time.time(), ["(it made no progress for --stall_timeout)"]))
-                        return _Stall([r for r in ranks if r.spec.rank in stalled])
+                    stall = self._check_stall(ranks, stall_timeout, channel)
+                    if stall is not None:
+                        return stall
                 if channel is not None and self._elsewhere(channel):
+                    if channel.stall_reported():
+                        say("stall: another node found the job stalled (--stall_timeout); the stacks of this "
+                            "node's ranks follow")
+                        self._diagnose_stall(ranks, channel, [])
                     return _Elsewhere()
         return None
+
+    def _stop(self, ranks: list[_Rank], signum: int, channel: JobChannel | None) -> None:
+        """A stopping signal: record it for the other nodes (before any rank of theirs can fail
+        because of it), then pass it on to this node's ranks."""
+        self._signals_seen.append(signum)
+        if channel is not None:
+            self._record_signal(channel, signum)
+        self._forward(ranks, signum)
+
+    def _record_signal(self, channel: JobChannel, signum: int) -> None:
+        try:
+            channel.report(Failure(self.plan.node_rank, channel.host, -1, 128 + signum, time.time(),
+                                   pid=os.getpid(), cause=SIGNALLED))
+            channel.done_reporting()
+        except StoreLost:
+            pass  # the other nodes will find this one lost instead
+
+    def _first_failure(self, exited: list[_Rank], channel: JobChannel | None) -> _Failure | None:
+        """The first of the ranks that just exited to have failed, recorded for the other nodes."""
+        for r in exited:
+            if r.returncode != 0:
+                if channel is not None:
+                    channel.report(Failure(self.plan.node_rank, channel.host, r.spec.rank, r.returncode,
+                                           time.time(), failure_tail(r.spec, r.kept()), r.proc.pid))
+                return _Failure(r, r.returncode)
+            if self.plan.verbose:
+                say(f"rank {r.spec.rank} finished")
+        return None
+
+    def _check_stall(self, ranks: list[_Rank], timeout: float, channel: JobChannel | None) -> _Stall | None:
+        """A stall, once reported (stacks, diagnosis, and the records for the other nodes)."""
+        assert self._board is not None
+        live = {r.spec.rank for r in ranks if r.returncode is None}
+        stalled = self._board.stalled(live, time.monotonic(), timeout)
+        if not stalled:
+            return None
+        say(f"stall: rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))} made no progress "
+            f"for {timeout:g} s (--stall_timeout); the stacks of this node's ranks follow")
+        self._diagnose_stall(ranks, channel, stalled)
+        if channel is None:  # on several nodes the agreed verdict follows instead
+            say(f"stopping the job as a stall (exit code {STALL_EXIT_CODE})")
+        return _Stall([r for r in ranks if r.spec.rank in stalled])
 
     def _elsewhere(self, channel: JobChannel) -> bool:
         """Whether another node failed or stopped answering (a lost node is reported here)."""
@@ -400,6 +477,7 @@ class Supervisor:
                 stopping = [s for s in signals if s in _STOPPING]
                 if stopping:
                     self._signals_seen.extend(stopping)
+                    self._record_signal(channel, stopping[0])
                     return stopping[0]
                 if self._elsewhere(channel):
                     return _Elsewhere()
@@ -411,14 +489,16 @@ class Supervisor:
         sys.stderr.flush()
         return dumps
 
-    def _report_stall(self, ranks: list[_Rank], stalled: list[int], timeout: float) -> None:
-        say(f"stall: rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))} made no progress "
-            f"for {timeout:g} s (--stall_timeout); the stacks of this node's ranks follow")
+    def _diagnose_stall(self, ranks: list[_Rank], channel: JobChannel | None, suspects: list[int]) -> None:
+        """Print this node's stacks and diagnosis, and record what it found for the other nodes."""
         progress = self._board.read() if self._board else {}
         dumps = self._show_stacks(ranks)
-        for line in diagnose(dumps, progress, time.monotonic()).lines:
+        diagnosis = diagnose(dumps, progress, time.monotonic())
+        for line in diagnosis.lines:
             say(line)
-        say(f"stopping the job as a stall (exit code {STALL_EXIT_CODE})")
+        if channel is not None:
+            for failure in stall_failures(diagnosis, dumps, progress, self.plan.node_rank, channel.host, suspects):
+                channel.report(failure)
 
     def _pass_on(self, ranks: list[_Rank], signum: int) -> None:
         """A signal the job should see but not stop for (a batch scheduler's warning)."""
@@ -512,7 +592,7 @@ class _Waiter:
         ready = [key.fileobj for key, _ in self._selector.select(timeout)]
         signals: list[int] = []
         for source in ready:
-            if isinstance(source, LinePump) and not source.pump():
+            if isinstance(source, Pump) and not source.pump():
                 self._selector.unregister(source)
                 source.close()
             elif source == self._wake_r:
