@@ -27,7 +27,15 @@ kill-2nodes    the same job as two nodes (two launchers of one rank each, on loo
                rank SIGKILLs itself after a random batch, up to 3 times; ``--max_restarts 3`` on
                both. Pass: both launchers exit 0 and the job ends bitwise equal.
 
-Prints one line per trial and the counts: trials, passes, failures (with the reason of each).
+Every trial counts its kills from what the launcher saw, not from the plan: a rank's SIGKILL
+when the launcher reports a rank that "failed first with signal SIGKILL" (under kill-2nodes, both
+nodes must report the same number), sigterm-all's SIGTERM when the launcher exits 143, and
+kill-launcher's SIGKILL when the launcher's own exit status says SIGKILL. A kill is survived when
+its trial passes. A trial in which no kill landed is reported as "no kill", never as a pass.
+
+Prints one line per trial (its verdict, kills that landed of those planned, kills survived), then
+per attack and in total: trials, passes, failures, trials without a kill, kills, kills survived;
+then the reason of each trial that did not pass. Exit status 0 only if every trial passed.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import argparse
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,6 +62,36 @@ JOB = REPO / "tests" / "checkpoint" / "train_job.py"
 BATCHES = 24
 JOB_FLAGS: list[str] = []
 """Flags every launch of the job gets (``--sharded``)."""
+# the launcher's report on the rank that failed first: one line per failed attempt
+SIGKILLED = re.compile(r"^lockstep: .*failed first with signal SIGKILL$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One trial: ``kills`` that landed (see the module docstring), ``planned`` by the attack,
+    ``error`` the reason it failed (None: its checks passed)."""
+
+    kills: int
+    planned: int
+    error: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        if self.error is not None:
+            return "fail"
+        return "pass" if self.kills > 0 else "no kill"
+
+    @property
+    def survived(self) -> int:
+        return self.kills if self.verdict == "pass" else 0
+
+    def line(self) -> str:
+        counts = f"kills {self.kills} of {self.planned} planned, survived {self.survived}"
+        if self.verdict == "pass":
+            return f"pass  {counts}"
+        if self.verdict == "no kill":
+            return f"NO KILL  {counts}: not counted as a pass"
+        return f"FAIL  {counts}: {self.error}"
 
 
 def launch(folder: Path, name: str, *extra: str, restarts: int = 0) -> subprocess.Popen:
@@ -80,11 +120,24 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
+def sigkills(log: str) -> int:
+    return len(SIGKILLED.findall(log))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: torch.equal compares values (0.0 equals -0.0, a NaN equals nothing)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
 def same(a: Path, b: dict[str, torch.Tensor]) -> bool:
     if not a.exists():
         return False
     got = torch.load(a, weights_only=True)
-    return got.keys() == b.keys() and all(torch.equal(got[k], b[k]) for k in b)
+    return got.keys() == b.keys() and all(bitwise_equal(got[k], b[k]) for k in b)
 
 
 def descendants(pid: int) -> list[int]:
@@ -105,48 +158,55 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_in_save(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+def kill_in_save(tmp: Path, rng: random.Random, reference: dict) -> Outcome:
     batch = rng.choice(range(4, BATCHES, 4))
     code, log = finish(launch(tmp, "job", "--kill-in-save", f"0:{batch}", restarts=1))
+    kills = sigkills(log)
     if code != 0:
-        return f"exit {code}: {log[-300:]}"
+        return Outcome(kills, 1, f"exit {code}: {log[-300:]}")
     if any(p.name.startswith(".") for p in (tmp / "job").iterdir()):
-        return "a temporary file was left"
-    return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
+        return Outcome(kills, 1, "a temporary file was left")
+    return Outcome(kills, 1, None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run")
 
 
-def kill_in_write(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+def kill_in_write(tmp: Path, rng: random.Random, reference: dict) -> Outcome:
     batch = rng.choice(range(4, BATCHES, 4))
     rank = rng.randint(0, 1) if JOB_FLAGS else 0
     code, log = finish(launch(tmp, "job", "--kill-in-write", f"0:{rank}:{batch}", restarts=1))
+    kills = sigkills(log)
     if code != 0:
-        return f"exit {code}: {log[-300:]}"
-    if "failed first with signal SIGKILL" not in log:
-        return "no rank was killed"
+        return Outcome(kills, 1, f"exit {code}: {log[-300:]}")
     if any(p.name.startswith(".") for p in (tmp / "job").iterdir()):
-        return "a temporary file was left"
-    return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
+        return Outcome(kills, 1, "a temporary file was left")
+    return Outcome(kills, 1, None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run")
 
 
-def kill_ranks(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+def kill_ranks(tmp: Path, rng: random.Random, reference: dict) -> Outcome:
     steps = sorted(rng.sample(range(1, BATCHES), rng.randint(1, 3)))
     kills = [arg for attempt, step in enumerate(steps) for arg in ("--kill", f"{attempt}:{rng.randint(0, 1)}:{step}")]
     code, log = finish(launch(tmp, "job", *kills, restarts=3))
+    landed = sigkills(log)
     if code != 0:
-        return f"exit {code}: {log[-300:]}"
-    return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
+        return Outcome(landed, len(steps), f"exit {code}: {log[-300:]}")
+    return Outcome(landed, len(steps),
+                   None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run")
 
 
-def kill_2nodes(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+def kill_2nodes(tmp: Path, rng: random.Random, reference: dict) -> Outcome:
     steps = sorted(rng.sample(range(1, BATCHES), rng.randint(1, 3)))
     kills = [arg for attempt, step in enumerate(steps) for arg in ("--kill", f"{attempt}:{rng.randint(0, 1)}:{step}")]
     results = [finish(p) for p in launch_nodes(tmp, "job", *kills, restarts=3)]
+    landed = [sigkills(log) for _, log in results]
     if any(code != 0 for code, _ in results):
-        return "exits " + ", ".join(str(c) for c, _ in results) + ": " + results[0][1][-300:]
-    return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
+        return Outcome(landed[0], len(steps),
+                       "exits " + ", ".join(str(c) for c, _ in results) + ": " + results[0][1][-300:])
+    if landed[0] != landed[1]:
+        return Outcome(landed[0], len(steps), f"the nodes report different kills: {landed[0]} and {landed[1]}")
+    return Outcome(landed[0], len(steps),
+                   None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run")
 
 
-def sigterm_all(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+def sigterm_all(tmp: Path, rng: random.Random, reference: dict) -> Outcome:
     progress = tmp / "progress"
     proc = launch(tmp, "job", "--save-interval", "100ba", "--sleep", "0.05", "--workers", "1",
                   "--progress", str(progress))
@@ -154,28 +214,30 @@ def sigterm_all(tmp: Path, rng: random.Random, reference: dict) -> str | None:
     deadline = time.monotonic() + 120
     while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= at):
         if proc.poll() is not None or time.monotonic() > deadline:
-            return "the job did not get going"
+            return Outcome(0, 1, "the job did not get going")
         time.sleep(0.01)
     for pid in [proc.pid, *descendants(proc.pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     code, log = finish(proc)
     if code != 128 + signal.SIGTERM:
-        return f"exit {code} instead of 143: {log[-300:]}"
+        return Outcome(0, 1, f"exit {code} instead of 143: {log[-300:]}")
     if len(list((tmp / "job").glob("ep*.pt"))) != 1:
-        return "no preemption checkpoint"
+        return Outcome(1, 1, "no preemption checkpoint")
     code, log = finish(launch(tmp, "job", "--save-interval", "100ba"))
     if code != 0:
-        return f"resume: exit {code}: {log[-300:]}"
-    return None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run"
+        return Outcome(1, 1, f"resume: exit {code}: {log[-300:]}")
+    return Outcome(1, 1, None if same(tmp / "job.pt", reference) else "weights differ from the uninterrupted run")
 
 
-def kill_launcher(tmp: Path, rng: random.Random, reference: dict) -> str | None:
+def kill_launcher(tmp: Path, rng: random.Random, reference: dict) -> Outcome:
     proc = launch(tmp, "job", "--sleep", "0.02")
     time.sleep(rng.choice([0.0, 0.05, 0.2, rng.uniform(0.3, 4.0)]))
     pids = descendants(proc.pid)
     proc.kill()
     proc.communicate()
+    # a launcher that had already finished was not killed: its status is its own exit code
+    kills = int(proc.returncode == -signal.SIGKILL)
     time.sleep(0.5)
     pids = set(pids) | set(descendants(proc.pid))
     deadline = time.monotonic() + 10
@@ -185,12 +247,25 @@ def kill_launcher(tmp: Path, rng: random.Random, reference: dict) -> str | None:
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    return f"processes left behind: {left}" if left else None
+    return Outcome(kills, 1, f"processes left behind: {left}" if left else None)
 
 
 ATTACKS = {"kill-in-save": kill_in_save, "kill-ranks": kill_ranks, "sigterm-all": sigterm_all,
            "kill-launcher": kill_launcher, "kill-2nodes": kill_2nodes,
            "kill-in-write": kill_in_write}
+
+
+def tally(counts: Counter[tuple[str, str]], attacks: list[str], what: str) -> int:
+    return sum(counts[(attack, what)] for attack in attacks)
+
+
+def print_summary(counts: Counter[tuple[str, str]], attacks: list[str], trials: int) -> None:
+    for name, group in [*((attack, [attack]) for attack in attacks), ("total", attacks)]:
+        print(f"{name:14s} trials {trials * len(group):4d}  passed {tally(counts, group, 'pass'):4d}  "
+              f"failed {tally(counts, group, 'fail'):4d}  no kill {tally(counts, group, 'no kill'):4d}  "
+              f"kills {tally(counts, group, 'kills'):4d}  survived {tally(counts, group, 'survived'):4d}")
+    print(f"\nkills survived {tally(counts, attacks, 'survived')} of {tally(counts, attacks, 'kills')}, "
+          f"trials passed {tally(counts, attacks, 'pass')} of {trials * len(attacks)}")
 
 
 def main() -> None:
@@ -216,15 +291,14 @@ def main() -> None:
         for attack in args.attacks:
             for trial in range(args.trials):
                 with tempfile.TemporaryDirectory(dir=root) as tmp:
-                    error = ATTACKS[attack](Path(tmp), rng, reference)
-                counts[(attack, "fail" if error else "pass")] += 1
-                if error:
-                    failures.append(f"{attack} #{trial}: {error}")
-                print(f"{attack} #{trial}: {'FAIL ' + error if error else 'pass'}", flush=True)
+                    outcome = ATTACKS[attack](Path(tmp), rng, reference)
+                counts.update({(attack, outcome.verdict): 1, (attack, "kills"): outcome.kills,
+                               (attack, "survived"): outcome.survived})
+                if outcome.verdict != "pass":
+                    failures.append(f"{attack} #{trial}: {outcome.line()}")
+                print(f"{attack} #{trial}: {outcome.line()}", flush=True)
     print()
-    for attack in args.attacks:
-        print(f"{attack:14s} trials {args.trials:4d}  passed {counts[(attack, 'pass')]:4d}  "
-              f"failed {counts[(attack, 'fail')]:4d}")
+    print_summary(counts, args.attacks, args.trials)
     for line in failures:
         print(line)
     sys.exit(1 if failures else 0)
