@@ -19,6 +19,7 @@ from lockstep.launcher.job import EXITED, LOST, SIGNALLED, STOPPED, WAITING, Fai
 from lockstep.launcher.output import ConsolePump
 from lockstep.launcher.plan import Stream
 from lockstep.launcher.stall import STALL_EXIT_CODE
+from tests.launcher.test_stacks_and_stalls import _sections as _stacks
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -88,21 +89,6 @@ def _wait_until_training(tmp_path: Path, nodes: list[subprocess.Popen[str]]) -> 
     while not all((tmp_path / f"training{r}").exists() for r in range(4)):
         assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), nodes[1].communicate()
         time.sleep(0.2)
-
-
-def _stacks(console: str) -> dict[int, str]:
-    """The stacks a launcher printed, by rank (a ``rank N (pid P)`` heading, then indented lines)."""
-    out: dict[int, str] = {}
-    current = None
-    for line in console.splitlines():
-        if line.startswith("rank ") and "(pid " in line:
-            current = int(line.split()[1])
-            out[current] = ""
-        elif current is not None and line.startswith("  "):
-            out[current] += line + "\n"
-        else:
-            current = None
-    return out
 
 
 def test_every_node_reports_the_rank_that_failed_first_and_exits_with_its_code(tmp_path: Path) -> None:
