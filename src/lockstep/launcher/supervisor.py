@@ -213,15 +213,9 @@ class Supervisor:
                         self._leave(channel, wake_r)
                     return code
                 if channel is not None:
-                    verdict = channel.decide()
-                    self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
-                    report_verdict(verdict, self.plan.node_rank)
-                    code = shell_code(verdict.code)
-                    if verdict.cause != SIGNALLED:  # as on the signalled node, a signal stops restarts
-                        code = self._after_failure(attempt, code, "every node's")
+                    code = self._settle_across_nodes(channel, attempt, ranks, wake_r, watchdog)
                     if code is None:
                         continue
-                    self._leave(channel, wake_r)
                     return code
             except StoreLost as e:
                 if ranks:
@@ -229,16 +223,34 @@ class Supervisor:
                 say(f"the job failed: the rendezvous store at {self.plan.master_addr}:{port}, which node 0's "
                     f"launcher hosts, stopped answering ({e}): node 0 counts as failed")
                 return LOST_EXIT_CODE
-            self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
-            if isinstance(outcome, _Stall):
-                code = self._after_failure(attempt, STALL_EXIT_CODE, "this node's")
-            else:
-                others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
-                report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
-                code = self._after_failure(attempt, shell_code(outcome.code), "this node's")
+            code = self._settle_here(outcome, attempt, ranks, wake_r, watchdog)
             if code is not None:
                 return code
         raise AssertionError("unreachable")
+
+    def _settle_across_nodes(self, channel: JobChannel, attempt: int, ranks: list[_Rank], wake_r: int,
+                             watchdog: Watchdog) -> int | None:
+        """After a failure on several nodes: print the verdict every node agreed on; the exit code,
+        or None to restart with the other nodes."""
+        verdict = channel.decide()
+        self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+        report_verdict(verdict, self.plan.node_rank)
+        code = shell_code(verdict.code)
+        if verdict.cause != SIGNALLED:  # as on the signalled node, a signal stops restarts
+            code = self._after_failure(attempt, code, "every node's")
+        if code is not None:
+            self._leave(channel, wake_r)
+        return code
+
+    def _settle_here(self, outcome: _Failure | _Stall, attempt: int, ranks: list[_Rank], wake_r: int,
+                     watchdog: Watchdog) -> int | None:
+        """After a rank failure or a stall on one node: report it; the exit code, or None to restart."""
+        self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+        if isinstance(outcome, _Stall):
+            return self._after_failure(attempt, STALL_EXIT_CODE, "this node's")
+        others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
+        report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
+        return self._after_failure(attempt, shell_code(outcome.code), "this node's")
 
     def _begin_attempt(self, channel: JobChannel, attempt: int, port: int) -> int | None:
         """Join ``attempt`` with every node; the port of its ranks' store (None: a node is missing).
