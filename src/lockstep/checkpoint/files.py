@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lockstep.checkpoint import writable
+from lockstep.checkpoint import writable, zipwriter
 
 try:  # ISA-L's CRC32 is several times faster than zlib's and gives the same values
     from isal.isal_zlib import crc32 as _crc32
@@ -63,7 +63,7 @@ def write_temp(obj: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = temp_path(path)
     try:
-        torch.save(obj, str(temp))  # a path: torch's own file writer, which releases the GIL
+        zipwriter.save(obj, str(temp))  # a path: torch's own file writer, which releases the GIL
     except Exception as e:
         cause = writable.disk_cause(e, path.parent)  # while the partial file still takes its space
         temp.unlink(missing_ok=True)

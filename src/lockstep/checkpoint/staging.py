@@ -11,11 +11,14 @@ writes tensor data without holding the interpreter lock, so the thread barely sl
 from __future__ import annotations
 
 import copy
+import mmap
 import os
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from lockstep.checkpoint import zipwriter
 
 
 def storage_bytes(obj: Any) -> int:
@@ -41,8 +44,9 @@ def fits_in_memory(nbytes: int) -> bool:
 class Stager:
     """Copies checkpoints into CPU buffers that it keeps for the next save: writing into memory
     that is already mapped costs a memcpy, while fresh memory costs a page fault every 4 KiB,
-    which here was most of the time a copy took. The caller must be done with one staged copy
-    before staging the next."""
+    which here was most of the time a copy took. Large buffers start on a page, so that the file
+    writer can send them to the disk directly. The caller must be done with one staged copy before
+    staging the next."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.UntypedStorage] = []
@@ -54,7 +58,7 @@ class Stager:
     def _copy(self, source: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
         if index < len(self._buffers) and self._buffers[index].nbytes() == source.nbytes():
             return self._buffers[index].copy_(source)
-        copied = source.cpu() if source.device.type != "cpu" else source.clone()
+        copied = _page_aligned(source.nbytes()).copy_(source)
         if index < len(self._buffers):
             self._buffers[index] = copied
         else:
@@ -91,6 +95,14 @@ class Stager:
         if type(obj) is tuple:
             return tuple(self._stage(v, storages) for v in obj)
         return copy.deepcopy(obj)
+
+
+def _page_aligned(nbytes: int) -> torch.UntypedStorage:
+    """A CPU buffer; a large one starts on a page, so that the file writer can send it to the disk
+    without copying it through the page cache (``zipwriter``)."""
+    if nbytes < zipwriter.DIRECT_MIN:
+        return torch.UntypedStorage(nbytes)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()  # keeps the map
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
