@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from lockstep import Trainer, dist
-from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict
+from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict, zipwriter
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
 from tests.trainer.common import MLP, DropoutMLP, NoisyDataset, assert_same_params, error_of, loader, params
@@ -125,6 +126,19 @@ def test_resume_is_bit_identical(uninterrupted, tmp_path: Path, step: str) -> No
     folder, reference = uninterrupted
     resumed = fit("17ba", tmp_path, load_path=str(folder / f"{step}-rank{{rank}}.pt"))
     assert_bitwise(resumed, reference)
+
+
+def test_checkpoints_written_around_the_page_cache_resume_exactly(
+        uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every tensor large enough to go from the stager's page-aligned buffers to the disk with
+    O_DIRECT (the threshold lowered to this tiny model), the background saves still resume exactly."""
+    monkeypatch.setattr(zipwriter, "DIRECT_MIN", 1)
+    fit("17ba", tmp_path / "direct", save_interval="1ba")
+    with zipfile.ZipFile(tmp_path / "direct" / "ep1-ba9-rank0.pt") as archive:
+        alignment = next(archive.read(r) for r in archive.infolist() if r.filename.endswith("/.storage_alignment"))
+    assert alignment == str(zipwriter.PAGE).encode()
+    resumed = fit("17ba", tmp_path / "resumed", load_path=str(tmp_path / "direct" / "ep1-ba9-rank{rank}.pt"))
+    assert_bitwise(resumed, uninterrupted[1])
 
 
 def test_a_schedule_of_training_time_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
