@@ -275,7 +275,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sharded", action="store_true", help="FSDP with sharded checkpoints")
     parser.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO at this stage")
+    parser.add_argument("--direct", action="store_true",
+                        help="every tensor of this small model written with O_DIRECT, as large ones are")
     args = parser.parse_args()
+    if args.direct:
+        JOB_FLAGS.append("--direct")
     if args.sharded:
         JOB_FLAGS.append("--sharded")
     if args.zero is not None:

@@ -61,9 +61,10 @@ def test_ranks_killed_at_random_steps_restart_and_match(reference, tmp_path: Pat
 
 
 @pytest.mark.timeout(120)
-def test_kill_9_in_the_middle_of_a_save_loses_nothing(reference, tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["page_cache", "o_direct"])
+def test_kill_9_in_the_middle_of_a_save_loses_nothing(reference, tmp_path: Path, direct: bool) -> None:
     _, expected = reference
-    result = job(tmp_path, "torn", "--kill-in-save", "0:12", restarts=1)
+    result = job(tmp_path, "torn", "--kill-in-save", "0:12", *(["--direct"] if direct else []), restarts=1)
     assert result.returncode == 0, result.stderr
     # the torn save left the batch-8 checkpoint as the latest, and the job went on from there
     assert "attempt 1 resumed at batch 8" in result.stdout, result.stdout

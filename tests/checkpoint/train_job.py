@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lockstep import Callback, Trainer, dist  # noqa: E402
-from lockstep.checkpoint import files  # noqa: E402
+from lockstep.checkpoint import files, zipwriter  # noqa: E402
 from tests.trainer.common import DropoutMLP, full_params, loader  # noqa: E402
 
 
@@ -88,7 +88,11 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--progress", type=Path)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--direct", action="store_true",
+                   help="write every tensor with O_DIRECT, as the writer does with large ones")
     args = p.parse_args()
+    if args.direct:
+        zipwriter.DIRECT_MIN = 1
 
     attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
     doomed = {f"-ba{b}-" for a, b in faults(args.kill_in_save) if a == attempt}
