@@ -24,7 +24,7 @@ from lockstep.checkpoint import zipwriter
 def storage_bytes(obj: Any) -> int:
     """Bytes of the distinct tensor storages in ``obj``: what :meth:`Stager.stage` copies."""
     seen: dict[tuple[str, int], int] = {}
-    for t in _tensors(obj):
+    for t in zipwriter.tensors(obj):
         t = _local(t)
         if _plain(t):
             s = t.untyped_storage()
@@ -111,17 +111,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.layout == torch.strided
-
-
-def _tensors(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def _available_memory() -> int | None:

@@ -61,7 +61,8 @@ def save(obj: Any, path: str) -> None:
         # torch's writer takes ASCII paths only (torch.save writes others through Python's file)
         torch.save(obj, path)
         return
-    direct = any(_goes_direct(t.untyped_storage()) for t in _tensors(obj))
+    direct = any(type(t) is torch.Tensor and t.layout == torch.strided and _goes_direct(t.untyped_storage())
+                 for t in tensors(obj))
     records = _Records(PAGE if direct else _ALIGNMENT(), direct)
     records.writer = _WRITER(path, False, records.alignment)
     _SAVE(obj, records, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
@@ -101,16 +102,16 @@ def _goes_direct(storage: torch.UntypedStorage) -> bool:
     return storage.device.type == "cpu" and storage.nbytes() >= DIRECT_MIN and storage.data_ptr() % PAGE == 0
 
 
-def _tensors(obj: Any) -> Any:
+def tensors(obj: Any) -> Any:
+    """Every tensor in ``obj``'s dicts, lists and tuples."""
     if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor and obj.layout == torch.strided:
-            yield obj
+        yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors(v)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> memoryview:
