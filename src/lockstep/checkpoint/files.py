@@ -14,9 +14,7 @@ import mmap
 import os
 import re
 import shutil
-import struct
 import zipfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,11 +22,6 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint import writable, zipwriter
-
-try:  # ISA-L's CRC32 is several times faster than zlib's and gives the same values
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
-    _crc32 = zlib.crc32
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)$")
 
@@ -207,10 +200,6 @@ def _part(records: list[zipfile.ZipInfo], index: int, parts: int) -> list[zipfil
     return mine
 
 
-_LOCAL_HEADER = struct.Struct("<4s22xHH")
-"""A zip local file header: signature, then (after 22 bytes) the name and extra field lengths."""
-
-
 def _record_ok(archive: zipfile.ZipFile, data: Any, record: zipfile.ZipInfo) -> bool:
     """The record's stored bytes match its CRC. torch writes records uncompressed, so their CRC is
     computed straight from the mapped file (or the bytes in memory), copying nothing; other records
@@ -220,15 +209,11 @@ def _record_ok(archive: zipfile.ZipFile, data: Any, record: zipfile.ZipInfo) -> 
             while f.read(1 << 20):
                 pass
         return True
-    start = record.header_offset
-    signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(data, start)
-    if signature != b"PK\x03\x04":
-        raise zipfile.BadZipFile(f"record {record.filename} has no local header")
-    begin = start + _LOCAL_HEADER.size + name_len + extra_len
+    _, begin = zipwriter.local_header(data, record.header_offset, record.filename)
     if begin + record.compress_size > len(data):
         raise EOFError(f"record {record.filename} runs past the end of the file")
     with memoryview(data)[begin:begin + record.compress_size] as stored:
-        return _crc32(stored) == record.CRC
+        return zipwriter.crc32(stored) == record.CRC
 
 
 def read(path: Path, share: tuple[int, int] = (0, 1)) -> Any:

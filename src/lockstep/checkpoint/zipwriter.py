@@ -49,7 +49,7 @@ DIRECT_MIN = 1 << 20
 
 _CENTRAL = struct.Struct("<4s12xI8xHHH12x")
 """A zip central directory entry: signature, CRC32 (at 16), name, extra and comment lengths (at 28)."""
-_LOCAL = struct.Struct("<4s2xH6xI8xHH")
+LOCAL_HEADER = struct.Struct("<4s2xH6xI8xHH")
 """A zip local file header: signature, flags (at 6), CRC32 (at 14), name and extra lengths (at 26)."""
 _DATA_DESCRIPTOR = 0x08
 """The flag that puts a record's CRC32 and sizes in a descriptor after its bytes."""
@@ -142,10 +142,8 @@ def _finish(f: BinaryIO, path: str, records: _Records) -> None:
             if signature != b"PK\x01\x02":
                 raise zipfile.BadZipFile(f"{path}: the zip directory ends before {entry.filename}")
             f.seek(entry.header_offset)
-            signature, flags, _, local_name_len, local_extra_len = _LOCAL.unpack(f.read(_LOCAL.size))
-            if signature != b"PK\x03\x04":
-                raise zipfile.BadZipFile(f"{path}: record {entry.filename} has no local header")
-            start = entry.header_offset + _LOCAL.size + local_name_len + local_extra_len
+            flags, start = local_header(f.read(LOCAL_HEADER.size), 0, entry.filename)
+            start += entry.header_offset
             name = entry.filename.split("/", 1)[-1]  # torch prefixes every record with the archive's name
             if name in records.deferred:
                 _write_at(f, direct_fd, _bytes_of(records.deferred[name]), start)
@@ -154,12 +152,7 @@ def _finish(f: BinaryIO, path: str, records: _Records) -> None:
                 f.seek(start)
                 crc = crc32(f.read(entry.compress_size))
             packed = struct.pack("<I", crc)
-            if flags & _DATA_DESCRIPTOR:
-                f.seek(start + entry.compress_size)
-                optional_signature = f.read(4) == b"PK\x07\x08"
-                f.seek(start + entry.compress_size + (4 if optional_signature else 0))
-            else:
-                f.seek(entry.header_offset + 14)
+            f.seek(_crc_offset(f, entry, flags, start))
             f.write(packed)
             f.seek(directory + position + 16)
             f.write(packed)
@@ -167,6 +160,23 @@ def _finish(f: BinaryIO, path: str, records: _Records) -> None:
     finally:
         if direct_fd is not None:
             os.close(direct_fd)
+
+
+def local_header(data: Any, at: int, filename: str) -> tuple[int, int]:
+    """The flags of the zip local header at ``at`` in ``data``, and where its record's bytes begin."""
+    signature, flags, _, name_len, extra_len = LOCAL_HEADER.unpack_from(data, at)
+    if signature != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"record {filename} has no local header")
+    return flags, at + LOCAL_HEADER.size + name_len + extra_len
+
+
+def _crc_offset(f: BinaryIO, entry: zipfile.ZipInfo, flags: int, start: int) -> int:
+    """Where the record's CRC32 is in the file: in its data descriptor (after an optional
+    signature), or in its local header."""
+    if not flags & _DATA_DESCRIPTOR:
+        return entry.header_offset + 14
+    f.seek(start + entry.compress_size)
+    return start + entry.compress_size + (4 if f.read(4) == b"PK\x07\x08" else 0)
 
 
 def _open_direct(path: str) -> int | None:
