@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import shutil
 import time
@@ -62,13 +63,22 @@ class MLP(lockstep.Model):
         return F.cross_entropy(outputs, batch[1])
 
 
+def launcher_cpu() -> float:
+    """CPU seconds so far of this rank's parent: the launcher (lockstep) or the agent (torchrun)."""
+    fields = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 class Clock:
     """A barrier and a start time after step ``warmup``; a time per step after that; at step
-    ``warmup + steps`` a barrier before the last time."""
+    ``warmup + steps`` a barrier before the last time. Beside the wall clock, the CPU time of
+    this process (all its threads) and of its launcher between the first and the last tick."""
 
     def __init__(self, warmup: int, steps: int) -> None:
         self.warmup, self.total = warmup, warmup + steps
         self.ticks: list[float] = []
+        self.cpu: list[float] = []
+        self.launcher: list[float] = []
 
     def tick(self, step: int, before_last: Any = None) -> bool:
         """Call after step ``step`` (from 1); True once the last timed step is done."""
@@ -77,13 +87,19 @@ class Clock:
                 before_last()
             if step in (self.warmup, self.total):
                 dist.barrier()
+                self.cpu.append(time.process_time())
+                self.launcher.append(launcher_cpu())
             self.ticks.append(time.perf_counter())
         return step >= self.total
 
     def result(self) -> dict[str, float]:
+        """Rank 0's timings, and CPU ms per step summed over the ranks (a collective: every rank calls it)."""
         steps = len(self.ticks) - 1
+        cpu = dist.all_gather_object(self.cpu[-1] - self.cpu[0])
         return {"steps_per_s": steps / (self.ticks[-1] - self.ticks[0]),
-                "median_step_ms": 1000 * statistics.median(b - a for a, b in zip(self.ticks, self.ticks[1:]))}
+                "median_step_ms": 1000 * statistics.median(b - a for a, b in zip(self.ticks, self.ticks[1:])),
+                "cpu_ms_per_step": 1000 * sum(cpu) / steps,
+                "launcher_cpu_ms_per_step": 1000 * (self.launcher[-1] - self.launcher[0]) / steps}
 
 
 def make_data(width: int, steps: int) -> TensorDataset:
@@ -101,16 +117,23 @@ def make_loader(dataset: TensorDataset) -> DataLoader:
     return DataLoader(dataset, batch_size=BATCH, sampler=dist.get_sampler(dataset, shuffle=True, seed=0))
 
 
-def run_plain(work: Workload, warmup: int, steps: int, folder: Path) -> tuple[Clock, nn.Module]:
+class PlainLoop:
     """What a user writes by hand: DDP, no_sync on all but the last microbatch, torch.save on rank 0."""
-    model = make_model(work.width)
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    loader = make_loader(make_data(work.width, warmup + steps))
-    loader.sampler.set_epoch(0)
-    clock = Clock(warmup, steps)
-    model.train()
-    for step, (x, y) in enumerate(loader, start=1):
+
+    def __init__(self, work: Workload, steps: int, folder: Path) -> None:
+        self.work, self.folder = work, folder
+        self.model = make_model(work.width)
+        self.ddp = DistributedDataParallel(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        loader = make_loader(make_data(work.width, steps))
+        loader.sampler.set_epoch(0)
+        self.batches = iter(loader)
+        self.step = 0
+
+    def train_step(self) -> None:
+        """One optimizer step on the next batch; a checkpoint after it when the workload saves."""
+        work, ddp = self.work, self.ddp
+        x, y = next(self.batches)
         if work.microbatch is None:
             F.cross_entropy(ddp((x, y)), y).backward()
         else:
@@ -118,14 +141,28 @@ def run_plain(work: Workload, warmup: int, steps: int, folder: Path) -> tuple[Cl
             for i, (xm, ym) in enumerate(zip(xs, ys)):
                 with ddp.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
                     (F.cross_entropy(ddp((xm, ym)), ym) * (len(ym) / len(y))).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if clock.tick(step):
-            return clock, model
-        if work.save_every and step % work.save_every == 0 and dist.get_global_rank() == 0:
-            folder.mkdir(exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / "checkpoint.pt")
-    raise RuntimeError(f"the dataset ran out after {step} steps")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+    def save(self) -> None:
+        """torch.save of the model and optimizer on rank 0, when the workload saves at this step."""
+        if self.work.save_every and self.step % self.work.save_every == 0 and dist.get_global_rank() == 0:
+            self.folder.mkdir(exist_ok=True)
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                       self.folder / "checkpoint.pt")
+
+
+def run_plain(work: Workload, warmup: int, steps: int, folder: Path) -> tuple[Clock, nn.Module]:
+    """The plain loop for ``warmup + steps`` steps, timed."""
+    loop = PlainLoop(work, warmup + steps, folder)
+    clock = Clock(warmup, steps)
+    loop.model.train()
+    while True:
+        loop.train_step()
+        if clock.tick(loop.step):
+            return clock, loop.model
+        loop.save()
 
 
 class StepTimer(lockstep.Callback):
@@ -170,11 +207,11 @@ def main() -> None:
     folder = args.out / "checkpoints"  # the same on every rank
     run = run_plain if args.impl == "plain" else run_trainer
     clock, model = run(work, args.warmup, args.steps, folder)
-    dist.barrier()
+    result = clock.result()
     if dist.get_global_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / "weights.pt")
-        (args.out / "result.json").write_text(json.dumps(clock.result()))
+        (args.out / "result.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

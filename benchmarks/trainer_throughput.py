@@ -90,6 +90,7 @@ def main() -> None:
 
     rates: dict[tuple[str, str], list[float]] = defaultdict(list)
     step_ms: dict[tuple[str, str], list[float]] = defaultdict(list)
+    cpu: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     equal: dict[str, bool] = defaultdict(lambda: True)
     with tempfile.TemporaryDirectory(prefix="trainer-throughput-") as tmp:
         for r in range(args.runs):
@@ -101,10 +102,26 @@ def main() -> None:
                     result, weights[impl] = run_job(impl, workload, args.warmup, steps, Path(tmp))
                     rates[(workload, impl)].append(result["steps_per_s"])
                     step_ms[(workload, impl)].append(result["median_step_ms"])
+                    cpu[(workload, impl)].append((result["cpu_ms_per_step"], result["launcher_cpu_ms_per_step"]))
                 equal[workload] &= bitwise_equal(weights["plain"], weights["trainer"])
                 print(f"run {r + 1}/{args.runs} {workload:9s} plain {rates[(workload, 'plain')][-1]:6.2f} "
                       f"Trainer {rates[(workload, 'trainer')][-1]:6.2f} steps/s", flush=True)
     report(args, rates, step_ms, equal)
+    report_cpu(args, cpu)
+
+
+def report_cpu(args: argparse.Namespace, cpu: dict) -> None:
+    """CPU per step: what each side would cost on a machine no one else is using."""
+    print()
+    print("CPU ms per timed step (medians): both ranks' processes, every thread; and their launcher")
+    print(f"{'workload':10s} {'ranks plain':>11s} {'Trainer':>8s} {'ratio':>7s} {'launcher plain':>14s} {'Trainer':>8s}")
+    for workload in args.workloads:
+        plain, trainer = cpu[(workload, "plain")], cpu[(workload, "trainer")]
+        rp, rt = (statistics.median(c for c, _ in side) for side in (plain, trainer))
+        lp, lt = (statistics.median(l for _, l in side) for side in (plain, trainer))
+        print(f"{workload:10s} {rp:11.2f} {rt:8.2f} {rp / rt:6.3f}x {lp:14.3f} {lt:8.3f}")
+        print(f"{'':10s} runs plain   {' '.join(f'{c:.2f}' for c, _ in plain)}")
+        print(f"{'':10s} runs Trainer {' '.join(f'{c:.2f}' for c, _ in trainer)}")
 
 
 def report(args: argparse.Namespace, rates: dict, step_ms: dict, equal: dict) -> None:
