@@ -45,6 +45,7 @@ WORKLOADS = {
     "save": Workload(512, None, 10),
     "big": Workload(2048, None, None),
     "big-save": Workload(2048, None, 10),
+    "tiny": Workload(16, None, None),  # next to no compute: what is left is the per-step overhead
 }
 
 

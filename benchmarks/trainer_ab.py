@@ -1,6 +1,6 @@
 """The Trainer and a hand-written DDP loop taking turns inside one 2-rank job: ratios to about 1%.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_ab.py                 # about 12 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_ab.py                 # about 15 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_ab.py --workloads plain --jobs 1
 
 ``trainer_throughput.py`` runs each side as its own job; on a shared 2-core machine, jobs a minute
@@ -9,14 +9,14 @@ apart differ by 5-15%, more than the gaps it is after. Here one job under ``lock
 both sides, each with its own model, optimizer and loader over the same data, and they alternate
 in windows of ``--window`` steps: a callback at the Trainer's BATCH_END runs the plain loop's
 window (the plain loop of ``throughput_job.py``: DDP, ``no_sync``, ``torch.save`` on rank 0),
-then hands back. So each Trainer window has a plain window right after it, and the drift of the
-machine falls out of their ratio.
+then hands back. So each Trainer window has plain windows either side of it, and the drift of
+the machine falls out of their ratio.
 
 Every window starts and ends at a barrier. A Trainer window ends once its checkpoint writes and
 its loggers' threads have finished what it gave them, so none of its background work runs in the
 plain window (which makes it pay for work that would otherwise overlap training). The first pair
 is warm-up (the Trainer's holds the start of ``fit``). Reported per workload, over all jobs: the
-median of the pairs' ratios (Trainer steps/s over the plain loop's in the window right after),
+median of the ratios (each Trainer window's steps/s over the plain loop's in the windows either side),
 a 95% bootstrap interval of that median, the ratio of the two sides' total times, the Trainer's
 median step, and whether both sides ended with bitwise equal weights. The plain loop runs under
 lockstep's launcher here, not torchrun; ``trainer_throughput.py`` shows that neither launcher
@@ -44,12 +44,13 @@ import lockstep
 from lockstep import dist
 
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ["plain", "accum", "save", "big", "big-save"]
+WORKLOADS = ["plain", "accum", "save", "big", "big-save", "tiny"]
 # Short windows and many of them: on this machine a window's rate varies by ~10% whether it lasts
-# 0.4 s or 2 s, so for the same time, more pairs give a tighter median. A multiple of 10 steps:
+# 0.4 s or 2 s, so for the same time, more pairs give a tighter median. With the plain loop on both
+# sides, the median of one job of 60 pairs landed anywhere in 0.98-1.02; 3 jobs of 150 narrow that. A multiple of 10 steps:
 # every Trainer window of a saving workload holds the same number of saves.
-WINDOW = {"plain": 20, "accum": 20, "save": 20, "big": 10, "big-save": 10}  # ~0.35 s; ~3 s for big
-PAIRS = {"plain": 60, "accum": 60, "save": 60, "big": 20, "big-save": 20}
+WINDOW = {"plain": 20, "accum": 20, "save": 20, "big": 10, "big-save": 10, "tiny": 100}  # ~0.35 s; ~3 s for big
+PAIRS = {"plain": 150, "accum": 150, "save": 150, "big": 40, "big-save": 40, "tiny": 100}
 
 
 class Turns(lockstep.Callback):
@@ -125,8 +126,16 @@ def run_job(trainer_workload: str, plain_workload: str, window: int, pairs: int,
 
 
 def ratios(results: list[dict]) -> list[float]:
-    """Each pair's Trainer steps/s over the plain loop's: plain seconds over Trainer seconds."""
-    return [plain / trainer for result in results for trainer, plain in result["windows"]]
+    """Each Trainer window's steps/s over the plain loop's in the windows either side of it (the
+    mean of their times, which cancels a drift of the machine's speed): plain seconds over Trainer
+    seconds. The first Trainer window's neighbour before it is warm-up, so it has only the one after."""
+    out = []
+    for result in results:
+        windows = result["windows"]
+        for i, (trainer, plain) in enumerate(windows):
+            before = windows[i - 1][1] if i else plain
+            out.append((before + plain) / 2 / trainer)
+    return out
 
 
 def interval(values: list[float], rounds: int = 2000) -> tuple[float, float]:
