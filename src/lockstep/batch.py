@@ -35,7 +35,8 @@ def batch_num_samples(batch: Any) -> int:
         if batch.dim() == 0:
             raise ValueError("cannot count samples in a 0-d tensor batch; give the batch a leading dimension")
         return batch.shape[0]
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else None
+    # list and tuple first: the usual batch, and a cheaper check than the Mapping ABC's
+    items = batch if isinstance(batch, (list, tuple)) else batch.values() if isinstance(batch, Mapping) else None
     if items is not None:
         for item in items:
             try:

@@ -203,11 +203,10 @@ class Timestamp:
     token_in_epoch: int = 0
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"Timestamp.{field.name} must be a non-negative int, got {value!r}")
+        for name in _TIMESTAMP_FIELDS:  # a new Timestamp every batch: a tuple, not dataclasses.fields()
+            value = getattr(self, name)
+            if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)) or value < 0:
+                raise ValueError(f"Timestamp.{name} must be a non-negative int, got {value!r}")
 
     def get(self, unit: TimeUnit | str) -> int:
         """Return the count in ``unit`` (``ep ba sp tok``)."""
@@ -223,11 +222,8 @@ class Timestamp:
         if samples < 0 or tokens < 0:
             raise ValueError(
                 f"samples and tokens must be >= 0, got samples={samples}, tokens={tokens}")
-        return dataclasses.replace(
-            self, batch=self.batch + 1, sample=self.sample + samples, token=self.token + tokens,
-            batch_in_epoch=self.batch_in_epoch + 1, sample_in_epoch=self.sample_in_epoch + samples,
-            token_in_epoch=self.token_in_epoch + tokens,
-        )
+        return Timestamp(self.epoch, self.batch + 1, self.sample + samples, self.token + tokens,
+                         self.batch_in_epoch + 1, self.sample_in_epoch + samples, self.token_in_epoch + tokens)
 
     def to_next_epoch(self) -> Timestamp:
         """Return the timestamp after the end of this epoch, with the in-epoch counts reset."""
@@ -256,6 +252,9 @@ class Timestamp:
             raise ValueError(
                 f"invalid Timestamp state_dict: values must be ints, got {state!r}") from None
         return cls(**counts)
+
+
+_TIMESTAMP_FIELDS = tuple(field.name for field in dataclasses.fields(Timestamp))
 
 
 def time_argument(name: str, value: Time | str | int) -> Time:

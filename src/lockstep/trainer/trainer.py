@@ -264,6 +264,7 @@ class Trainer:
     def _fit(self) -> None:
         s = self.state
         s.model.train()
+        self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
         self._index_listeners()  # callbacks added since the Trainer was built
         resume = self._take_resume()
         self._follow_schedules(s)
@@ -356,7 +357,7 @@ class Trainer:
         s, strategy, run = self.state, self.strategy, self._run_event
         run(Event.BEFORE_TRAIN_BATCH)
         prepared = strategy.prepare_batch(s.batch)
-        share = dist.get_world_size() / global_samples  # gradients are averaged over ranks
+        share = self._world_size / global_samples  # gradients are averaged over ranks
         if self._auto is None:
             losses, counts = self._microbatches(prepared, share)
         else:
