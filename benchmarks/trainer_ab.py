@@ -1,7 +1,8 @@
 """The Trainer and a hand-written DDP loop taking turns inside one 2-rank job: ratios to about 1%.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_ab.py                 # about 15 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_ab.py                 # about 20 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_ab.py --workloads plain --jobs 1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer_ab.py --workloads big-save --keep --jobs 1  # 12 min
 
 ``trainer_throughput.py`` runs each side as its own job; on a shared 2-core machine, jobs a minute
 apart differ by 5-15%, more than the gaps it is after. Here one job under ``lockstep -n 2
