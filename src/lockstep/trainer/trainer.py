@@ -250,6 +250,7 @@ class Trainer:
         if freeze:
             gc.freeze()
         self._fitting = True
+        self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
         try:
             self._fit()
         except BaseException:
@@ -264,7 +265,6 @@ class Trainer:
     def _fit(self) -> None:
         s = self.state
         s.model.train()
-        self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
         self._index_listeners()  # callbacks added since the Trainer was built
         resume = self._take_resume()
         self._follow_schedules(s)
