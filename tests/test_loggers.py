@@ -180,3 +180,42 @@ def _two_ranks() -> dict[str, int]:
 def test_loggers_write_on_rank_zero_unless_asked() -> None:
     results = run_distributed(_two_ranks, world_size=2, timeout=100)
     assert results == [{"everyone": 3, "rank_zero": 3, "rank": 0}, {"everyone": 3, "rank_zero": 0, "rank": 1}]
+
+
+def test_metrics_jsonl_lines_are_what_json_dumps_writes(tmp_path: Path) -> None:
+    """The per-batch line is put together by hand, for speed: it must be json.dumps's, byte for
+    byte, for any run name and for the floats JSON has no numbers for; losses that are not 0-d
+    float32 tensors (bf16, a graph attached, one element of shape [1]) are read too."""
+    from lockstep.callbacks.loggers import MetricsJSONL
+    from lockstep.time import Timestamp
+
+    sink = MetricsJSONL(tmp_path)
+    sink._file = open(tmp_path / "metrics.jsonl", "w")
+    stamp = Timestamp(epoch=1, batch=12, sample=96, token=7, batch_in_epoch=2, sample_in_epoch=16, token_in_epoch=1)
+    losses = [torch.tensor(0.1) + 0.2, torch.tensor(float("nan")), torch.tensor(float("inf")),
+              torch.tensor(-float("inf")), torch.tensor(1.5, dtype=torch.bfloat16),
+              torch.tensor(2.0, requires_grad=True) * 1, torch.tensor([3.25])]
+    lrs = [1e-3, 1e-20, float("nan"), 3.0, 0.0, float("inf"), 5e-324]
+    names = ['run "quoted" \\ é', "plain", "x\ny"]
+    for i, (loss, lr) in enumerate(zip(losses, lrs)):
+        sink._add((names[i % len(names)], stamp, lr), loss)
+    sink._flush()
+    sink._file.close()
+    expected = [json.dumps({"kind": "train", "run_name": names[i % len(names)], **stamp.state_dict(), "lr": lr,
+                            "loss": loss.detach().float().item()})
+                for i, (loss, lr) in enumerate(zip(losses, lrs))]
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == expected
+
+
+def test_file_logger_stamps_each_line_with_its_own_second(tmp_path: Path) -> None:
+    import time
+
+    from lockstep.callbacks.loggers import FileLogger
+
+    sink = FileLogger(tmp_path / "log.txt")
+    sink._file = open(tmp_path / "log.txt", "w")
+    moments = [1_700_000_000.2, 1_700_000_000.9, 1_700_000_001.0, 1_700_003_600.5]
+    sink._write_records([((at, 0, i, 4 * i), 0.5) for i, at in enumerate(moments)])
+    sink._file.close()
+    stamps = [line[1:20] for line in (tmp_path / "log.txt").read_text().splitlines()]
+    assert stamps == [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) for at in moments]

@@ -155,6 +155,8 @@ def test_timestamp_arithmetic() -> None:
     next_epoch = after.to_next_epoch()
     assert next_epoch == Timestamp(epoch=1, batch=2, sample=24, token=128)
     assert [next_epoch.get(unit) for unit in ("ep", "ba", "sp", "tok")] == [1, 2, 24, 128]
+    assert [next_epoch.get(unit) for unit in (TimeUnit.EPOCH, TimeUnit.BATCH, TimeUnit.SAMPLE, TimeUnit.TOKEN)] \
+        == [1, 2, 24, 128]
     with pytest.raises(ValueError, match="fraction_done"):
         next_epoch.get("dur")
     with pytest.raises(ValueError):

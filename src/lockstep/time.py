@@ -203,19 +203,20 @@ class Timestamp:
     token_in_epoch: int = 0
 
     def __post_init__(self) -> None:
-        for name in _TIMESTAMP_FIELDS:  # a new Timestamp every batch: a tuple, not dataclasses.fields()
+        for name in TIMESTAMP_FIELDS:  # a new Timestamp every batch: a tuple, not dataclasses.fields()
             value = getattr(self, name)
             if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)) or value < 0:
                 raise ValueError(f"Timestamp.{name} must be a non-negative int, got {value!r}")
 
     def get(self, unit: TimeUnit | str) -> int:
         """Return the count in ``unit`` (``ep ba sp tok``)."""
-        unit = TimeUnit(unit)
-        if unit is TimeUnit.DURATION:
-            raise ValueError(
-                "a Timestamp has no 'dur' count; use fraction_done(timestamp, max_duration)")
-        return {TimeUnit.EPOCH: self.epoch, TimeUnit.BATCH: self.batch,
-                TimeUnit.SAMPLE: self.sample, TimeUnit.TOKEN: self.token}[unit]
+        name = _COUNT_OF.get(unit)  # the Trainer asks every batch: a lookup, not an enum call
+        if name is None:
+            if TimeUnit(unit) is TimeUnit.DURATION:
+                raise ValueError(
+                    "a Timestamp has no 'dur' count; use fraction_done(timestamp, max_duration)")
+            name = _COUNT_OF[TimeUnit(unit)]
+        return getattr(self, name)
 
     def to_next_batch(self, samples: int, tokens: int = 0) -> Timestamp:
         """Return the timestamp after one more batch of ``samples`` and ``tokens`` (all ranks)."""
@@ -233,7 +234,7 @@ class Timestamp:
     def state_dict(self) -> dict[str, int]:
         """Return the counts as a plain dict, for checkpoints (and every logged batch: not
         ``dataclasses.asdict``, whose deep copy costs tens of microseconds)."""
-        return {name: getattr(self, name) for name in _TIMESTAMP_FIELDS}
+        return {name: getattr(self, name) for name in TIMESTAMP_FIELDS}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, int]) -> Timestamp:
@@ -255,7 +256,12 @@ class Timestamp:
         return cls(**counts)
 
 
-_TIMESTAMP_FIELDS = tuple(field.name for field in dataclasses.fields(Timestamp))
+_COUNT_OF: dict[TimeUnit | str, str] = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch",
+                                        TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token"}
+_COUNT_OF.update({unit.value: name for unit, name in list(_COUNT_OF.items())})  # a StrEnum hashes by name
+
+TIMESTAMP_FIELDS = tuple(field.name for field in dataclasses.fields(Timestamp))
+"""The names of a Timestamp's counts, in the order its ``state_dict`` lists them."""
 
 
 def time_argument(name: str, value: Time | str | int) -> Time:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import operator
 import sys
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch
 
 from lockstep import dist
 from lockstep.callbacks import Callback
-from lockstep.time import fraction_done
+from lockstep.time import TIMESTAMP_FIELDS, fraction_done
 from lockstep.state import State
 
 if TYPE_CHECKING:
@@ -86,9 +88,16 @@ class _Pending:
 
     def drain(self) -> list[tuple[Any, float]]:
         records, self._records = self._records, []
-        present = [loss.detach().float().reshape(()) for _, loss in records if loss is not None]
+        present = [loss for _, loss in records if loss is not None]
+        if not all(_is_scalar(loss) for loss in present):  # three tensor ops each: ~3 us a record
+            present = [loss.detach().float().reshape(()) for loss in present]
         values = iter(torch.stack(present).tolist() if present else [])
         return [(record, next(values) if loss is not None else float("nan")) for record, loss in records]
+
+
+def _is_scalar(loss: torch.Tensor) -> bool:
+    """Whether ``loss`` stacks as it is: a 0-d float32 tensor outside autograd (the Trainer's)."""
+    return loss.dtype is torch.float32 and loss.dim() == 0 and not loss.requires_grad
 
 
 class _Buffered(Callback):
@@ -142,6 +151,7 @@ class FileLogger(_Buffered):
         self.filename = str(filename)
         self.every = log_every_n_batches
         self._file: Any = None
+        self._stamp_second, self._stamp_text = -1, ""
 
     def init(self, state: State, logger: Logger) -> None:
         path = Path(self.filename.format(rank=dist.get_global_rank(), local_rank=dist.get_local_rank(),
@@ -152,13 +162,19 @@ class FileLogger(_Buffered):
 
     def _write(self, line: str, at: float | None = None) -> None:
         if self._file is not None:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
-            self._file.write(f"[{stamp}] {line}\n")
+            self._file.write(f"[{self._stamp(time.time() if at is None else at)}] {line}\n")
+
+    def _stamp(self, at: float) -> str:
+        """The local time of ``at`` to the second (formatted once a second: lines come in bursts)."""
+        second = int(at)
+        if second != self._stamp_second:
+            self._stamp_second, self._stamp_text = second, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+        return self._stamp_text
 
     def _write_records(self, records: list[tuple[Any, float]]) -> None:
-        for (at, epoch, batch, sample), loss in records:
-            self._write(f"ep {epoch} ba {batch} sp {sample} loss {loss:.6f}", at)
         if self._file is not None:
+            self._file.writelines(f"[{self._stamp(at)}] ep {epoch} ba {batch} sp {sample} loss {loss:.6f}\n"
+                                  for (at, epoch, batch, sample), loss in records)
             self._file.flush()
 
     def batch_end(self, state: State, logger: Logger) -> None:
@@ -196,8 +212,12 @@ class MetricsJSONL(_Buffered):
         self._file.write(json.dumps(record) + "\n")
 
     def _write_records(self, records: list[tuple[Any, float]]) -> None:
+        heads: dict[str, str] = {}
+        lines = []
         for (run_name, timestamp, lr), loss in records:
-            self._emit({"kind": "train", "run_name": run_name, **timestamp.state_dict(), "lr": lr, "loss": loss})
+            head = heads.get(run_name) or heads.setdefault(run_name, _TRAIN_HEAD % json.dumps(run_name))
+            lines.append(_TRAIN_LINE % (head, *_counts(timestamp), _json_float(lr), _json_float(loss)))
+        self._file.writelines(lines)
         self._file.flush()
 
     def batch_end(self, state: State, logger: Logger) -> None:
@@ -216,6 +236,20 @@ class MetricsJSONL(_Buffered):
             self._flush()
             self._file.close()
             self._file = None
+
+
+# A training record as json.dumps writes it, put together by hand: a line per batch, and a quarter
+# of json.dumps's time (its dict had to be built first, too).
+_TRAIN_HEAD = '{"kind": "train", "run_name": %s'
+_TRAIN_LINE = "%s, " + ", ".join(f'"{name}": %d' for name in TIMESTAMP_FIELDS) + ', "lr": %s, "loss": %s}\n'
+_counts = operator.attrgetter(*TIMESTAMP_FIELDS)
+_NOT_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _json_float(value: float) -> str:
+    """``value`` as json.dumps writes a float (NaN and the infinities as JavaScript names them)."""
+    text = repr(float(value))
+    return text if math.isfinite(value) else _NOT_FINITE[text]
 
 
 class LossCurve(Callback):

@@ -650,7 +650,8 @@ for _name in ("append", "extend", "insert", "remove", "pop", "clear", "sort", "r
 def _mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
     """The sample-weighted mean of the microbatches' losses, in a few tensor ops per step."""
     if len(losses) == 1:
-        return losses[0].float()
+        loss = losses[0]
+        return loss if loss.dtype is torch.float32 else loss.float()
     stacked = torch.stack(losses).float()
     if len(set(counts)) == 1 and counts[0] > 0:
         return stacked.mean()
