@@ -256,9 +256,9 @@ class Timestamp:
         return cls(**counts)
 
 
+# a StrEnum member hashes and compares as its value: "ba" finds TimeUnit.BATCH here
 _COUNT_OF: dict[TimeUnit | str, str] = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch",
                                         TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token"}
-_COUNT_OF.update({unit.value: name for unit, name in list(_COUNT_OF.items())})  # a StrEnum hashes by name
 
 TIMESTAMP_FIELDS = tuple(field.name for field in dataclasses.fields(Timestamp))
 """The names of a Timestamp's counts, in the order its ``state_dict`` lists them."""
@@ -310,6 +310,8 @@ def is_reached(
     A ``dur`` limit is a fraction of ``max_duration``. With 64 samples, a global batch of 16 and a
     limit of ``'40sp'``, this first holds after the 3rd batch (48 >= 40).
     """
+    if _whole_count(limit, max_duration):  # the Trainer asks every batch: no parsing, no frames
+        return getattr(timestamp, _COUNT_OF[limit.unit]) >= limit.value  # type: ignore[union-attr]
     unit, amount = _resolve(Time.from_input(limit), max_duration, "limit")
     return timestamp.get(unit) >= amount
 
@@ -324,9 +326,19 @@ def is_interval_due(timestamp_before: Timestamp, timestamp_after: Timestamp, int
     ``dur`` interval is a fraction of ``max_duration``: ``'0.25dur'`` of ``'8ba'`` is every 2
     batches.
     """
+    if _whole_count(interval, max_duration) and interval.value > 0:  # type: ignore[union-attr]
+        name, step = _COUNT_OF[interval.unit], interval.value  # type: ignore[union-attr]
+        return getattr(timestamp_after, name) // step > getattr(timestamp_before, name) // step
     interval = Time.from_input(interval).require_positive("interval")
     unit, step = _resolve(interval, max_duration, "interval")
     return timestamp_after.get(unit) // step > timestamp_before.get(unit) // step
+
+
+def _whole_count(duration: Time | str, max_duration: Time | str | None) -> bool:
+    """Whether ``duration`` is already a Time counted in ``ep ba sp tok`` and ``max_duration`` needs
+    no checking: then a Timestamp's attribute answers without parsing or resolving anything."""
+    return (type(duration) is Time and duration.unit is not TimeUnit.DURATION
+            and (max_duration is None or type(max_duration) is Time and max_duration.unit is not TimeUnit.DURATION))
 
 
 def fraction_done(timestamp: Timestamp, max_duration: Time | str, *,

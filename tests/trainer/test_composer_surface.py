@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lockstep import Callback, Event, Model, Trainer, dist
+from lockstep.algorithms import Algorithm
 from lockstep.testing import run_distributed
 from tests.trainer.common import MLP, error_of, loader
 
@@ -393,6 +394,52 @@ class AddsAndRemoves(Callback):
             callbacks.append(self.late)
         elif state.timestamp.batch == 4:
             callbacks.remove(self.late)
+
+
+class StepEvents(Callback):
+    """Records the events inside a step, which the Trainer skips while nothing listens to them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def batch_start(self, state, logger) -> None:
+        self.seen.append(("batch_start", state.timestamp.batch))
+
+    def before_forward(self, state, logger) -> None:
+        self.seen.append(("before_forward", state.timestamp.batch))
+
+    def after_backward(self, state, logger) -> None:
+        self.seen.append(("after_backward", state.timestamp.batch))
+
+
+class BeforeBackward(Algorithm):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def match(self, event, state) -> bool:
+        return event is Event.BEFORE_BACKWARD
+
+    def apply(self, event, state, logger=None) -> None:
+        self.seen.append(state.timestamp.batch)
+
+
+@pytest.mark.parametrize("joins", ["callback", "algorithm"])
+def test_what_joins_at_the_end_of_a_step_hears_every_event_of_the_next(joins) -> None:
+    box, late, recorder = [], StepEvents(), BeforeBackward()
+
+    class Adds(Callback):  # BATCH_CHECKPOINT: the last event of the step
+        def batch_checkpoint(self, state, logger) -> None:
+            if state.timestamp.batch == 2:
+                box[0].callbacks.append(late) if joins == "callback" else box[0].algorithms.append(recorder)
+
+    trainer = _trainer(max_duration="4ba", callbacks=[Adds()], device_train_microbatch_size=2)
+    box.append(trainer)
+    trainer.fit()
+    if joins == "callback":
+        step = ["batch_start", "before_forward", "after_backward", "before_forward", "after_backward"]
+        assert late.seen == [(name, 2) for name in step] + [(name, 3) for name in step]
+    else:
+        assert recorder.seen == [2, 2, 3, 3]  # two microbatches a step
 
 
 def test_callbacks_added_or_removed_during_fit_take_part_from_the_next_event() -> None:

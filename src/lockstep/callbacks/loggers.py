@@ -83,8 +83,10 @@ class _Pending:
     def __len__(self) -> int:
         return len(self._records)
 
-    def add(self, record: Any, loss: torch.Tensor | None) -> None:
+    def add(self, record: Any, loss: torch.Tensor | None) -> int:
+        """Keep ``record`` and its loss; returns how many are kept now."""
         self._records.append((record, loss))
+        return len(self._records)
 
     def drain(self) -> list[tuple[Any, float]]:
         records, self._records = self._records, []
@@ -112,8 +114,8 @@ class _Buffered(Callback):
         self._flushed_at = time.monotonic()
 
     def _add(self, record: Any, loss: torch.Tensor | None) -> None:
-        self._pending.add(record, loss)
-        if len(self._pending) >= self.flush_interval or time.monotonic() - self._flushed_at >= self.flush_seconds:
+        kept = self._pending.add(record, loss)
+        if kept >= self.flush_interval or time.monotonic() - self._flushed_at >= self.flush_seconds:
             self._flush()
 
     def _flush(self) -> None:
@@ -267,8 +269,7 @@ class LossCurve(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._rank_zero:
-            self._pending.add(state.timestamp.batch, state.loss_tensor)
-            if len(self._pending) >= 1000:
+            if self._pending.add(state.timestamp.batch, state.loss_tensor) >= 1000:
                 self._train += self._pending.drain()
 
     def eval_end(self, state: State, logger: Logger) -> None:

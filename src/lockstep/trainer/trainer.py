@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import math
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, SupportsInt
 
 import torch
@@ -283,30 +284,41 @@ class Trainer:
                     self.train_dataloader, self._count, self._step_sync, s.device, sum_tokens=self._sum_tokens,
                     track=self._position if self.saver else None, resume=resume,
                     limit=self.loop.train_subset_num_batches)
-                trained, resume = resume is not None, None
-                while True:
-                    self._run_event(Event.BEFORE_DATALOADER)
-                    item = next(batches, None)
-                    if item is None:
-                        break
-                    batch, samples, tokens, is_last = item
-                    trained = True
-                    s.batch = batch
-                    self._run_event(Event.AFTER_DATALOADER)
-                    self._run_event(Event.BATCH_START)
-                    s.loss_tensor = self._train_batch(s.batch, samples)
-                    self._end_batch(samples, tokens, is_last, stop)
-                    if is_reached(s.timestamp, s.max_duration):
-                        break
-                batches.close()  # puts back a sampler the resume skipped through
-                if not trained:
-                    raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
+                try:
+                    if not self._train_epoch(batches, stop) and resume is None:
+                        raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
+                finally:
+                    batches.close()  # puts back a sampler the resume skipped through
+                resume = None
             if self.saver:
                 if self.saver.last_saved_batch != s.timestamp.batch:
                     self._save(s.timestamp.batch_in_epoch == 0, wait=True)
                 with progress.heartbeat_paused():
                     self.saver.wait()
         self._run_event(Event.FIT_END)
+
+    def _train_epoch(self, batches: Iterator[tuple[Any, int, SupportsInt, bool]], stop: StopSignal | None) -> bool:
+        """Train on ``batches`` until the epoch or the run ends; whether there was a batch."""
+        s, run, trained = self.state, self._run_event, False
+        while True:
+            # Most steps have no callback at the events between BATCH_END and the next BATCH_END;
+            # then they are not dispatched at all (nothing that runs in between can add one).
+            loud = self._step_heard or bool(self.algorithms)
+            if loud:
+                run(Event.BEFORE_DATALOADER)
+            item = next(batches, None)
+            if item is None:
+                return trained
+            batch, samples, tokens, is_last = item
+            trained = True
+            s.batch = batch
+            if loud:
+                run(Event.AFTER_DATALOADER)
+                run(Event.BATCH_START)
+            s.loss_tensor = self._train_batch(s.batch, samples, loud)
+            self._end_batch(samples, tokens, is_last, stop)
+            if is_reached(s.timestamp, s.max_duration):
+                return trained
 
     def _end_batch(self, samples: int, tokens: SupportsInt, is_last: bool, stop: StopSignal | None) -> None:
         """After a step, in Composer's order: move the timestamp and the schedules, log, then
@@ -352,22 +364,25 @@ class Trainer:
             self._save(True)
         self._run_event(Event.EPOCH_CHECKPOINT)
 
-    def _train_batch(self, batch: Any, global_samples: int) -> torch.Tensor:
-        """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync)."""
+    def _train_batch(self, batch: Any, global_samples: int, loud: bool) -> torch.Tensor:
+        """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync).
+        Without ``loud``, no callback or algorithm acts at the events of the step before BATCH_END."""
         s, strategy, run = self.state, self.strategy, self._run_event
-        run(Event.BEFORE_TRAIN_BATCH)
+        if loud:
+            run(Event.BEFORE_TRAIN_BATCH)
         prepared = strategy.prepare_batch(s.batch)
         share = self._world_size / global_samples  # gradients are averaged over ranks
         if self._auto is None:
-            losses, counts = self._microbatches(prepared, share)
+            losses, counts = self._microbatches(prepared, share, loud)
         else:
-            losses, counts = self._microbatches_fitting(prepared, share)
+            losses, counts = self._microbatches_fitting(prepared, share, loud)
         s.batch, s.outputs = batch, None
-        run(Event.AFTER_TRAIN_BATCH)
+        if loud:
+            run(Event.AFTER_TRAIN_BATCH)
         strategy.optimizer_step()
         return _mean_loss(losses, counts)
 
-    def _microbatches(self, batch: Any, share: float) -> tuple[list[torch.Tensor], list[int]]:
+    def _microbatches(self, batch: Any, share: float, loud: bool) -> tuple[list[torch.Tensor], list[int]]:
         """Forward and backward of every microbatch of ``batch``; their losses and sample counts."""
         s, strategy, run, auto = self.state, self.strategy, self._run_event, self._auto
         microbatches = self._split(batch)
@@ -377,31 +392,36 @@ class Trainer:
             s.batch = micro
             with strategy.sync_context(i == last):
                 with strategy.autocast():
-                    run(Event.BEFORE_FORWARD)
+                    if loud:
+                        run(Event.BEFORE_FORWARD)
                     s.outputs = strategy.module(s.batch)
-                    run(Event.AFTER_FORWARD)
-                    run(Event.BEFORE_LOSS)
+                    if loud:
+                        run(Event.AFTER_FORWARD)
+                        run(Event.BEFORE_LOSS)
                     s.loss_tensor = s.model.loss(s.outputs, s.batch)
-                    run(Event.AFTER_LOSS)
+                    if loud:
+                        run(Event.AFTER_LOSS)
                 if auto is not None and i == last:
                     auto.agree(False)  # every rank got here: the gradient all-reduce may start
-                run(Event.BEFORE_BACKWARD)
+                if loud:
+                    run(Event.BEFORE_BACKWARD)
                 loss = s.loss_tensor
                 weight = n * share  # its share of the global batch: 1.0 (no op) for one even microbatch
                 strategy.backward(loss if weight == 1.0 else loss * weight)
-                run(Event.AFTER_BACKWARD)
+                if loud:
+                    run(Event.AFTER_BACKWARD)
             losses.append(loss.detach())
             counts.append(n)
         return losses, counts
 
-    def _microbatches_fitting(self, batch: Any, share: float) -> tuple[list[torch.Tensor], list[int]]:
+    def _microbatches_fitting(self, batch: Any, share: float, loud: bool) -> tuple[list[torch.Tensor], list[int]]:
         """:meth:`_microbatches`, halving the microbatch until no rank runs out of memory."""
         auto, s = self._auto, self.state
         assert auto is not None
         while True:
             auto.passed = False
             try:
-                return self._microbatches(batch, share)
+                return self._microbatches(batch, share, loud)
             except microbatch.RetrySmaller:
                 pass
             except Exception as e:
@@ -595,13 +615,16 @@ class Trainer:
                 algorithm.apply(event, self.state, self.logger)
         if self._indexed_version != self._callbacks.version:
             self._index_listeners()  # the list changed (a callback added one, say): from this event on
-        for callback in self._listeners_of[event]:  # type: ignore[index]
-            callback.run_event(event, self.state, self.logger)
+        for handler in self._handlers_of[event]:
+            handler(self.state, self.logger)
+        if self._indexed_version != self._callbacks.version:
+            self._index_listeners()  # changed by a callback just now: the loop must know who listens
 
     def _index_listeners(self) -> None:
-        """Which callbacks act at each event: most events (per microbatch ones included) have none,
-        and then cost a dict lookup."""
-        self._listeners_of = {e: [c for c in self._callbacks if c.listens_to(e)] for e in Event}
+        """What acts at each event: most events (per microbatch ones included) have no callback,
+        and then cost a dict lookup, or nothing in the loop (``_step_heard``)."""
+        self._handlers_of = {e: [_handler(c, e) for c in self._callbacks if c.listens_to(e)] for e in Event}
+        self._step_heard = any(self._handlers_of[e] for e in _STEP_EVENTS)
         self._indexed_version = self._callbacks.version
 
     def close(self) -> None:
@@ -618,6 +641,19 @@ class Trainer:
                 callback.close(self.state, self.logger)
             except Exception as e:  # noqa: BLE001 - the training error is the one to report
                 warnings.warn(f"{type(callback).__name__}.close failed: {e}", stacklevel=2)
+
+
+_STEP_EVENTS = (Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
+                Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
+                Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH)
+"""The events of a step before BATCH_END: dispatched only when something acts at one of them."""
+
+
+def _handler(callback: Callback, event: Event) -> Callable[[State, Logger], None]:
+    """What runs ``callback`` at ``event``: its method for the event, or its own ``run_event``."""
+    if type(callback).run_event is Callback.run_event:
+        return getattr(callback, event.value)  # type: ignore[no-any-return]
+    return functools.partial(callback.run_event, event)
 
 
 class CallbackList(list):  # type: ignore[type-arg]
