@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lockstep.time import (
+    TIMESTAMP_FIELDS,
     Time,
     Timestamp,
     TimeUnit,
@@ -165,6 +166,22 @@ def test_timestamp_arithmetic() -> None:
         Timestamp(batch=-1)
     with pytest.raises(AttributeError):
         start.batch = 3  # type: ignore[misc]
+
+
+def test_to_next_batch_sets_every_count_and_still_checks_its_input() -> None:
+    """to_next_batch sets the fields itself, past the constructor: every field, the right sums."""
+    import numpy as np
+
+    middle = Timestamp(epoch=2, batch=5, sample=40, token=9, batch_in_epoch=1, sample_in_epoch=8, token_in_epoch=3)
+    after = middle.to_next_batch(16, 4)
+    assert after == Timestamp(epoch=2, batch=6, sample=56, token=13, batch_in_epoch=2, sample_in_epoch=24,
+                              token_in_epoch=7)
+    assert after.state_dict() == {name: getattr(after, name) for name in TIMESTAMP_FIELDS}
+    assert hash(after) == hash(Timestamp(**after.state_dict())) and after.to_next_epoch().epoch == 3
+    with pytest.raises(ValueError, match="must be a non-negative int"):
+        middle.to_next_batch(np.int64(16))
+    with pytest.raises(ValueError, match="must be a non-negative int"):
+        middle.to_next_batch(16, 2.0)
 
 
 def test_timestamp_state_dict_round_trip() -> None:

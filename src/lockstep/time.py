@@ -223,8 +223,20 @@ class Timestamp:
         if samples < 0 or tokens < 0:
             raise ValueError(
                 f"samples and tokens must be >= 0, got samples={samples}, tokens={tokens}")
-        return Timestamp(self.epoch, self.batch + 1, self.sample + samples, self.token + tokens,
-                         self.batch_in_epoch + 1, self.sample_in_epoch + samples, self.token_in_epoch + tokens)
+        if type(samples) is not int or type(tokens) is not int:  # the constructor says what is wrong
+            return Timestamp(self.epoch, self.batch + 1, self.sample + samples, self.token + tokens,
+                             self.batch_in_epoch + 1, self.sample_in_epoch + samples, self.token_in_epoch + tokens)
+        # Sums of checked ints need no checking again: the fields are set directly, without the
+        # generated __init__ and __post_init__ (this runs every batch, with the caches cold).
+        after = _new_timestamp(Timestamp)
+        _set(after, "epoch", self.epoch)
+        _set(after, "batch", self.batch + 1)
+        _set(after, "sample", self.sample + samples)
+        _set(after, "token", self.token + tokens)
+        _set(after, "batch_in_epoch", self.batch_in_epoch + 1)
+        _set(after, "sample_in_epoch", self.sample_in_epoch + samples)
+        _set(after, "token_in_epoch", self.token_in_epoch + tokens)
+        return after
 
     def to_next_epoch(self) -> Timestamp:
         """Return the timestamp after the end of this epoch, with the in-epoch counts reset."""
@@ -255,6 +267,8 @@ class Timestamp:
                 f"invalid Timestamp state_dict: values must be ints, got {state!r}") from None
         return cls(**counts)
 
+
+_new_timestamp, _set = object.__new__, object.__setattr__
 
 # a StrEnum member hashes and compares as its value: "ba" finds TimeUnit.BATCH here
 _COUNT_OF: dict[TimeUnit | str, str] = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch",
