@@ -6,8 +6,6 @@ import copy
 import glob
 import os
 import string
-import sys
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist
+from lockstep import dist, idle
 from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, staging, states, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
@@ -24,9 +22,6 @@ from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.loader import Loaded
-
-WRITER_NICENESS = 10
-"""How much lower than training the background writer runs (``nice`` steps, 19 the lowest)."""
 
 
 class CheckpointSaver:
@@ -243,7 +238,7 @@ class CheckpointSaver:
             return
         if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint",
-                                            initializer=_yield_to_training)
+                                            initializer=idle.yield_to_training)
         self._publisher = self._pool.submit(write, *args)
 
     def _publish(self, temp: Path | None, staged: Any, path: Path, history: list[str]) -> None:
@@ -298,17 +293,6 @@ def _writer_group() -> Any:
     if not torch.distributed.is_initialized():
         return None
     return torch.distributed.new_group(backend="gloo")
-
-
-def _yield_to_training() -> None:
-    """Run the writer thread at a lower CPU priority (Linux, where a thread has its own): when
-    every core is busy training, the write waits for the moments a rank waits on the network,
-    instead of taking a core from the step. The next save's wait bounds how late it can finish."""
-    if sys.platform == "linux":
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
-        except OSError:
-            pass
 
 
 def _glob(template: str, place: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from lockstep import idle
 from lockstep.loggers.destination import LoggerDestination, report_failure
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class BackgroundWriter:
             self._thread.join()
 
     def _run(self) -> None:
-        _lower_priority()
+        idle.yield_to_training()
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -52,16 +53,6 @@ class BackgroundWriter:
                 fn(*args)
             except BaseException as e:  # noqa: BLE001 - reported; the writer must outlive a bad value
                 self._on_error(e)
-
-
-def _lower_priority() -> None:
-    """On Linux a thread has its own nice value: the writer yields the cores to training."""
-    import os
-
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
 
 
 class ThreadedDestination(LoggerDestination):

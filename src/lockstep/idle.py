@@ -1,0 +1,36 @@
+"""Background threads (the checkpoint writer, loggers' writers) that take CPU only where training
+leaves it idle."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+FALLBACK_NICENESS = 10
+"""How much lower than training a background thread runs where it cannot be made idle-only
+(``nice`` steps, 19 the lowest)."""
+
+
+def yield_to_training() -> None:
+    """Make the calling thread run only on a core that would otherwise be idle.
+
+    On Linux a thread has its own scheduling policy: under ``SCHED_IDLE`` it gets a core only when
+    no ordinary thread wants it, so while every core trains, a background write waits for the
+    moments a rank waits on the network instead of taking a share of the step (a nice value only
+    shrinks that share). Waiting for the write (the next save, the end of training) leaves a core
+    idle, so it always finishes. Where the policy is refused, the thread runs at a lower priority;
+    elsewhere it is left as it is.
+    """
+    if sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, FALLBACK_NICENESS)
+    except OSError:
+        pass

@@ -1,0 +1,43 @@
+"""Background threads take CPU only where training leaves it idle (Linux's SCHED_IDLE)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+from lockstep import idle
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is Linux's")
+def test_a_background_thread_is_made_idle_only_and_training_is_left_as_it_was() -> None:
+    seen: list[int] = []
+
+    def background() -> None:
+        idle.yield_to_training()
+        seen.append(os.sched_getscheduler(0))  # 0: the calling thread
+
+    before = os.sched_getscheduler(0)
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join(timeout=10)
+    assert seen == [os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == before
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is Linux's")
+def test_the_checkpoint_writer_and_logger_threads_are_idle_only(tmp_path) -> None:
+    from lockstep.checkpoint.config import CheckpointConfig
+    from lockstep.checkpoint.saver import CheckpointSaver
+    from lockstep.loggers.background import BackgroundWriter
+
+    saver = CheckpointSaver(CheckpointConfig(save_folder=str(tmp_path)), run_name="r", max_duration=None)
+    saver._hand_over(False, lambda: None)  # starts the lasting writer thread
+    assert saver._pool.submit(os.sched_getscheduler, 0).result(timeout=10) == os.SCHED_IDLE
+    saver._pool.shutdown()
+    writer, seen = BackgroundWriter("test", on_error=lambda e: None), []
+    writer.submit(lambda: seen.append(os.sched_getscheduler(0)))
+    writer.close()
+    assert seen == [os.SCHED_IDLE]
