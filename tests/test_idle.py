@@ -28,15 +28,24 @@ def test_a_background_thread_is_made_idle_only_and_training_is_left_as_it_was() 
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is Linux's")
-def test_the_checkpoint_writer_and_logger_threads_are_idle_only(tmp_path) -> None:
+def test_the_checkpoint_writer_and_logger_threads_yield_to_training(tmp_path) -> None:
     from lockstep.checkpoint.config import CheckpointConfig
     from lockstep.checkpoint.saver import CheckpointSaver
+    from lockstep.checkpoint.states import SHARDED, SINGLE
     from lockstep.loggers.background import BackgroundWriter
 
-    saver = CheckpointSaver(CheckpointConfig(save_folder=str(tmp_path)), run_name="r", max_duration=None)
-    saver._hand_over(False, lambda: None)  # starts the lasting writer thread
-    assert saver._pool.submit(os.sched_getscheduler, 0).result(timeout=10) == os.SCHED_IDLE
-    saver._pool.shutdown()
+    def writer_policy(layout: str) -> tuple[int, int]:
+        saver = CheckpointSaver(CheckpointConfig(save_folder=str(tmp_path / layout)), run_name="r",
+                                max_duration=None, layout=layout)
+        saver._hand_over(False, lambda: None)  # starts the lasting writer thread
+        policy = saver._pool.submit(lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)))
+        saver._pool.shutdown()
+        return policy.result(timeout=10)
+
+    assert writer_policy(SINGLE)[0] == os.SCHED_IDLE
+    # a sharded folder's writers meet other ranks' in collectives: lower, but never idle-only
+    policy, niceness = writer_policy(SHARDED)
+    assert policy == os.SCHED_OTHER and niceness >= idle.FALLBACK_NICENESS
     writer, seen = BackgroundWriter("test", on_error=lambda e: None), []
     writer.submit(lambda: seen.append(os.sched_getscheduler(0)))
     writer.close()

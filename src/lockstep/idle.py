@@ -12,24 +12,27 @@ FALLBACK_NICENESS = 10
 (``nice`` steps, 19 the lowest)."""
 
 
-def yield_to_training() -> None:
-    """Make the calling thread run only on a core that would otherwise be idle.
+def yield_to_training(idle_only: bool = True) -> None:
+    """Make the calling thread run only on a core that would otherwise be idle (``idle_only``), or
+    at a lower priority than training.
 
     On Linux a thread has its own scheduling policy: under ``SCHED_IDLE`` it gets a core only when
     no ordinary thread wants it, so while every core trains, a background write waits for the
     moments a rank waits on the network instead of taking a share of the step (a nice value only
     shrinks that share). Waiting for the write (the next save, the end of training) leaves a core
-    idle, so it always finishes. Where the policy is refused, the thread runs at a lower priority;
-    elsewhere it is left as it is.
+    idle, so it always finishes. A thread that meets other ranks' threads in collectives should not
+    be ``idle_only``: on cores that never idle it could come so late that the collective times out.
+    Where the policy is refused, the thread runs at a lower priority; elsewhere it is left as it is.
     """
     if sys.platform != "linux":
         return
     thread = threading.get_native_id()
-    try:
-        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):
-        pass
+    if idle_only:
+        try:
+            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
     try:
         os.setpriority(os.PRIO_PROCESS, thread, FALLBACK_NICENESS)
     except OSError:

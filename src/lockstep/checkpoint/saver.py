@@ -237,8 +237,9 @@ class CheckpointSaver:
             write(*args)
             return
         if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
+            idle_only = self.layout not in FOLDER_LAYOUTS  # those writers meet in collectives
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint",
-                                            initializer=idle.yield_to_training)
+                                            initializer=idle.yield_to_training, initargs=(idle_only,))
         self._publisher = self._pool.submit(write, *args)
 
     def _publish(self, temp: Path | None, staged: Any, path: Path, history: list[str]) -> None:
