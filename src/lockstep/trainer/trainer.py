@@ -302,7 +302,8 @@ class Trainer:
         s, run, trained = self.state, self._run_event, False
         while True:
             # Most steps have no callback at the events between BATCH_END and the next BATCH_END;
-            # then they are not dispatched at all (nothing that runs in between can add one).
+            # then they are not dispatched at all (callbacks and algorithms are what add one, and
+            # none of them runs in between).
             loud = self._step_heard or bool(self.algorithms)
             if loud:
                 run(Event.BEFORE_DATALOADER)
