@@ -89,6 +89,13 @@ def test_kill_9_of_either_rank_during_background_sharded_writes_loses_nothing(tm
     assert leftovers == []
 
 
+def batches_done(progress: Path) -> int:
+    """The count the job's rank 0 last wrote to ``progress`` (0 before it has, or while it rewrites
+    the file: read once, since a second read may find it truncated)."""
+    text = progress.read_text() if progress.exists() else ""
+    return int(text) if text.strip().isdigit() else 0
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, from /proc."""
     found, todo = [], [pid]
@@ -117,7 +124,7 @@ def test_sigterm_preempts_saves_and_autoresume_matches(reference, tmp_path: Path
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 60
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
+    while not batches_done(progress) >= 5:
         assert time.monotonic() < deadline and proc.poll() is None, "the job did not get going"
         time.sleep(0.02)
     targets = [proc.pid, *descendants(proc.pid)] if everyone else [proc.pid]
