@@ -211,11 +211,9 @@ class Timestamp:
     def get(self, unit: TimeUnit | str) -> int:
         """Return the count in ``unit`` (``ep ba sp tok``)."""
         name = _COUNT_OF.get(unit)  # the Trainer asks every batch: a lookup, not an enum call
-        if name is None:
-            if TimeUnit(unit) is TimeUnit.DURATION:
-                raise ValueError(
-                    "a Timestamp has no 'dur' count; use fraction_done(timestamp, max_duration)")
-            name = _COUNT_OF[TimeUnit(unit)]
+        if name is None:  # 'dur', or not a unit at all: TimeUnit() names what is wrong
+            TimeUnit(unit)
+            raise ValueError("a Timestamp has no 'dur' count; use fraction_done(timestamp, max_duration)")
         return getattr(self, name)
 
     def to_next_batch(self, samples: int, tokens: int = 0) -> Timestamp:
