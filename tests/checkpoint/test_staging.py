@@ -36,3 +36,17 @@ def test_stager_reuses_its_buffers_for_the_next_save() -> None:
     assert torch.equal(second, torch.ones(1000))
     bigger = stager.stage({"w": torch.full((2000,), 2.0)})["w"]  # another size: a new buffer
     assert torch.equal(bigger, torch.full((2000,), 2.0))
+
+
+def test_storages_left_for_later_are_copied_by_copy_later() -> None:
+    weights, buffer = torch.zeros(8), torch.zeros(4)
+    stager = staging.Stager()
+    staged = stager.stage({"w": weights[2:], "b": buffer}, later={staging.storage_key(weights.untyped_storage())})
+    buffer += 1  # copied by stage: the change is not in the copy
+    weights += 2  # left for later: what it holds when copy_later runs is
+    assert torch.equal(staged["b"], torch.zeros(4))
+    stager.copy_later()
+    weights += 3  # after the copy: not in it
+    assert torch.equal(staged["w"], torch.full((6,), 2.0))
+    stager.copy_later()  # nothing left to copy
+    assert torch.equal(staged["w"], torch.full((6,), 2.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -12,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from lockstep import Trainer, dist
-from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict, zipwriter
+from lockstep import Callback, Trainer, dist
+from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict, staging, zipwriter
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
 from tests.trainer.common import MLP, DropoutMLP, NoisyDataset, assert_same_params, error_of, loader, params
@@ -139,6 +140,51 @@ def test_checkpoints_written_around_the_page_cache_resume_exactly(
     assert alignment == str(zipwriter.PAGE).encode()
     resumed = fit("17ba", tmp_path / "resumed", load_path=str(tmp_path / "direct" / "ep1-ba9-rank{rank}.pt"))
     assert_bitwise(resumed, uninterrupted[1])
+
+
+class _Seen(Callback):
+    """The weights and AdamW moments at every BATCH_END (a save comes right after it)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, Any] = {}
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        optimizer = state.optimizers[0]
+        moments = [optimizer.state[p]["exp_avg"].clone() for p in state.model.parameters()]
+        self.seen[int(state.timestamp.batch)] = (params(state.model), moments)
+
+
+class _Bump(Callback):
+    """Changes the weights in place at BATCH_CHECKPOINT, right after a save."""
+
+    def batch_checkpoint(self, state: Any, logger: Any) -> None:
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.add_(1.0)
+
+
+@pytest.mark.parametrize("bump", [False, True], ids=["optimizer-step-waits", "callback-waits"])
+def test_a_background_copy_of_the_weights_holds_the_saved_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bump: bool) -> None:
+    """The writer thread copies the parameters and optimizer state while training goes on; with
+    that copy held back, the next optimizer step (or a callback that changes the weights) waits
+    for it, so each checkpoint holds exactly the state of the batch it names."""
+    slow = staging.Stager.copy_later
+
+    def copy_late(self: staging.Stager) -> None:
+        time.sleep(0.2)  # several steps' time: without the wait, later weights would be copied
+        slow(self)
+
+    monkeypatch.setattr(staging.Stager, "copy_later", copy_late)
+    probe = _Seen()
+    trainer = make("6ba", tmp_path, save_interval="2ba", scheduler=None, callbacks=[probe, _Bump()] if bump else [probe])
+    trainer.fit()
+    for batch in (2, 4, 6):
+        saved = torch.load(tmp_path / f"ep0-ba{batch}-rank0.pt", weights_only=True)
+        weights, moments = probe.seen[batch]
+        assert_bitwise(saved["model"], weights)
+        for i, moment in enumerate(moments):
+            assert torch.equal(saved["optimizers"][0]["state"][i]["exp_avg"], moment)
 
 
 def test_a_schedule_of_training_time_resumes_mid_epoch_exactly(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import copy
 import glob
 import os
 import string
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ class CheckpointSaver:
     moves the latest pointer and prunes old checkpoints. Until that is done the checkpoint is not
     visible, so a crash in between leaves the previous one as the latest. :meth:`wait` blocks
     until the newest checkpoint is durable.
+
+    In the single-file layout the thread also copies the parameters and optimizer state, while
+    the next batch's forward and backward read them: until :attr:`copying` is set, nothing may
+    change them (:meth:`settle` waits for it).
     """
 
     def __init__(self, config: CheckpointConfig, *, run_name: str, max_duration: Time | None,
@@ -69,6 +74,8 @@ class CheckpointSaver:
         self._publisher: Future[None] | None = None
         self._failure: BaseException | None = None
         self._stager = staging.Stager()
+        self.copying: threading.Event | None = None
+        """Set once the background save has copied the parameters and optimizer state (None: no such copy)."""
         self._writer_group: Any = None
         """The process group of a folder layout's writes, made at its first save."""
         self._may_replace_own = False
@@ -189,16 +196,37 @@ class CheckpointSaver:
         content = model if self.config.save_weights_only else payload.build(
             state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
             metrics=self.config.save_metrics)
-        temp, staged = None, None
         if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
-            staged = self._stager.stage(content)
-        else:
-            try:
-                temp = files.write_temp(content, path)
-            except Exception as e:  # raised on every rank by wait() or the next save
-                self._failure = e
-                return
-        self._hand_over(wait, self._publish, temp, staged, path, history)
+            staged = self._stager.stage(content, later=layout.step_storages())
+            self.copying = threading.Event()
+            self._hand_over(False, self._copy_and_publish, staged, path, history, self.copying)
+            return
+        try:
+            temp = files.write_temp(content, path)
+        except Exception as e:  # raised on every rank by wait() or the next save
+            self._failure = e
+            return
+        self._hand_over(wait, self._publish, temp, None, path, history)
+
+    def _copy_and_publish(self, staged: Any, path: Path, history: list[str], copied: threading.Event) -> None:
+        """The writer thread's job: finish the staged copy, let training change the state again,
+        then write and publish the copy."""
+        try:
+            self._stager.copy_later()
+        except BaseException as e:  # raised on every rank by the next save or wait
+            self._failure = e
+            return
+        finally:
+            copied.set()
+        self._publish(None, staged, path, history)
+
+    def settle(self) -> None:
+        """Return once no background save still reads the parameters or optimizer state: call it
+        before anything changes them in place (the optimizer step)."""
+        copying = self.copying
+        if copying is not None:
+            copying.wait()
+            self.copying = None
 
     def _save_folder(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
                      model: dict[str, Any], optimizers: list[Any], path: Path, pid: int, *, wait: bool) -> None:
@@ -257,7 +285,7 @@ class CheckpointSaver:
         """Wait for the background publish; its failure, if any, as a message."""
         if self._publisher is not None:
             self._publisher.result()  # _publish keeps its failure in self._failure; it never raises
-            self._publisher = None
+            self._publisher = self.copying = None
         if self._failure is None:
             return None
         return f"{type(self._failure).__name__}: {self._failure}"

@@ -6,6 +6,11 @@ that shared memory still share it in the file (tied weights are written once, as
 would). Containers are rebuilt too, since a scheduler or optimizer may change them after the
 save returns. A plain copy is cheaper than serializing into memory, and torch's file writer
 writes tensor data without holding the interpreter lock, so the thread barely slows training.
+
+Storages that only the optimizer step changes (parameters, optimizer state) need not be copied
+before training goes on: :meth:`Stager.stage` can leave them to :meth:`Stager.copy_later`, which the
+writer thread runs while the next batch's forward and backward read them, and the next optimizer
+step waits for it.
 """
 
 from __future__ import annotations
@@ -13,12 +18,18 @@ from __future__ import annotations
 import copy
 import mmap
 import os
+from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint import zipwriter
+
+
+def storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
+    """What tells storages apart: tensors that share one have the same key."""
+    return (str(storage.device), storage.data_ptr())
 
 
 def storage_bytes(obj: Any) -> int:
@@ -28,7 +39,7 @@ def storage_bytes(obj: Any) -> int:
         t = _local(t)
         if _plain(t):
             s = t.untyped_storage()
-            seen[(str(s.device), s.data_ptr())] = s.nbytes()
+            seen[storage_key(s)] = s.nbytes()
         else:
             seen[("other", id(t))] = t.numel() * t.element_size()
     return sum(seen.values())
@@ -50,20 +61,38 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: list[torch.UntypedStorage] = []
+        self._later: Collection[tuple[str, int]] = ()
+        self._pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
 
-    def stage(self, obj: Any) -> Any:
-        """``obj`` with its containers rebuilt and every tensor copied to CPU."""
-        return self._stage(obj, {})
+    def stage(self, obj: Any, later: Collection[tuple[str, int]] = ()) -> Any:
+        """``obj`` with its containers rebuilt and every tensor copied to CPU, except that the
+        storages keyed in ``later`` (:func:`storage_key`; CPU ones) are only given their buffers:
+        :meth:`copy_later` fills those, and the staged copy is whole only after it."""
+        self._later, self._pending = later, []
+        try:
+            return self._stage(obj, {})
+        finally:
+            self._later = ()
 
-    def _copy(self, source: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
+    def copy_later(self) -> None:
+        """Copy the storages that :meth:`stage` left for later (on any thread)."""
+        pending, self._pending = self._pending, []
+        for buffer, source in pending:
+            buffer.copy_(source)
+
+    def _copy(self, source: torch.UntypedStorage, key: tuple[str, int], index: int) -> torch.UntypedStorage:
         if index < len(self._buffers) and self._buffers[index].nbytes() == source.nbytes():
-            return self._buffers[index].copy_(source)
-        copied = _page_aligned(source.nbytes()).copy_(source)
-        if index < len(self._buffers):
-            self._buffers[index] = copied
+            buffer = self._buffers[index]
         else:
-            self._buffers.append(copied)
-        return copied
+            buffer = _page_aligned(source.nbytes())
+            if index < len(self._buffers):
+                self._buffers[index] = buffer
+            else:
+                self._buffers.append(buffer)
+        if key in self._later and source.device.type == "cpu":
+            self._pending.append((buffer, source))
+            return buffer
+        return buffer.copy_(source)
 
     def _stage(self, obj: Any, storages: dict[tuple[str, int], torch.UntypedStorage]) -> Any:
         if isinstance(obj, DTensor):
@@ -75,9 +104,9 @@ class Stager:
             if not _plain(obj):
                 return obj.detach().to("cpu", copy=True)
             source = obj.untyped_storage()
-            key = (str(source.device), source.data_ptr())
+            key = storage_key(source)
             if key not in storages:
-                storages[key] = self._copy(source, len(storages))
+                storages[key] = self._copy(source, key, len(storages))
             view = torch.empty(0, dtype=obj.dtype)
             return view.set_(storages[key], obj.storage_offset(), obj.size(), obj.stride())
         if isinstance(obj, dict):

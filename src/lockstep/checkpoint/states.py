@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from lockstep.checkpoint import staging
 from lockstep.checkpoint.files import CheckpointError
 
 SINGLE, LOCAL, SHARDED, DEEPSPEED = "single", "local", "sharded", "deepspeed"
@@ -57,6 +58,18 @@ class Layout:
         """Model and optimizer state to save; when :attr:`collective`, every rank calls it and
         ranks that do not write may get empty dicts."""
         return self.model.state_dict(), [o.state_dict() for o in self.optimizers]
+
+    def step_storages(self) -> set[tuple[str, int]]:
+        """Keys (:func:`staging.storage_key`) of the storages that only an optimizer step changes
+        in place: the parameters and the optimizers' state, less any a buffer shares (a forward
+        may change buffers). A background save may copy these until the next optimizer step."""
+        keys = {staging.storage_key(p.untyped_storage()) for p in self.model.parameters()}
+        for optimizer in self.optimizers:
+            for per_param in optimizer.state.values():
+                keys.update(staging.storage_key(v.untyped_storage()) for v in per_param.values()
+                            if isinstance(v, torch.Tensor))
+        keys.difference_update(staging.storage_key(b.untyped_storage()) for b in self.model.buffers())
+        return keys
 
     def full_reader(self) -> Layout:
         """The layout that loads a single-file checkpoint's full tensors into this run."""
@@ -131,6 +144,9 @@ class _OwnBuffers(Layout):
         return {k: v for k, v in self.model.state_dict().items()
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.is_floating_point()}
 
+    def step_storages(self) -> set[tuple[str, int]]:
+        return set()  # FSDP frees and refills its parameters' storage: a save copies everything at once
+
 
 class FullLayout(_OwnBuffers):
     """FSDP, ``state_dict_type='full'``: full tensors gathered to rank 0, one file."""
@@ -173,6 +189,9 @@ class LocalLayout(Layout):
     name = LOCAL
     optimizer_keys = NAME
     full_reader = _gathering_reader
+
+    def step_storages(self) -> set[tuple[str, int]]:
+        return set()  # as in _OwnBuffers
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = {k: _local(v) for k, v in self.model.state_dict().items()}

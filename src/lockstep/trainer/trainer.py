@@ -8,6 +8,7 @@ import gc
 import itertools
 import math
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, SupportsInt
@@ -146,6 +147,8 @@ class Trainer:
                                               max_duration=self.state.max_duration, layout=self.layout,
                                               device=self.state.device)
         self._position = data.DataPosition()
+        self._copying: threading.Event | None = None
+        """The saver's, while its background copy may still read the parameters (:meth:`_settle`)."""
         self._follow_loader(train_dataloader)
         console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
         self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
@@ -380,6 +383,8 @@ class Trainer:
         s.batch, s.outputs = batch, None
         if loud:
             run(Event.AFTER_TRAIN_BATCH)
+        if self._copying is not None:
+            self._settle()
         strategy.optimizer_step()
         return _mean_loss(losses, counts)
 
@@ -594,6 +599,7 @@ class Trainer:
                  "loader_state": None if at_epoch_end else position.loader_state}
         with progress.heartbeat_paused():  # a long write is not a stall, nor are ranks waiting for it
             path = self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
+        self._copying = self.saver.copying  # type: ignore[union-attr]
         if path is not None:
             self.saved_checkpoints.append(str(path))
 
@@ -610,7 +616,15 @@ class Trainer:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(message)
 
+    def _settle(self) -> None:
+        """Wait until the newest checkpoint's background copy has read the parameters and optimizer
+        state: before they change (the optimizer step), or user code runs."""
+        self.saver.settle()  # type: ignore[union-attr]
+        self._copying = None
+
     def _run_event(self, event: Event) -> None:
+        if self._copying is not None and (self.algorithms or self._handlers_of[event]):
+            self._settle()
         for algorithm in self.algorithms:
             if algorithm.match(event, self.state):
                 algorithm.apply(event, self.state, self.logger)
