@@ -50,3 +50,23 @@ def test_the_checkpoint_writer_and_logger_threads_yield_to_training(tmp_path) ->
     writer.submit(lambda: seen.append(os.sched_getscheduler(0)))
     writer.close()
     assert seen == [os.SCHED_IDLE]
+
+
+def test_a_checkpoint_write_shortens_the_interpreter_lock_turns_until_it_ends(tmp_path) -> None:
+    from lockstep.checkpoint.config import CheckpointConfig
+    from lockstep.checkpoint.saver import CheckpointSaver
+
+    before = sys.getswitchinterval()
+    saver = CheckpointSaver(CheckpointConfig(save_folder=str(tmp_path)), run_name="r", max_duration=None)
+    seen: list[float] = []
+
+    def write() -> None:
+        seen.append(sys.getswitchinterval())
+        raise OSError("disk full")  # the interval is put back however the write ends
+
+    saver._hand_over(False, write)
+    with pytest.raises(OSError):
+        saver._publisher.result(timeout=10)
+    saver._pool.shutdown()
+    assert seen == [min(before, idle.SWITCH_INTERVAL)] and seen[0] < 0.005
+    assert sys.getswitchinterval() == before

@@ -268,7 +268,7 @@ class CheckpointSaver:
             idle_only = self.layout not in FOLDER_LAYOUTS  # those writers meet in collectives
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-checkpoint",
                                             initializer=idle.yield_to_training, initargs=(idle_only,))
-        self._publisher = self._pool.submit(write, *args)
+        self._publisher = self._pool.submit(_with_short_lock_turns, write, *args)
 
     def _publish(self, temp: Path | None, staged: Any, path: Path, history: list[str]) -> None:
         try:
@@ -313,6 +313,11 @@ class CheckpointSaver:
             return
         while len(self.history) > keep:
             files.remove(self.folder / self.history.pop(0))
+
+
+def _with_short_lock_turns(write: Any, *args: Any) -> None:
+    with idle.short_lock_turns():
+        write(*args)
 
 
 def _writer_group() -> Any:
