@@ -126,21 +126,40 @@ def test_all_reduce_bitwise_operations_on_integer_and_bool_tensors() -> None:
             assert out[op, "bool"] == expected_bool[op]
 
 
-def _small_objects() -> list[list[Any]]:
+def _small_objects() -> tuple[list[list[Any]], list[int]]:
     from lockstep import dist
     rank = dist.get_global_rank()
+    gathers, gather_rows = [], dist._gather_rows
+
+    def counted(*args: Any) -> Any:
+        gathers[-1] += 1
+        return gather_rows(*args)
+
+    dist._gather_rows = counted
+
+    def gather(obj: Any) -> list[Any]:
+        gathers.append(0)
+        return dist.gather_small_objects(obj)
+
     small = {"rank": rank, "tensor": torch.arange(5) + rank}
     big = b"x" * (40_000 + rank)  # past the one-buffer size, and a different size per rank
-    return [dist.gather_small_objects(small), dist.gather_small_objects(big), dist.gather_small_objects(None)]
+    bigger = b"y" * (90_000 - rank)
+    gathered = [gather(small), gather(big), gather(big), gather(None), gather(bigger), gather(bigger)]
+    return gathered, gathers
 
 
 @pytest.mark.timeout(120)
 def test_gather_small_objects_returns_every_ranks_object_small_or_big() -> None:
-    for small, big, nothing in run_distributed(_small_objects, world_size=2, timeout=100):
+    """Any size arrives; an object bigger than any before takes a second all-gather, and the next
+    one that size only one."""
+    for (small, big, big_again, nothing, bigger, bigger_again), gathers in run_distributed(
+            _small_objects, world_size=2, timeout=100):
         assert [s["rank"] for s in small] == [0, 1]
         assert [s["tensor"].tolist() for s in small] == [[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
-        assert big == [b"x" * 40_000, b"x" * 40_001]
+        assert big == big_again == [b"x" * 40_000, b"x" * 40_001]
         assert nothing == [None, None]
+        assert bigger == bigger_again == [b"y" * 90_000, b"y" * 89_999]
+        assert gathers == [1, 2, 1, 1, 2, 1]
 
 
 def _local_rank_zero_helpers(folder: str) -> dict[str, Any]:

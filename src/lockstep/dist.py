@@ -615,23 +615,30 @@ def host_group() -> torch_dist.ProcessGroup | None:
     return _host_group[1]
 
 
-_SMALL_OBJECT_BYTES = 1 << 14
+_small_object_bytes = 1 << 14
+"""The room for one rank's object in :func:`gather_small_objects`'s first all-gather. It grows to
+the largest object gathered so far (a checkpoint's per-rank entry with its RNG states is about
+30 KiB), so that the next call with objects that size takes one all-gather; every rank sees the
+same sizes, so every rank grows it alike."""
 
 
 def gather_small_objects(obj: T) -> list[T]:
     """:func:`all_gather_object` for bookkeeping that pickles to a few KiB (what each rank puts in
     a checkpoint): one all-gather of a fixed-size buffer over :func:`host_group`, where
-    ``all_gather_object`` takes two collectives and a device copy; an object bigger than 16 KiB
-    costs a second all-gather. Every rank calls it at the same point."""
+    ``all_gather_object`` takes two collectives and a device copy; an object bigger than any
+    gathered before (16 KiB at first) costs a second all-gather. Every rank calls it at the same
+    point."""
+    global _small_object_bytes
     if get_world_size() == 1 or not is_initialized():
         return [obj]
     group, world = host_group(), torch_dist.get_world_size()
     data = pickle.dumps(obj)
-    row = _SMALL_OBJECT_BYTES + 8
-    rows = _gather_rows(len(data).to_bytes(8, "little") + data[:_SMALL_OBJECT_BYTES], row, world, group)
+    room = _small_object_bytes
+    rows = _gather_rows(len(data).to_bytes(8, "little") + data[:room], room + 8, world, group)
     sizes = [int.from_bytes(rows[r][:8], "little") for r in range(world)]
-    if max(sizes) <= _SMALL_OBJECT_BYTES:
+    if max(sizes) <= room:
         return [pickle.loads(rows[r][8:8 + sizes[r]]) for r in range(world)]
+    _small_object_bytes = -(-max(sizes) // 4096) * 4096
     rows = _gather_rows(data, max(sizes), world, group)  # every rank read the same sizes: all come here
     return [pickle.loads(rows[r][:sizes[r]]) for r in range(world)]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import pytest
 import torch
 
 from lockstep.checkpoint import staging
@@ -50,3 +51,21 @@ def test_storages_left_for_later_are_copied_by_copy_later() -> None:
     assert torch.equal(staged["w"], torch.full((6,), 2.0))
     stager.copy_later()  # nothing left to copy
     assert torch.equal(staged["w"], torch.full((6,), 2.0))
+
+
+def test_a_copy_that_does_not_fit_in_memory_is_refused_and_kept_buffers_cost_nothing(monkeypatch) -> None:
+    reads = []
+
+    def available() -> int:
+        reads.append(1)
+        return 10_000
+
+    monkeypatch.setattr(staging, "_available_memory", available)
+    stager = staging.Stager()
+    stager.stage({"w": torch.zeros(1000)})  # 4000 bytes: within half of 10 000
+    assert len(reads) == 1
+    stager.stage({"w": torch.ones(1000)})  # the same buffer again: free memory is not read
+    assert len(reads) == 1
+    with pytest.raises(staging.DoesNotFit):
+        stager.stage({"w": torch.zeros(1000), "v": torch.zeros(1500)})  # 6000 more: past half
+    assert stager._buffers == []  # what it held is let go: the caller writes directly instead

@@ -187,6 +187,20 @@ def test_a_background_copy_of_the_weights_holds_the_saved_step(
             assert torch.equal(saved["optimizers"][0]["state"][i]["exp_avg"], moment)
 
 
+def test_a_checkpoint_too_big_to_copy_is_written_before_training_goes_on(
+        uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "_available_memory", lambda: 100)  # no room for a copy
+
+    class NoCopy(Callback):
+        def batch_checkpoint(self, state: Any, logger: Any) -> None:
+            assert trainer.saver.copying is None and trainer.saver._stager._buffers == []
+
+    trainer = make("17ba", tmp_path / "direct", save_interval="3ba", callbacks=[NoCopy()])
+    trainer.fit()
+    resumed = fit("17ba", tmp_path / "resumed", load_path=str(tmp_path / "direct" / "ep1-ba9-rank0.pt"))
+    assert_bitwise(resumed, uninterrupted[1])
+
+
 def test_a_schedule_of_training_time_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
     def run(duration: str, folder: Path, **kw) -> tuple[dict[str, torch.Tensor], float]:
         trainer = make(duration, folder, save_interval="3ba",

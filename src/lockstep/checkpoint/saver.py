@@ -196,11 +196,15 @@ class CheckpointSaver:
         content = model if self.config.save_weights_only else payload.build(
             state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
             metrics=self.config.save_metrics)
-        if not wait and staging.fits_in_memory(staging.storage_bytes(content)):
-            staged = self._stager.stage(content, later=layout.step_storages())
-            self.copying = threading.Event()
-            self._hand_over(False, self._copy_and_publish, staged, path, history, self.copying)
-            return
+        if not wait:
+            try:
+                staged = self._stager.stage(content, later=layout.step_storages())
+            except staging.DoesNotFit:
+                pass  # written before training goes on
+            else:
+                self.copying = threading.Event()
+                self._hand_over(False, self._copy_and_publish, staged, path, history, self.copying)
+                return
         try:
             temp = files.write_temp(content, path)
         except Exception as e:  # raised on every rank by wait() or the next save
@@ -243,9 +247,12 @@ class CheckpointSaver:
         temp = files.temp_path(path, pid)
         parts, rests = layout.folder_parts(temp, model, optimizers)  # type: ignore[attr-defined]
         meta = self._meta(state, ranks, history, layout, rests)
-        background = not wait and staging.fits_in_memory(staging.storage_bytes(parts))
+        background = not wait
         if background:  # training goes on changing what these hold
-            parts, meta = self._stager.stage(parts), copy.deepcopy(meta)
+            try:
+                parts, meta = self._stager.stage(parts), copy.deepcopy(meta)
+            except staging.DoesNotFit:
+                background = False
         self._hand_over(not background, self._write_folder, temp, parts, meta, path, history, layout)
 
     def _write_folder(self, temp: Path, parts: Any, meta: dict[str, Any] | None, path: Path,

@@ -45,11 +45,8 @@ def storage_bytes(obj: Any) -> int:
     return sum(seen.values())
 
 
-def fits_in_memory(nbytes: int) -> bool:
-    """Whether a copy of ``nbytes`` leaves at least as much memory free again, so that a save never
-    pushes the machine into swap or the OOM killer (a bigger checkpoint is written directly)."""
-    available = _available_memory()
-    return available is None or 2 * nbytes <= available
+class DoesNotFit(Exception):
+    """The copy would need more new memory than half of what is free."""
 
 
 class Stager:
@@ -63,14 +60,23 @@ class Stager:
         self._buffers: list[torch.UntypedStorage] = []
         self._later: Collection[tuple[str, int]] = ()
         self._pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self._room: float | None = None
 
     def stage(self, obj: Any, later: Collection[tuple[str, int]] = ()) -> Any:
         """``obj`` with its containers rebuilt and every tensor copied to CPU, except that the
         storages keyed in ``later`` (:func:`storage_key`; CPU ones) are only given their buffers:
-        :meth:`copy_later` fills those, and the staged copy is whole only after it."""
-        self._later, self._pending = later, []
+        :meth:`copy_later` fills those, and the staged copy is whole only after it.
+
+        Raises :class:`DoesNotFit` (and lets go of every buffer) rather than take new buffers of
+        more than half the memory that is free: a save never pushes the machine into swap or the
+        OOM killer. Buffers kept from the previous save cost nothing more, so then the free memory
+        is not even read."""
+        self._later, self._pending, self._room = later, [], None
         try:
             return self._stage(obj, {})
+        except DoesNotFit:
+            self._buffers, self._pending = [], []
+            raise
         finally:
             self._later = ()
 
@@ -84,7 +90,7 @@ class Stager:
         if index < len(self._buffers) and self._buffers[index].nbytes() == source.nbytes():
             buffer = self._buffers[index]
         else:
-            buffer = _page_aligned(source.nbytes())
+            buffer = self._new_buffer(source.nbytes())
             if index < len(self._buffers):
                 self._buffers[index] = buffer
             else:
@@ -94,6 +100,18 @@ class Stager:
             return buffer
         return buffer.copy_(source)
 
+    def _new_buffer(self, nbytes: int) -> torch.UntypedStorage:
+        self._take_room(nbytes)
+        return _page_aligned(nbytes)
+
+    def _take_room(self, nbytes: int) -> None:
+        if self._room is None:
+            available = _available_memory()
+            self._room = float("inf") if available is None else available / 2
+        if nbytes > self._room:
+            raise DoesNotFit(f"a copy of {nbytes} more bytes does not fit in memory")
+        self._room -= nbytes
+
     def _stage(self, obj: Any, storages: dict[tuple[str, int], torch.UntypedStorage]) -> Any:
         if isinstance(obj, DTensor):
             # A shard: its local tensor is copied to CPU and keeps its placement, even on a GPU
@@ -102,6 +120,7 @@ class Stager:
             return DTensor(local, obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             if not _plain(obj):
+                self._take_room(obj.numel() * obj.element_size())
                 return obj.detach().to("cpu", copy=True)
             source = obj.untyped_storage()
             key = storage_key(source)
