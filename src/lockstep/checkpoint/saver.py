@@ -196,21 +196,25 @@ class CheckpointSaver:
         content = model if self.config.save_weights_only else payload.build(
             state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
             metrics=self.config.save_metrics)
-        if not wait:
-            try:
-                staged = self._stager.stage(content, later=layout.step_storages())
-            except staging.DoesNotFit:
-                pass  # written before training goes on
-            else:
-                self.copying = threading.Event()
-                self._hand_over(False, self._copy_and_publish, staged, path, history, self.copying)
-                return
-        try:
+        staged = None if wait else self._staged(content, layout.step_storages())
+        if staged is not None:
+            self.copying = threading.Event()
+            self._hand_over(False, self._copy_and_publish, staged, path, history, self.copying)
+            return
+        try:  # written before training goes on
             temp = files.write_temp(content, path)
         except Exception as e:  # raised on every rank by wait() or the next save
             self._failure = e
             return
         self._hand_over(wait, self._publish, temp, None, path, history)
+
+    def _staged(self, content: Any, later: Any = ()) -> Any:
+        """``content`` copied for the writer thread (``later``: see :meth:`Stager.stage`), or None
+        when the copy does not fit in memory."""
+        try:
+            return self._stager.stage(content, later)
+        except staging.DoesNotFit:
+            return None
 
     def _copy_and_publish(self, staged: Any, path: Path, history: list[str], copied: threading.Event) -> None:
         """The writer thread's job: finish the staged copy, let training change the state again,
@@ -247,13 +251,10 @@ class CheckpointSaver:
         temp = files.temp_path(path, pid)
         parts, rests = layout.folder_parts(temp, model, optimizers)  # type: ignore[attr-defined]
         meta = self._meta(state, ranks, history, layout, rests)
-        background = not wait
-        if background:  # training goes on changing what these hold
-            try:
-                parts, meta = self._stager.stage(parts), copy.deepcopy(meta)
-            except staging.DoesNotFit:
-                background = False
-        self._hand_over(not background, self._write_folder, temp, parts, meta, path, history, layout)
+        staged = None if wait else self._staged(parts)
+        if staged is not None:  # training goes on changing what these hold
+            parts, meta = staged, copy.deepcopy(meta)
+        self._hand_over(staged is None, self._write_folder, temp, parts, meta, path, history, layout)
 
     def _write_folder(self, temp: Path, parts: Any, meta: dict[str, Any] | None, path: Path,
                       history: list[str], layout: states.Layout) -> None:

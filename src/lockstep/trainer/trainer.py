@@ -8,7 +8,6 @@ import gc
 import itertools
 import math
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, SupportsInt
@@ -142,24 +141,25 @@ class Trainer:
         self.state.device_train_microbatch_size = self.loop.fixed_microbatch_size
         self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
             self.state.schedulers, step_schedulers_every_batch)
-        self.layout = self.strategy.layout()
-        self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
-                                              max_duration=self.state.max_duration, layout=self.layout,
-                                              device=self.state.device)
-        self._position = data.DataPosition()
-        self._copying: threading.Event | None = None
-        """The saver's, while its background copy may still read the parameters (:meth:`_settle`)."""
+        self._set_up_checkpoints()
         self._follow_loader(train_dataloader)
         console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
         self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
         self._logging, self._closed, self._fitting = False, False, False
-        self.saved_checkpoints: list[str] = []
-        """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
         self._index_listeners()
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
         self._run_event(Event.AFTER_LOAD)
+
+    def _set_up_checkpoints(self) -> None:
+        self.layout = self.strategy.layout()
+        self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
+                                              max_duration=self.state.max_duration, layout=self.layout,
+                                              device=self.state.device)
+        self._position = data.DataPosition()
+        self.saved_checkpoints: list[str] = []
+        """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
 
     def _set_up_outputs(self, run_folder: str | None, loggers: Sequence[LoggerDestination],
                         callbacks: Sequence[Callback], progress_bar: bool, console: ConsoleLogger | None) -> None:
@@ -383,8 +383,9 @@ class Trainer:
         s.batch, s.outputs = batch, None
         if loud:
             run(Event.AFTER_TRAIN_BATCH)
-        if self._copying is not None:
-            self._settle()
+        saver = self.saver
+        if saver is not None and saver.copying is not None:
+            saver.settle()  # its background copy still reads the parameters and optimizer state
         strategy.optimizer_step()
         return _mean_loss(losses, counts)
 
@@ -599,7 +600,6 @@ class Trainer:
                  "loader_state": None if at_epoch_end else position.loader_state}
         with progress.heartbeat_paused():  # a long write is not a stall, nor are ranks waiting for it
             path = self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
-        self._copying = self.saver.copying  # type: ignore[union-attr]
         if path is not None:
             self.saved_checkpoints.append(str(path))
 
@@ -616,15 +616,10 @@ class Trainer:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(message)
 
-    def _settle(self) -> None:
-        """Wait until the newest checkpoint's background copy has read the parameters and optimizer
-        state: before they change (the optimizer step), or user code runs."""
-        self.saver.settle()  # type: ignore[union-attr]
-        self._copying = None
-
     def _run_event(self, event: Event) -> None:
-        if self._copying is not None and (self.algorithms or self._handlers_of[event]):
-            self._settle()
+        saver = self.saver
+        if saver is not None and saver.copying is not None and (self.algorithms or self._handlers_of[event]):
+            saver.settle()  # what acts at the event may change the weights the copy still reads
         for algorithm in self.algorithms:
             if algorithm.match(event, self.state):
                 algorithm.apply(event, self.state, self.logger)
