@@ -132,3 +132,35 @@ def test_single_auto_sync_reduces_once_per_step_multi_per_microbatch() -> None:
     assert single == [[1, 1, 1]] * 2
     multi = run_distributed(_count_allreduce_passes, world_size=2, args=("multi_auto_sync",), timeout=150)
     assert multi == [[4, 4, 4]] * 2  # batch 4, microbatch 1: four passes
+
+
+def _gradients_in_the_bucket():
+    """The Trainer's gradients after each synced backward, and a hand-written DDP loop's weights."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    from lockstep import Callback
+
+    storages: list[int] = []
+
+    class AfterBackward(Callback):
+        def after_backward(self, state, logger):
+            storages.append(len({p.grad.untyped_storage().data_ptr() for p in state.model.parameters()}))
+
+    model = MLP()
+    Trainer(model=model, train_dataloader=loader(4), max_duration="3ba", optimizers=sgd(model),
+            progress_bar=False, callbacks=[AfterBackward()]).fit()
+    plain = MLP()
+    ddp, optimizer = DistributedDataParallel(plain), sgd(plain)  # DDP's defaults: gradients copied out
+    for x, y in list(loader(4))[:3]:
+        F.cross_entropy(ddp((x, y)), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return storages, params(model), params(plain)
+
+
+@pytest.mark.timeout(180)
+def test_gradients_stay_in_the_ddp_bucket_with_the_default_loops_exact_weights() -> None:
+    for storages, trainer_params, plain_params in run_distributed(_gradients_in_the_bucket, world_size=2, timeout=150):
+        assert storages == [1, 1, 1]  # the tiny model is one bucket: every gradient a view of it
+        for name, value in trainer_params.items():
+            assert torch.equal(value, plain_params[name]), name
