@@ -121,10 +121,10 @@ def make_loader(dataset: TensorDataset) -> DataLoader:
 class PlainLoop:
     """What a user writes by hand: DDP, no_sync on all but the last microbatch, torch.save on rank 0."""
 
-    def __init__(self, work: Workload, steps: int, folder: Path) -> None:
+    def __init__(self, work: Workload, steps: int, folder: Path, bucket_view: bool = False) -> None:
         self.work, self.folder = work, folder
         self.model = make_model(work.width)
-        self.ddp = DistributedDataParallel(self.model)
+        self.ddp = DistributedDataParallel(self.model, gradient_as_bucket_view=bucket_view)
         self.optimizer = torch.optim.AdamW(self.model.parameters())
         loader = make_loader(make_data(work.width, steps))
         loader.sampler.set_epoch(0)

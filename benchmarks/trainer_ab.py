@@ -85,7 +85,7 @@ class Turns(lockstep.Callback):
         self._start = plain_end
 
 
-def job(trainer_workload: str, plain_workload: str, window: int, pairs: int, out: Path) -> None:
+def job(trainer_workload: str, plain_workload: str, window: int, pairs: int, out: Path, bucket_view: bool) -> None:
     """One rank of the job (under ``lockstep -n 2``)."""
     import torch
 
@@ -95,7 +95,7 @@ def job(trainer_workload: str, plain_workload: str, window: int, pairs: int, out
     dist.initialize_dist("cpu")
     steps = window * (pairs + 1)  # the first Trainer window has no plain window before it
     work, reference = tj.WORKLOADS[trainer_workload], tj.WORKLOADS[plain_workload]
-    plain = tj.PlainLoop(reference, steps, out / "plain-checkpoints")
+    plain = tj.PlainLoop(reference, steps, out / "plain-checkpoints", bucket_view=bucket_view)
     plain.model.train()
     turns = Turns(plain, window, pairs)
     model = tj.make_model(work.width)
@@ -115,11 +115,12 @@ def job(trainer_workload: str, plain_workload: str, window: int, pairs: int, out
                                                      "bitwise": equal if same_work else None}))
 
 
-def run_job(trainer_workload: str, plain_workload: str, window: int, pairs: int, root: Path) -> dict:
+def run_job(trainer_workload: str, plain_workload: str, window: int, pairs: int, root: Path,
+            bucket_view: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"{trainer_workload}-", dir=root))
     command = [sys.executable, "-m", "lockstep", "-n", "2", "--run_directory", str(out / "run"), __file__,
                "--job", trainer_workload, plain_workload, "--window", str(window), "--pairs", str(pairs),
-               "--out", str(out)]
+               "--out", str(out)] + (["--plain-bucket-view"] if bucket_view else [])
     proc = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{trainer_workload} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -165,11 +166,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3, help="jobs per workload")
     parser.add_argument("--pairs", type=int, default=None, help="timed window pairs per job (default: per workload)")
     parser.add_argument("--window", type=int, default=None, help="steps per window (default: per workload)")
+    parser.add_argument("--plain-bucket-view", action="store_true",
+                        help="the plain loop's DDP keeps gradients as views of its buckets, as the Trainer's does")
     parser.add_argument("--job", nargs=2, metavar=("TRAINER", "PLAIN"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        return job(*args.job, args.window, args.pairs, args.out)
+        return job(*args.job, args.window, args.pairs, args.out, args.plain_bucket_view)
     if args.jobs < 1 or (args.pairs is not None and args.pairs < 1) or (args.window is not None and args.window < 10):
         parser.error("--jobs and --pairs must be >= 1, --window >= 10 (a save every 10 steps fits in it)")
 
@@ -181,12 +184,13 @@ def main() -> None:
         for j in range(args.jobs):
             for trainer_workload, plain_workload in runs:
                 window, pairs = args.window or WINDOW[trainer_workload], args.pairs or PAIRS[trainer_workload]
-                result = run_job(trainer_workload, plain_workload, window, pairs, Path(tmp))
+                result = run_job(trainer_workload, plain_workload, window, pairs, Path(tmp), args.plain_bucket_view)
                 results[(trainer_workload, plain_workload)].append(result)
                 print(f"job {j + 1}/{args.jobs} Trainer {trainer_workload:9s} vs plain {plain_workload:9s} median "
                       f"{statistics.median(ratios([result])):.3f}x", flush=True)
     print()
-    print(f"Trainer (lockstep -n 2, defaults) and a plain DDP loop taking turns in one job, 2 ranks, gloo, "
+    plain = "a plain DDP loop" + (" with gradient_as_bucket_view" if args.plain_bucket_view else "")
+    print(f"Trainer (lockstep -n 2, defaults) and {plain} taking turns in one job, 2 ranks, gloo, "
           f"{time.strftime('%Y-%m-%d')}; {args.jobs} jobs per workload")
     print(f"{'Trainer vs plain':22s} {'pairs':>5s} {'median':>8s} {'95% interval':>13s} {'overall':>8s} "
           f"{'Trainer ms/step':>8s} {'weights':>8s}")
