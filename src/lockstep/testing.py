@@ -124,12 +124,7 @@ def run_distributed(
     the rank and traceback if a rank raises or dies, and TimeoutError naming the ranks still running
     after ``timeout`` seconds. No rank outlives the call.
     """
-    if world_size < 1:
-        raise ValueError(f"run_distributed(world_size={world_size}): world_size must be >= 1.")
-    local_world_size = local_world_size or world_size
-    if world_size % local_world_size:
-        raise ValueError(f"run_distributed: world_size {world_size} is not a multiple of "
-                         f"local_world_size {local_world_size}.")
+    local_world_size = _checked_local_world_size(world_size, local_world_size)
     context = multiprocessing.get_context("spawn")
     processes: list[multiprocessing.process.BaseProcess] = []
     readers: list[multiprocessing.connection.Connection] = []
@@ -138,17 +133,13 @@ def run_distributed(
         try:
             for rank in range(world_size):
                 reader, writer = context.Pipe(duplex=False)
-                process = context.Process(
-                    target=_worker,
-                    args=(rank, world_size, store_path, backend, timeout, fn, tuple(args), writer),
-                    name=f"lockstep-rank-{rank}",
-                )
+                readers.append(reader)
+                worker_args = (rank, world_size, store_path, backend, timeout, fn, tuple(args), writer)
+                process = context.Process(target=_worker, args=worker_args, name=f"lockstep-rank-{rank}")
                 with _environ(_rank_env(rank, world_size, local_world_size, env or {})):
                     process.start()
-                # Close the parent's copy so the reader sees EOF if the child dies.
-                writer.close()
                 processes.append(process)
-                readers.append(reader)
+                writer.close()  # the parent's copy: the reader then sees EOF if the child dies
             reports = _collect(processes, readers, timeout)
         finally:
             for process in processes:
@@ -156,6 +147,16 @@ def run_distributed(
             for reader in readers:
                 reader.close()
     return reports
+
+
+def _checked_local_world_size(world_size: int, local_world_size: int | None) -> int:
+    if world_size < 1:
+        raise ValueError(f"run_distributed(world_size={world_size}): world_size must be >= 1.")
+    local_world_size = local_world_size or world_size
+    if world_size % local_world_size:
+        raise ValueError(f"run_distributed: world_size {world_size} is not a multiple of "
+                         f"local_world_size {local_world_size}.")
+    return local_world_size
 
 
 def _collect(

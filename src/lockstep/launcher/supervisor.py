@@ -1,8 +1,8 @@
 """Supervisor: start this node's ranks, watch them, forward signals, tear down, report, restart.
 
-The only module of the launcher that touches processes, sockets and signals. Each rank runs in a
-session of its own so that the whole tree it starts (DataLoader workers, compilers, shells) can be
-signalled as one process group; the watchdog kills those groups if the launcher itself is killed.
+With ``ranks`` (a rank's process), the only module of the launcher that touches processes,
+sockets and signals. Each rank leads a process group of its own, which the watchdog kills if the
+launcher itself is killed.
 
 Signals to the launcher: SIGINT, SIGTERM and SIGHUP are forwarded and stop the job; SIGUSR1 and
 SIGUSR2 are forwarded to each rank's main process and the job goes on; SIGQUIT prints every rank's
@@ -15,32 +15,22 @@ its own ranks' stacks.
 from __future__ import annotations
 
 import os
-import selectors
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockstep.launcher.output import (
-    ConsolePump,
-    Pump,
-    RankLogs,
-    kept_streams,
-    open_logs,
-    prepare_run_directory,
-    start_pumps,
-)
-from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode, RankSpec, Stream
-from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
 from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel, StoreLost
+from lockstep.launcher.output import open_logs, prepare_run_directory
+from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
+from lockstep.launcher.ranks import Rank, Waiter, spawn
+from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
 from lockstep.launcher.report import (
-    TAIL_LINES,
     describe_exit,
     failure_tail,
     report_failure,
@@ -61,56 +51,17 @@ _HANDLED = (*_STOPPING, *_PASSED_ON, signal.SIGQUIT)
 _STALL_POLL_S = 1.0
 _LIVENESS_EVERY_S = 1.0
 _DEPARTURE_S = 20.0  # beyond the grace period: node 0 keeps the store up this long for the others
-# Test hook: seconds to pause right after each Popen, where a launcher killed used to orphan a rank.
-_PAUSE_AFTER_SPAWN_ENV = "_LOCKSTEP_TEST_PAUSE_AFTER_SPAWN"
-
-
-@dataclass
-class _Rank:
-    spec: RankSpec
-    proc: subprocess.Popen
-    pidfd: int | None
-    logs: RankLogs
-    pumps: list[Pump] = field(default_factory=list)
-    returncode: int | None = None
-
-    def kept(self) -> dict[Stream, list[str]]:
-        """The last lines of its console streams that passed through the launcher."""
-        return {p.stream: p.last_lines(TAIL_LINES) for p in self.pumps if isinstance(p, ConsolePump)}
-
-    @property
-    def pgid(self) -> int:
-        return self.proc.pid  # start_new_session makes each rank the leader of its own group
-
-    def signal_group(self, signum: int) -> None:
-        try:
-            os.killpg(self.pgid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def signal_leader(self, signum: int) -> None:
-        try:
-            os.kill(self.proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def close(self) -> None:
-        for pump in self.pumps:
-            pump.close()
-        self.logs.close()
-        if self.pidfd is not None:
-            os.close(self.pidfd)
 
 
 @dataclass
 class _Failure:
-    rank: _Rank
+    rank: Rank
     code: int
 
 
 @dataclass
 class _Stall:
-    ranks: list[_Rank]
+    ranks: list[Rank]
 
 
 @dataclass
@@ -191,7 +142,7 @@ class Supervisor:
                 code = self._await_store(port, wake_r)
                 if code is not None:
                     return code
-            ranks: list[_Rank] = []
+            ranks: list[Rank] = []
             rank_port: int | None = port
             try:
                 if channel is not None:
@@ -228,7 +179,7 @@ class Supervisor:
                 return code
         raise AssertionError("unreachable")
 
-    def _settle_across_nodes(self, channel: JobChannel, attempt: int, ranks: list[_Rank], wake_r: int,
+    def _settle_across_nodes(self, channel: JobChannel, attempt: int, ranks: list[Rank], wake_r: int,
                              watchdog: Watchdog) -> int | None:
         """After a failure on several nodes: print the verdict every node agreed on; the exit code,
         or None to restart with the other nodes."""
@@ -242,7 +193,7 @@ class Supervisor:
             self._leave(channel, wake_r)
         return code
 
-    def _settle_here(self, outcome: _Failure | _Stall, attempt: int, ranks: list[_Rank], wake_r: int,
+    def _settle_here(self, outcome: _Failure | _Stall, attempt: int, ranks: list[Rank], wake_r: int,
                      watchdog: Watchdog) -> int | None:
         """After a rank failure or a stall on one node: report it; the exit code, or None to restart."""
         self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
@@ -276,7 +227,7 @@ class Supervisor:
                 channel.leave()
                 return
             deadline = time.monotonic() + self.plan.grace_period + _DEPARTURE_S
-            with _Waiter([], wake_r) as waiter:
+            with Waiter([], wake_r, _HANDLED) as waiter:
                 while not channel.others_gone() and time.monotonic() < deadline:
                     signals, _ = waiter.wait(BEAT_S)
                     if any(s in _STOPPING for s in signals):
@@ -335,7 +286,7 @@ class Supervisor:
         say(f"error: {describe(state, plan.master_addr, port, plan.rdzv_timeout)}")
         return 1
 
-    def _spawn_all(self, port: int, attempt: int, store_fd: int | None, watchdog: Watchdog) -> list[_Rank]:
+    def _spawn_all(self, port: int, attempt: int, store_fd: int | None, watchdog: Watchdog) -> list[Rank]:
         prepare_run_directory(self.plan)
         specs = self.plan.ranks
         logs = []
@@ -360,42 +311,22 @@ class Supervisor:
             if spec.local_rank == 0 and store_fd is not None:
                 env["LOCKSTEP_STORE_FD"] = str(store_fd)
                 pass_fds = (store_fd,)
-            ranks.append(self._spawn(spec, rank_logs, env, pass_fds, watchdog))
+            ranks.append(spawn(self.plan, spec, rank_logs, env, pass_fds, watchdog))
         if self.plan.verbose:
             for r in ranks:
                 where = f"{r.spec.stdout_path or 'console'}, {r.spec.stderr_path or 'console'}"
                 say(f"rank {r.spec.rank} (local {r.spec.local_rank}) pid {r.proc.pid} -> {where}")
         return ranks
 
-    def _spawn(self, spec: RankSpec, logs: RankLogs, env: dict[str, str], pass_fds: tuple[int, ...],
-               watchdog: Watchdog) -> _Rank:
-        # Other nodes show local rank 0's last lines only if they pass through this launcher.
-        piped = spec.tee | (kept_streams(spec) if self.plan.is_multinode else Stream.NONE)
-        # preexec_fn with threads (-c's launcher-hosted store): register_child only formats a few
-        # bytes and writes them, taking no lock another thread could hold.
-        proc = subprocess.Popen(
-            self.plan.command(), env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if piped & Stream.STDOUT else logs.stdout,
-            stderr=subprocess.PIPE if piped & Stream.STDERR else logs.stderr,
-            pass_fds=pass_fds, start_new_session=True, preexec_fn=watchdog.register_child,  # noqa: PLW1509
-        )
-        if pause := os.environ.get(_PAUSE_AFTER_SPAWN_ENV):
-            time.sleep(float(pause))
-        try:
-            pidfd: int | None = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):
-            pidfd = None  # no pidfd on this platform: the monitor polls instead
-        return _Rank(spec, proc, pidfd, logs, start_pumps(spec, logs, proc.stdout, proc.stderr))
-
     # -- watching -------------------------------------------------------------------------
 
-    def _monitor(self, ranks: list[_Rank], wake_r: int,
+    def _monitor(self, ranks: list[Rank], wake_r: int,
                  channel: JobChannel | None = None) -> _Failure | _Stall | _Elsewhere | int | None:
         """Wait until every rank exited 0 (None), one failed (_Failure), the job stalled (_Stall),
         another node failed (_Elsewhere), or a stopping signal came (int)."""
         stall_timeout = self.plan.stall_timeout
         poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
-        with _Waiter(ranks, wake_r) as waiter:
+        with Waiter(ranks, wake_r, _HANDLED) as waiter:
             while any(r.returncode is None for r in ranks):
                 signals, exited = waiter.wait(poll)
                 for signum in signals:
@@ -422,7 +353,7 @@ class Supervisor:
                     return _Elsewhere()
         return None
 
-    def _stop(self, ranks: list[_Rank], signum: int, channel: JobChannel | None) -> None:
+    def _stop(self, ranks: list[Rank], signum: int, channel: JobChannel | None) -> None:
         """A stopping signal: record it for the other nodes (before any rank of theirs can fail
         because of it), then pass it on to this node's ranks."""
         self._signals_seen.append(signum)
@@ -438,7 +369,7 @@ class Supervisor:
         except StoreLost:
             pass  # the other nodes will find this one lost instead
 
-    def _first_failure(self, exited: list[_Rank], channel: JobChannel | None) -> _Failure | None:
+    def _first_failure(self, exited: list[Rank], channel: JobChannel | None) -> _Failure | None:
         """The first of the ranks that just exited to have failed, recorded for the other nodes."""
         for r in exited:
             if r.returncode != 0:
@@ -450,7 +381,7 @@ class Supervisor:
                 say(f"rank {r.spec.rank} finished")
         return None
 
-    def _check_stall(self, ranks: list[_Rank], timeout: float, channel: JobChannel | None) -> _Stall | None:
+    def _check_stall(self, ranks: list[Rank], timeout: float, channel: JobChannel | None) -> _Stall | None:
         """A stall, once reported (stacks, diagnosis, and the records for the other nodes)."""
         assert self._board is not None
         live = {r.spec.rank for r in ranks if r.returncode is None}
@@ -477,13 +408,13 @@ class Supervisor:
             channel.report(failure)
         return bool(lost)
 
-    def _finish_job(self, ranks: list[_Rank], wake_r: int, channel: JobChannel) -> _Elsewhere | int | None:
+    def _finish_job(self, ranks: list[Rank], wake_r: int, channel: JobChannel) -> _Elsewhere | int | None:
         """This node's ranks all finished: say so, and on the master keep the store up until every
         node is done (None), another failed (_Elsewhere) or a stopping signal came (int)."""
         channel.finish()
         if not self.plan.hosts_store:
             return None
-        with _Waiter([], wake_r) as waiter:
+        with Waiter([], wake_r, _HANDLED) as waiter:
             while not channel.all_done():
                 signals, _ = waiter.wait(BEAT_S)
                 stopping = [s for s in signals if s in _STOPPING]
@@ -495,13 +426,13 @@ class Supervisor:
                     return _Elsewhere()
         return None
 
-    def _show_stacks(self, ranks: list[_Rank]) -> list[Stacks]:
+    def _show_stacks(self, ranks: list[Rank]) -> list[Stacks]:
         dumps = collect(self._control_dir, [(r.spec.rank, r.proc.pid) for r in ranks if r.returncode is None])
         sys.stderr.write(format_stacks(dumps))
         sys.stderr.flush()
         return dumps
 
-    def _diagnose_stall(self, ranks: list[_Rank], channel: JobChannel | None, suspects: list[int]) -> None:
+    def _diagnose_stall(self, ranks: list[Rank], channel: JobChannel | None, suspects: list[int]) -> None:
         """Print this node's stacks and diagnosis, and record what it found for the other nodes."""
         progress = self._board.read() if self._board else {}
         dumps = self._show_stacks(ranks)
@@ -512,14 +443,14 @@ class Supervisor:
             for failure in stall_failures(diagnosis, dumps, progress, self.plan.node_rank, channel.host, suspects):
                 channel.report(failure)
 
-    def _pass_on(self, ranks: list[_Rank], signum: int) -> None:
+    def _pass_on(self, ranks: list[Rank], signum: int) -> None:
         """A signal the job should see but not stop for (a batch scheduler's warning)."""
         say(f"received {signal.Signals(signum).name}, passing it to every rank; the job goes on")
         for r in ranks:
             if r.returncode is None:
                 r.signal_leader(signum)
 
-    def _signalled_code(self, ranks: list[_Rank], signum: int) -> int:
+    def _signalled_code(self, ranks: list[Rank], signum: int) -> int:
         """128 + ``signum`` when every rank stopped as asked: it finished, it exited 128 + signum
         (the Trainer does after its preemption checkpoint is committed), or the signal killed it.
         Otherwise the first other rank's code, with a report: a preemption that did not commit its
@@ -534,7 +465,7 @@ class Supervisor:
         report_failure(bad.spec, bad.proc.pid, bad.returncode, others)  # type: ignore[arg-type]
         return shell_code(bad.returncode)  # type: ignore[arg-type]
 
-    def _forward(self, ranks: list[_Rank], signum: int) -> None:
+    def _forward(self, ranks: list[Rank], signum: int) -> None:
         say(f"received {signal.Signals(signum).name}, forwarding it to every rank")
         for r in ranks:
             if r.returncode is None:
@@ -546,14 +477,14 @@ class Supervisor:
                 else:
                     r.signal_group(signum)
 
-    def _teardown(self, ranks: list[_Rank], wake_r: int, watchdog: Watchdog, first: int | None) -> None:
+    def _teardown(self, ranks: list[Rank], wake_r: int, watchdog: Watchdog, first: int | None) -> None:
         """Signal the live ranks (unless already done), give them the grace period, then SIGKILL."""
         if first is not None:
             for r in ranks:
                 if r.returncode is None:
                     r.signal_group(first)
         deadline = time.monotonic() + self.plan.grace_period
-        with _Waiter(ranks, wake_r) as waiter:
+        with Waiter(ranks, wake_r, _HANDLED) as waiter:
             while any(r.returncode is None for r in ranks):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -571,57 +502,6 @@ class Supervisor:
             r.returncode = r.proc.returncode if r.returncode is None else r.returncode
             watchdog.forget(r.pgid)
             r.close()
-
-
-class _Waiter:
-    """Blocks until a rank exits or a signal arrives, copying teed output meanwhile.
-
-    pidfds where the kernel has them, else polling.
-    """
-
-    def __init__(self, ranks: list[_Rank], wake_r: int) -> None:
-        self._ranks = ranks
-        self._wake_r = wake_r
-        self._selector = selectors.DefaultSelector()
-        self._polling = any(r.pidfd is None for r in ranks)
-
-    def __enter__(self) -> _Waiter:
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        for r in self._ranks:
-            if r.pidfd is not None and r.returncode is None:
-                self._selector.register(r.pidfd, selectors.EVENT_READ)
-            for pump in r.pumps:
-                if not pump.closed:
-                    self._selector.register(pump, selectors.EVENT_READ)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._selector.close()
-
-    def wait(self, timeout: float | None) -> tuple[list[int], list[_Rank]]:
-        if self._polling:
-            timeout = 0.05 if timeout is None else min(timeout, 0.05)
-        ready = [key.fileobj for key, _ in self._selector.select(timeout)]
-        signals: list[int] = []
-        for source in ready:
-            if isinstance(source, Pump) and not source.pump():
-                self._selector.unregister(source)
-                source.close()
-            elif source == self._wake_r:
-                try:
-                    signals = [s for s in os.read(self._wake_r, 64) if s in _HANDLED]
-                except BlockingIOError:
-                    pass
-        exited = []
-        for r in self._ranks:
-            if r.returncode is None and r.proc.poll() is not None:
-                r.returncode = r.proc.returncode
-                if r.pidfd is not None:
-                    self._selector.unregister(r.pidfd)
-                for pump in r.pumps:
-                    pump.pump()  # what it printed last appears before the launcher's report
-                exited.append(r)
-        return signals, exited
 
 
 def _store_server(plan: LaunchPlan, listener: socket.socket | None = None):

@@ -1,0 +1,138 @@
+"""A rank's process on this node: how it starts, how it is signalled, and waiting for it.
+
+Each rank runs in a session of its own so that the whole tree it starts (DataLoader workers,
+compilers, shells) can be signalled as one process group.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from lockstep.launcher.output import ConsolePump, Pump, RankLogs, kept_streams, start_pumps
+from lockstep.launcher.plan import LaunchPlan, RankSpec, Stream
+from lockstep.launcher.report import TAIL_LINES
+from lockstep.launcher.watchdog import Watchdog
+
+__all__ = ["Rank", "Waiter", "spawn"]
+
+# Test hook: seconds to pause right after each Popen, where a launcher killed used to orphan a rank.
+PAUSE_AFTER_SPAWN_ENV = "_LOCKSTEP_TEST_PAUSE_AFTER_SPAWN"
+
+
+@dataclass
+class Rank:
+    """One rank's process on this node, its log files and the pumps that copy its teed output."""
+
+    spec: RankSpec
+    proc: subprocess.Popen
+    pidfd: int | None
+    logs: RankLogs
+    pumps: list[Pump] = field(default_factory=list)
+    returncode: int | None = None
+
+    def kept(self) -> dict[Stream, list[str]]:
+        """The last lines of its console streams that passed through the launcher."""
+        return {p.stream: p.last_lines(TAIL_LINES) for p in self.pumps if isinstance(p, ConsolePump)}
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # start_new_session makes each rank the leader of its own group
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def signal_leader(self, signum: int) -> None:
+        try:
+            os.kill(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self) -> None:
+        for pump in self.pumps:
+            pump.close()
+        self.logs.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+
+
+def spawn(plan: LaunchPlan, spec: RankSpec, logs: RankLogs, env: dict[str, str], pass_fds: tuple[int, ...],
+          watchdog: Watchdog) -> Rank:
+    """Start one rank in a session of its own, registered with the watchdog before it runs."""
+    # Other nodes show local rank 0's last lines only if they pass through this launcher.
+    piped = spec.tee | (kept_streams(spec) if plan.is_multinode else Stream.NONE)
+    # preexec_fn with threads (-c's launcher-hosted store): register_child only formats a few
+    # bytes and writes them, taking no lock another thread could hold.
+    proc = subprocess.Popen(
+        plan.command(), env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if piped & Stream.STDOUT else logs.stdout,
+        stderr=subprocess.PIPE if piped & Stream.STDERR else logs.stderr,
+        pass_fds=pass_fds, start_new_session=True, preexec_fn=watchdog.register_child,  # noqa: PLW1509
+    )
+    if pause := os.environ.get(PAUSE_AFTER_SPAWN_ENV):
+        time.sleep(float(pause))
+    try:
+        pidfd: int | None = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        pidfd = None  # no pidfd on this platform: the monitor polls instead
+    return Rank(spec, proc, pidfd, logs, start_pumps(spec, logs, proc.stdout, proc.stderr))
+
+
+class Waiter:
+    """Blocks until a rank exits or a signal arrives, copying teed output meanwhile.
+
+    pidfds where the kernel has them, else polling. Each byte on ``wake_r`` is a signal number the
+    launcher's handler wrote; those in ``handled`` are returned.
+    """
+
+    def __init__(self, ranks: list[Rank], wake_r: int, handled: tuple[int, ...]) -> None:
+        self._ranks = ranks
+        self._wake_r = wake_r
+        self._handled = handled
+        self._selector = selectors.DefaultSelector()
+        self._polling = any(r.pidfd is None for r in ranks)
+
+    def __enter__(self) -> Waiter:
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        for r in self._ranks:
+            if r.pidfd is not None and r.returncode is None:
+                self._selector.register(r.pidfd, selectors.EVENT_READ)
+            for pump in r.pumps:
+                if not pump.closed:
+                    self._selector.register(pump, selectors.EVENT_READ)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._selector.close()
+
+    def wait(self, timeout: float | None) -> tuple[list[int], list[Rank]]:
+        """The signals that arrived and the ranks that exited, within ``timeout`` seconds."""
+        if self._polling:
+            timeout = 0.05 if timeout is None else min(timeout, 0.05)
+        ready = [key.fileobj for key, _ in self._selector.select(timeout)]
+        signals: list[int] = []
+        for source in ready:
+            if isinstance(source, Pump) and not source.pump():
+                self._selector.unregister(source)
+                source.close()
+            elif source == self._wake_r:
+                try:
+                    signals = [s for s in os.read(self._wake_r, 64) if s in self._handled]
+                except BlockingIOError:
+                    pass
+        exited = []
+        for r in self._ranks:
+            if r.returncode is None and r.proc.poll() is not None:
+                r.returncode = r.proc.returncode
+                if r.pidfd is not None:
+                    self._selector.unregister(r.pidfd)
+                for pump in r.pumps:
+                    pump.pump()  # what it printed last appears before the launcher's report
+                exited.append(r)
+        return signals, exited
