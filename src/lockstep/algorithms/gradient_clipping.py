@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from lockstep.algorithms import Algorithm
-from lockstep.callbacks import Event
 from lockstep.checks import check_choice
-from lockstep.state import State
+from lockstep.core.algorithm import Algorithm
+from lockstep.core.event import Event
+
+if TYPE_CHECKING:
+    from lockstep.state import State
 
 CLIPPING_TYPES = ("norm", "value", "adaptive")
 
@@ -49,25 +49,6 @@ class GradientClipping(Algorithm):
 
     def __repr__(self) -> str:
         return f"GradientClipping(clipping_type={self.clipping_type!r}, clipping_threshold={self.clipping_threshold})"
-
-
-def clip_adaptive(params: Sequence[torch.nn.Parameter], threshold: float) -> None:
-    """Scale each unit's gradient (a row of a matrix, or a whole vector) whose norm exceeds
-    ``threshold`` times the unit's weight norm down to that bound, in place."""
-    for p in params:
-        if p.grad is None:
-            continue
-        weight_norm = _unit_norm(p.detach()).clamp(min=1e-3)
-        grad_norm = _unit_norm(p.grad.detach())
-        bound = weight_norm * threshold
-        scaled = p.grad.detach() * (bound / grad_norm.clamp(min=1e-6))
-        p.grad.detach().copy_(torch.where(grad_norm > bound, scaled, p.grad.detach()))
-
-
-def _unit_norm(t: torch.Tensor) -> torch.Tensor:
-    if t.ndim <= 1:
-        return torch.linalg.vector_norm(t)
-    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.ndim)), keepdim=True)
 
 
 def for_deepspeed(config: Mapping[str, Any] | None,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import dist
-from lockstep.callbacks import Callback
+from lockstep.core.callback import Callback
 from lockstep.time import TIMESTAMP_FIELDS, fraction_done
 from lockstep.state import State
 

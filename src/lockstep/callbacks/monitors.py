@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lockstep import dist
-from lockstep.callbacks import Callback
+from lockstep.core.callback import Callback
 from lockstep.time import fraction_done
 
 if TYPE_CHECKING:

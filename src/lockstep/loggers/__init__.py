@@ -5,7 +5,8 @@ Metric names: ``loss/train/total`` (every batch), ``metrics/eval/<Name>``, ``lr-
 ``time/batch``, ``time/epoch``. Every destination logs on rank 0 only unless ``rank_zero_only=False``.
 """
 
-from lockstep.loggers.destination import Logger, LoggerDestination
+from lockstep.loggers.logger import Logger
+from lockstep.loggers.logger_destination import LoggerDestination
 from lockstep.loggers.in_memory import InMemoryLogger
 from lockstep.loggers.mlflow import MLFlowLogger
 from lockstep.loggers.tensorboard import TensorboardLogger

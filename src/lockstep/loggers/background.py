@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lockstep import idle
-from lockstep.loggers.destination import LoggerDestination, report_failure
+from lockstep.loggers.logger import report_failure
+from lockstep.loggers.logger_destination import LoggerDestination
 
 if TYPE_CHECKING:
     from lockstep.state import State

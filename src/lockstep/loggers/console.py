@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import IO, TYPE_CHECKING, Any
 
-from lockstep.loggers.destination import LoggerDestination, as_number
+from lockstep.loggers.logger_destination import LoggerDestination, as_number
 from lockstep.time import Time, TimeUnit, Timestamp, is_interval_due, time_argument
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lockstep.loggers.destination import LoggerDestination, as_number
+from lockstep.loggers.logger_destination import LoggerDestination, as_number
 from lockstep.time import Timestamp
 
 if TYPE_CHECKING:

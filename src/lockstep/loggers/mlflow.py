@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lockstep.loggers.background import ThreadedDestination
-from lockstep.loggers.destination import as_number, require
+from lockstep.loggers.logger_destination import as_number, require
 
 if TYPE_CHECKING:
     from lockstep.state import State

@@ -1,4 +1,4 @@
-"""Gradient clipping by the norm over every rank and shard.
+"""Gradient clipping by the norm over every rank and shard, and adaptive clipping.
 
 Under DDP each rank holds the whole synchronized gradient, so the local norm is the global one.
 Under FSDP a gradient is a DTensor whose rank holds one shard; its norm is a partial value until
@@ -9,7 +9,7 @@ reduced once, and the groups' norms are combined: one collective per group, not 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -43,3 +43,22 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, norm_t
     norm = total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+def clip_adaptive(params: Sequence[torch.nn.Parameter], threshold: float) -> None:
+    """Scale each unit's gradient (a row of a matrix, or a whole vector) whose norm exceeds
+    ``threshold`` times the unit's weight norm down to that bound, in place."""
+    for p in params:
+        if p.grad is None:
+            continue
+        weight_norm = _unit_norm(p.detach()).clamp(min=1e-3)
+        grad_norm = _unit_norm(p.grad.detach())
+        bound = weight_norm * threshold
+        scaled = p.grad.detach() * (bound / grad_norm.clamp(min=1e-6))
+        p.grad.detach().copy_(torch.where(grad_norm > bound, scaled, p.grad.detach()))
+
+
+def _unit_norm(t: torch.Tensor) -> torch.Tensor:
+    if t.ndim <= 1:
+        return torch.linalg.vector_norm(t)
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.ndim)), keepdim=True)

@@ -107,10 +107,8 @@ class Strategy:
 
     def clip_gradients_adaptive(self, threshold: float) -> None:
         """Adaptive clipping: each unit's gradient norm at most ``threshold`` x its weight norm."""
-        from lockstep.algorithms.gradient_clipping import clip_adaptive
-
         self._unscale()
-        clip_adaptive([p for o in self.optimizers for g in o.param_groups for p in g["params"]], threshold)
+        clipping.clip_adaptive([p for o in self.optimizers for g in o.param_groups for p in g["params"]], threshold)
 
     def _unscale(self) -> None:
         if self.scaler is not None:

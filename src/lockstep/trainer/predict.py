@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from lockstep.batch import map_tensors
-from lockstep.callbacks import Event
+from lockstep.core.event import Event
 from lockstep.parallel.strategy import Strategy
 from lockstep.state import State
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lockstep import dist
-from lockstep.callbacks import Callback
+from lockstep.core.callback import Callback
 from lockstep.model import Model
 from lockstep.trainer import data
 
@@ -142,7 +142,7 @@ def hyperparameters(trainer: Any) -> dict[str, Any]:
 
 def check_algorithms(algorithms: Any) -> list[Any]:
     """``algorithms`` as a list of :class:`lockstep.algorithms.Algorithm`, or a one-line error."""
-    from lockstep.algorithms import Algorithm
+    from lockstep.core.algorithm import Algorithm
 
     return _list_of("algorithms", algorithms, Algorithm, "a lockstep.algorithms.Algorithm "
                     "(e.g. GradientClipping(clipping_type='norm', clipping_threshold=1.0))")

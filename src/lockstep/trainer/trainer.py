@@ -15,14 +15,16 @@ from typing import IO, Any, SupportsInt
 import torch
 
 from lockstep import dist, progress, rng
-from lockstep.algorithms import Algorithm
+from lockstep.core.algorithm import Algorithm
 from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.batch import take
-from lockstep.callbacks import Callback, Event
+from lockstep.core.callback import Callback
+from lockstep.core.event import Event
 from lockstep.callbacks.loggers import eval_metric_names
 from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
 from lockstep.loggers.console import ConsoleLogger
-from lockstep.loggers.destination import Logger, LoggerDestination
+from lockstep.loggers.logger import Logger
+from lockstep.loggers.logger_destination import LoggerDestination
 from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy

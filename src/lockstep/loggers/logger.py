@@ -1,5 +1,5 @@
-"""Where metrics go: :class:`LoggerDestination` (TensorBoard, MLflow, ...) and the :class:`Logger`
-that callbacks receive, which hands each call to every destination."""
+"""Logger: what callbacks call ``logger.log_metrics(...)`` on; it hands each call to every
+:class:`~lockstep.loggers.logger_destination.LoggerDestination` that logs on this rank."""
 
 from __future__ import annotations
 
@@ -7,32 +7,11 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lockstep import dist
-from lockstep.callbacks import Callback
 
 if TYPE_CHECKING:
+    from lockstep.loggers.logger_destination import LoggerDestination
     from lockstep.state import State
-
-
-class LoggerDestination(Callback):
-    """A place metrics are written to. Subclasses override :meth:`log_metrics` and
-    :meth:`log_hyperparameters`; as callbacks they also see every event (to open and flush).
-
-    With ``rank_zero_only`` (the default) only global rank 0 receives calls.
-    """
-
-    rank_zero_only: bool = True
-
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        """Record ``metrics`` (values may be floats, ints or 0-d tensors) at ``step`` (a batch count)."""
-
-    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        """Record the run's configuration."""
-
-    def flush(self) -> None:
-        """Write out everything received so far."""
 
 
 class Logger:
@@ -74,25 +53,3 @@ def report_failure(destination: Any, error: BaseException, failed: set[int]) -> 
         failed.add(id(destination))
         warnings.warn(f"{type(destination).__name__} failed and is skipped from now on where it fails: "
                       f"{type(error).__name__}: {error}; training goes on", RuntimeWarning, stacklevel=3)
-
-
-def as_number(value: Any) -> float | int:
-    """A metric value as a Python number (a tensor is read here: call it off the training thread)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().float().item()
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, (int, float)):
-        return value
-    return float(value)
-
-
-def require(module: str, extra: str, user: str) -> Any:
-    """Import the optional ``module`` that ``user`` needs, or raise a one-line error naming the extra."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ImportError(f"{user} needs the '{module.split('.')[0]}' package: pip install "
-                          f"'lockstep[{extra}]'") from None
