@@ -13,9 +13,16 @@ runs, cannot be recovered from on one rank alone (Composer has the same limit); 
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from lockstep import dist
+from lockstep.state import State
+
+T = TypeVar("T")
 
 
 class RetrySmaller(Exception):
@@ -56,3 +63,29 @@ class AutoMicrobatch:
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
         return self.size
+
+    def retrying(self, attempt: Callable[[], T], state: State, batch: Any, abandon: Callable[[], None]) -> T:
+        """``attempt()`` (the batch's forwards and backwards), again in halved microbatches for as
+        long as any rank runs out of memory; ``abandon`` drops the backward a failed attempt began."""
+        while True:
+            self.passed = False
+            try:
+                return attempt()
+            except RetrySmaller:
+                pass
+            except Exception as e:
+                if self.passed or not is_out_of_memory(e):
+                    raise
+                state.outputs = state.loss_tensor = None
+                try:
+                    self.agree(True)  # tells every rank, and raises RetrySmaller here too
+                except RetrySmaller:
+                    pass
+            for optimizer in state.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            state.outputs = state.loss_tensor = None
+            abandon()
+            state.device_train_microbatch_size = self.shrink(state.model.num_samples(batch))
+            if dist.get_global_rank() == 0:
+                print(f"lockstep: out of memory on a rank; training this batch again in microbatches of "
+                      f"{state.device_train_microbatch_size} samples", file=sys.stderr, flush=True)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import itertools
 import math
 import sys
 import warnings
@@ -17,10 +15,8 @@ import torch
 from lockstep import dist, progress, rng
 from lockstep.core.algorithm import Algorithm
 from lockstep.algorithms.gradient_clipping import for_deepspeed
-from lockstep.batch import take
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
-from lockstep.callbacks.loggers import eval_metric_names
 from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
 from lockstep.loggers.console import ConsoleLogger
 from lockstep.loggers.logger import Logger
@@ -29,9 +25,10 @@ from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
-from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due, is_reached
-from lockstep.trainer import checkpointing, data, microbatch, predict, setup
+from lockstep.time import Time, Timestamp, TimeUnit, is_reached
+from lockstep.trainer import checkpointing, data, evaluation, predict, setup
 from lockstep.trainer.config import LoopConfig, subset
+from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
 
 
@@ -148,7 +145,7 @@ class Trainer:
         console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
         self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
         self._logging, self._closed, self._fitting = False, False, False
-        self._index_listeners()
+        self._events.index()
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
@@ -170,6 +167,8 @@ class Trainer:
         self.state.run_folder = None if folder is None else str(folder)
         destinations = setup.check_loggers(loggers) + ([console] if console is not None else [])
         self.logger = Logger(self.state, destinations)
+        self._events = Events(self.state, self.logger, self.algorithms, self._before_weights_change)
+        self._run_event = self._events.run
         self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
 
     @property
@@ -177,12 +176,11 @@ class Trainer:
         """Every callback, in the order they run (the defaults and the logger destinations too).
         Changing this list during ``fit``, or putting another in its place, takes effect from the
         next event."""
-        return self._callbacks
+        return self._events.callbacks
 
     @callbacks.setter
     def callbacks(self, callbacks: Sequence[Callback]) -> None:
-        self._callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
-        self._indexed_version = -1  # a CallbackList counts from 0: re-index at the next event
+        self._events.set_callbacks(callbacks)
 
     def _follow_loader(self, loader: Any) -> None:
         """What the loop needs to know of the training dataloader: whether ranks must agree on each
@@ -260,7 +258,7 @@ class Trainer:
         try:
             self._fit()
         except BaseException:
-            self._close_callbacks()
+            self._events.close()
             raise
         finally:
             self._fitting = False
@@ -271,7 +269,7 @@ class Trainer:
     def _fit(self) -> None:
         s = self.state
         s.model.train()
-        self._index_listeners()  # callbacks added since the Trainer was built
+        self._events.index()  # callbacks added since the Trainer was built
         resume = self._take_resume()
         self._follow_schedules(s)
         self._logging = bool(self.logger.active)
@@ -309,7 +307,7 @@ class Trainer:
             # Most steps have no callback at the events between BATCH_END and the next BATCH_END;
             # then they are not dispatched at all (callbacks and algorithms are what add one, and
             # none of them runs in between).
-            loud = self._step_heard or bool(self.algorithms)
+            loud = self._events.step_heard or bool(self.algorithms)
             if loud:
                 run(Event.BEFORE_DATALOADER)
             item = next(batches, None)
@@ -342,7 +340,7 @@ class Trainer:
         if self._logging:
             self._log_batch()
         self._run_event(Event.BATCH_END)
-        if self.eval_dataloader is not None and self._eval_due(before, Event.BATCH_END):
+        if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, before, Event.BATCH_END):
             self._evaluate()
         # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
         if self.saver and not is_last and self.saver.due(before, after, Event.BATCH_END, s):
@@ -363,7 +361,7 @@ class Trainer:
         for scheduler in self._epoch_schedulers:
             scheduler.step()
         self._run_event(Event.EPOCH_END)
-        if self.eval_dataloader is not None and self._eval_due(after_batch, Event.EPOCH_END):
+        if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, after_batch, Event.EPOCH_END):
             self._evaluate()
         if self.saver and (self.saver.due(before_batch, s.timestamp, Event.BATCH_END, s)
                            or self.saver.due(before_batch, s.timestamp, Event.EPOCH_END, s)):
@@ -381,13 +379,12 @@ class Trainer:
         if self._auto is None:
             losses, counts = self._microbatches(prepared, share, loud)
         else:
-            losses, counts = self._microbatches_fitting(prepared, share, loud)
+            losses, counts = self._auto.retrying(lambda: self._microbatches(prepared, share, loud), s, prepared,
+                                                 strategy.abandon_backward)
         s.batch, s.outputs = batch, None
         if loud:
             run(Event.AFTER_TRAIN_BATCH)
-        saver = self.saver
-        if saver is not None and saver.copying is not None:
-            saver.settle()  # its background copy still reads the parameters and optimizer state
+        self._before_weights_change()
         strategy.optimizer_step()
         return _mean_loss(losses, counts)
 
@@ -422,33 +419,6 @@ class Trainer:
             losses.append(loss.detach())
             counts.append(n)
         return losses, counts
-
-    def _microbatches_fitting(self, batch: Any, share: float, loud: bool) -> tuple[list[torch.Tensor], list[int]]:
-        """:meth:`_microbatches`, halving the microbatch until no rank runs out of memory."""
-        auto, s = self._auto, self.state
-        assert auto is not None
-        while True:
-            auto.passed = False
-            try:
-                return self._microbatches(batch, share, loud)
-            except microbatch.RetrySmaller:
-                pass
-            except Exception as e:
-                if auto.passed or not microbatch.is_out_of_memory(e):
-                    raise
-                s.outputs = s.loss_tensor = None
-                try:
-                    auto.agree(True)  # tells every rank, and raises RetrySmaller here too
-                except microbatch.RetrySmaller:
-                    pass
-            for optimizer in s.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            s.outputs = s.loss_tensor = None
-            self.strategy.abandon_backward()
-            s.device_train_microbatch_size = auto.shrink(s.model.num_samples(batch))
-            if dist.get_global_rank() == 0:
-                print(f"lockstep: out of memory on a rank; training this batch again in microbatches of "
-                      f"{s.device_train_microbatch_size} samples", file=sys.stderr, flush=True)
 
     def _log_batch(self) -> None:
         """Rank 0's loss of this batch (a tensor: destinations read it off the training thread)."""
@@ -512,60 +482,11 @@ class Trainer:
         self._eval_loop(None)
         self._run_event(Event.EVAL_AFTER_ALL)
 
-    def _eval_due(self, before: Timestamp, event: Event) -> bool:
-        """Whether ``eval_interval`` asks for an evaluation at ``event`` (BATCH_END or EPOCH_END),
-        ``before`` being the timestamp before the batch or the epoch end that just passed."""
-        interval, s = self.loop.eval_interval, self.state
-        if callable(interval):  # Composer's form: asked at BATCH_END, and at EPOCH_END
-            return bool(interval(s, event))
-        return is_interval_due(before, s.timestamp, interval, s.max_duration)
-
-    @torch.no_grad()
     def _eval_loop(self, subset_num_batches: int | None) -> dict[str, float]:
-        s, run = self.state, self._run_event
-        was_training, training_batch = s.model.training, s.batch
-        s.model.eval()
-        self._run_event(Event.EVAL_START)
-        for metric in self.eval_metrics.values():
-            metric.reset()
-        remaining = data.real_eval_samples(self.eval_dataloader)
-        totals = torch.zeros(2, dtype=torch.float64, device=s.device)  # loss sum, samples
-        module = self.strategy.eval_module  # the bare module: no DDP hooks, nothing to hang on
         limit = self.loop.eval_subset_num_batches if subset_num_batches is None else subset(
             "subset_num_batches", subset_num_batches)
-        for batch in itertools.islice(self.eval_dataloader, limit):
-            batch = self.strategy.prepare_batch(batch)
-            n = s.model.num_samples(batch)
-            if remaining is not None:
-                if remaining <= 0:
-                    if self.strategy.gathers_in_forward:  # every rank must take part in each gather
-                        module(batch)
-                    continue
-                if n > remaining:
-                    batch, n = take(batch, 0, remaining), remaining
-                remaining -= n
-            s.batch = batch
-            run(Event.EVAL_BATCH_START)
-            with self.strategy.autocast():
-                run(Event.EVAL_BEFORE_FORWARD)
-                s.outputs = outputs = module(s.batch)
-                run(Event.EVAL_AFTER_FORWARD)
-                totals[0] += s.model.loss(outputs, batch).double() * n
-                totals[1] += n
-                eval_outputs = s.model.eval_forward(batch, outputs)
-            for metric in self.eval_metrics.values():
-                s.model.update_metric(batch, eval_outputs, metric)
-            run(Event.EVAL_BATCH_END)
-            progress.heartbeat(s.timestamp.batch)
-        dist.all_reduce(totals, "SUM")
-        results = {"loss": float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")}
-        results.update({name: float(m.compute()) for name, m in self.eval_metrics.items()})
-        s.eval_metrics = results
-        self.logger.log_metrics(eval_metric_names(results))
-        self._run_event(Event.EVAL_END)
-        s.model.train(was_training)
-        s.batch, s.outputs = training_batch, None
-        return results
+        return evaluation.evaluate(self.state, self.strategy, self.eval_dataloader, self.eval_metrics, limit,
+                                   self._run_event, self.logger)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -618,81 +539,20 @@ class Trainer:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(message)
 
-    def _run_event(self, event: Event) -> None:
+    def _before_weights_change(self) -> None:
+        """Called before the optimizer steps and before anything that may change the weights acts."""
         saver = self.saver
-        if saver is not None and saver.copying is not None and (self.algorithms or self._handlers_of[event]):
-            saver.settle()  # what acts at the event may change the weights the copy still reads
-        for algorithm in self.algorithms:
-            if algorithm.match(event, self.state):
-                algorithm.apply(event, self.state, self.logger)
-        if self._indexed_version != self._callbacks.version:
-            self._index_listeners()  # the list changed (a callback added one, say): from this event on
-        for handler in self._handlers_of[event]:
-            handler(self.state, self.logger)
-        if self._indexed_version != self._callbacks.version:
-            self._index_listeners()  # changed by a callback just now: the loop must know who listens
-
-    def _index_listeners(self) -> None:
-        """What acts at each event: most events (per microbatch ones included) have no callback,
-        and then cost a dict lookup, or nothing in the loop (``_step_heard``)."""
-        self._handlers_of = {e: [_handler(c, e) for c in self._callbacks if c.listens_to(e)] for e in Event}
-        self._step_heard = any(self._handlers_of[e] for e in _STEP_EVENTS)
-        self._indexed_version = self._callbacks.version
+        if saver is not None and saver.copying is not None:
+            saver.settle()  # its background copy still reads the parameters and optimizer state
 
     def close(self) -> None:
         """Finish: every callback and logger writes what it holds and releases what it opened (logger
         runs are ended). Safe to call more than once; ``fit`` cannot run after it."""
         if not self._closed:
             self._closed = True
-            self._close_callbacks()
-
-    def _close_callbacks(self) -> None:
-        """Let every callback write what it holds, without hiding an error already on its way."""
-        for callback in self.callbacks:
-            try:
-                callback.close(self.state, self.logger)
-            except Exception as e:  # noqa: BLE001 - the training error is the one to report
-                warnings.warn(f"{type(callback).__name__}.close failed: {e}", stacklevel=2)
+            self._events.close()
 
 
-_STEP_EVENTS = (Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
-                Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
-                Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH)
-"""The events of a step before BATCH_END: dispatched only when something acts at one of them."""
-
-
-def _handler(callback: Callback, event: Event) -> Callable[[State, Logger], None]:
-    """What runs ``callback`` at ``event``: its method for the event, or its own ``run_event``."""
-    if type(callback).run_event is Callback.run_event:
-        return getattr(callback, event.value)  # type: ignore[no-any-return]
-    return functools.partial(callback.run_event, event)
-
-
-class CallbackList(list):  # type: ignore[type-arg]
-    """``trainer.callbacks``: a list that counts its changes, so that callbacks added or removed
-    during ``fit`` take part from the next event on."""
-
-    version = 0
-
-    def _changed(self) -> None:
-        self.version += 1
-
-
-def _counting(name: str) -> Any:
-    method = getattr(list, name)
-
-    def change(self: CallbackList, *args: Any, **kwargs: Any) -> Any:
-        result = method(self, *args, **kwargs)
-        self._changed()
-        return self if name in ("__iadd__", "__imul__") else result
-
-    change.__name__ = name
-    return change
-
-
-for _name in ("append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
-              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
-    setattr(CallbackList, _name, _counting(_name))
 
 
 def _mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:

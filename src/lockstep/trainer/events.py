@@ -1,0 +1,104 @@
+"""Running the loop's events: the algorithms and the callbacks that act at each one, kept indexed
+so that an event nothing acts at costs a dict lookup (and the step's own events, nothing)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lockstep.core.algorithm import Algorithm
+from lockstep.core.callback import Callback
+from lockstep.core.event import Event
+from lockstep.loggers.logger import Logger
+from lockstep.state import State
+
+STEP_EVENTS = (Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
+               Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
+               Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH)
+"""The events of a step before BATCH_END: dispatched only when something acts at one of them."""
+
+
+class Events:
+    """Runs each event: matching algorithms first, then the callbacks that act at it.
+
+    ``before_weights_change`` is called before anything acts at an event, since an algorithm or a
+    callback may change the weights there (a checkpoint's background copy may still read them).
+    """
+
+    def __init__(self, state: State, logger: Logger, algorithms: Sequence[Algorithm],
+                 before_weights_change: Callable[[], None]) -> None:
+        self.state, self.logger, self.algorithms = state, logger, algorithms
+        self.before_weights_change = before_weights_change
+        self.callbacks: CallbackList = CallbackList()
+        self.step_heard = False
+        """Whether a callback acts at one of :data:`STEP_EVENTS`."""
+
+    def set_callbacks(self, callbacks: Sequence[Callback]) -> None:
+        self.callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
+        self._indexed_version = -1  # a CallbackList counts from 0: re-index at the next event
+
+    def run(self, event: Event) -> None:
+        handlers = self._handlers_of[event]
+        if self.algorithms or handlers:
+            self.before_weights_change()
+        for algorithm in self.algorithms:
+            if algorithm.match(event, self.state):
+                algorithm.apply(event, self.state, self.logger)
+        if self._indexed_version != self.callbacks.version:
+            self.index()  # the list changed (a callback added one, say): from this event on
+            handlers = self._handlers_of[event]
+        for handler in handlers:
+            handler(self.state, self.logger)
+        if self._indexed_version != self.callbacks.version:
+            self.index()  # changed by a callback just now: the loop must know who listens
+
+    def index(self) -> None:
+        """Note what acts at each event."""
+        self._handlers_of = {e: [_handler(c, e) for c in self.callbacks if c.listens_to(e)] for e in Event}
+        self.step_heard = any(self._handlers_of[e] for e in STEP_EVENTS)
+        self._indexed_version = self.callbacks.version
+
+    def close(self) -> None:
+        """Let every callback write what it holds, without hiding an error already on its way."""
+        for callback in self.callbacks:
+            try:
+                callback.close(self.state, self.logger)
+            except Exception as e:  # noqa: BLE001 - the training error is the one to report
+                warnings.warn(f"{type(callback).__name__}.close failed: {e}", stacklevel=2)
+
+
+def _handler(callback: Callback, event: Event) -> Callable[[State, Logger], None]:
+    """What runs ``callback`` at ``event``: its method for the event, or its own ``run_event``."""
+    if type(callback).run_event is Callback.run_event:
+        method: Callable[[State, Logger], None] = getattr(callback, event.value)
+        return method
+    return functools.partial(callback.run_event, event)
+
+
+class CallbackList(list[Callback]):
+    """``trainer.callbacks``: a list that counts its changes, so that callbacks added or removed
+    during ``fit`` take part from the next event on."""
+
+    version = 0
+
+    def _changed(self) -> None:
+        self.version += 1
+
+
+def _counting(name: str) -> Any:
+    method = getattr(list, name)
+
+    def change(self: CallbackList, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        self._changed()
+        return self if name in ("__iadd__", "__imul__") else result
+
+    change.__name__ = name
+    return change
+
+
+for _name in ("append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
+              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
+    setattr(CallbackList, _name, _counting(_name))
