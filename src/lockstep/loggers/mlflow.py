@@ -1,5 +1,5 @@
 """MLflow runs, written through ``MlflowClient`` on a background thread (no network needed: the
-default store is a local folder)."""
+default store is a local SQLite file)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class MLFlowLogger(ThreadedDestination):
     """Metrics and parameters to an MLflow run named after the Trainer's ``run_name``.
 
-    ``tracking_uri``: default ``$MLFLOW_TRACKING_URI``, else a file store ``mlruns/`` in the run
+    ``tracking_uri``: default ``$MLFLOW_TRACKING_URI``, else a SQLite store, ``mlflow.db`` in the run
     folder (or the working directory). A ``http://localhost:5000`` tracking server works too.
     ``experiment_name``: default ``$MLFLOW_EXPERIMENT_NAME``, else ``'lockstep'``. Metrics are sent
     in batches of up to ``flush_interval`` batches. Needs ``pip install 'lockstep[mlflow]'``.

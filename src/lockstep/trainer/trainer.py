@@ -54,9 +54,10 @@ class Trainer:
     ``compile_config`` (a dict of ``torch.compile`` arguments) compiles the model after it is wrapped
     (see :mod:`lockstep.parallel.compile`).
 
-    Composer's other arguments keep Composer's meaning: ``step_schedulers_every_batch`` (torch
-    schedulers step every epoch unless True), ``precision=None`` (fp32 on CPU, amp_fp16 on GPU), a
-    callable ``eval_interval(state, event)``, ``log_to_console`` / ``console_log_interval``,
+    ``precision`` defaults to ``'fp32'``; ``precision=None`` asks for Composer's default for the
+    device (fp32 on CPU, amp_fp16 on GPU). Composer's other arguments keep Composer's meaning:
+    ``step_schedulers_every_batch`` (torch schedulers step every epoch unless True), a callable
+    ``eval_interval(state, event)``, ``log_to_console`` / ``console_log_interval``,
     ``python_log_level``, ``dist_timeout`` (seconds for every collective), ``parallelism_config``
     (``{'fsdp': {...}}``), ``save_weights_only``, ``save_metrics`` and ``load_ignore_keys``.
     """
