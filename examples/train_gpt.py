@@ -1,6 +1,6 @@
 """Train a small GPT on the Python standard library's source, byte by byte, over 2 processes.
 
-    lockstep -n 2 examples/train_gpt.py                     # FSDP (FULL_SHARD), about 3.5 minutes
+    lockstep -n 2 examples/train_gpt.py                     # FSDP (FULL_SHARD), a few minutes
     lockstep -n 2 examples/train_gpt.py --parallel ddp
     lockstep -n 2 examples/train_gpt.py --max_duration 2e5tok --save_folder ckpt --autoresume --run_name gpt
 

@@ -55,7 +55,7 @@ class DDPStrategy(Strategy):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views of DDP's buckets: the all-reduced bucket is the gradient, not copied
         # back into a tensor of its own every step. The same values bit for bit, one copy of the
-        # gradients less in memory, and a faster step (README, "What DDP's buckets save").
+        # gradients less in memory, and a faster step (docs/benchmarks.md).
         return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                        find_unused_parameters=self.find_unused_parameters)
 
