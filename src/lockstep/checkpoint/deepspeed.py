@@ -26,9 +26,8 @@ from torch import nn
 from lockstep.checkpoint import files, zipwriter
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.states import DEEPSPEED, SHARDED_META, Layout, misfit
+from lockstep.optional import DEEPSPEED_INSTALL_HINT
 
-INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that pins "
-                "torch==2.13.0 (DeepSpeed builds against the installed torch)")
 TAG = "deepspeed"
 """The engine's checkpoint tag: the subfolder its files go in."""
 _ALLOWED_GLOBALS = frozenset({
@@ -168,6 +167,6 @@ def export_weights(folder: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as e:
         raise ImportError(f"{folder} is a DeepSpeed checkpoint; reading it needs DeepSpeed ({e}): "
-                          f"{INSTALL_HINT}") from None
+                          f"{DEEPSPEED_INSTALL_HINT}") from None
     weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
     return {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
