@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lockstep import dist
+from lockstep import _agreement, dist
 from lockstep.checkpoint import ignore as ignore_keys
 from lockstep.checkpoint import files, payload, templates
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
@@ -167,7 +167,7 @@ def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_on
                 opened = _from_rank_zero(opened, state, layout, run_name=run_name, weights_only=weights_only,
                                          check_run_name=optional)
             if check_whole:
-                dist.raise_first_error(_checked(opened.path) if mine.probe.shared else None, DamagedCheckpoint,
+                _agreement.raise_first_error(_checked(opened.path) if mine.probe.shared else None, DamagedCheckpoint,
                                        device=state.device)
     return _apply_agreed(opened, state, layout, weights_only=weights_only, strict=strict, agree=agree,
                          ignore=ignore)
@@ -232,7 +232,7 @@ def _apply_agreed(opened: _Opened, state: Any, layout: Layout, *, weights_only: 
         loaded = _apply(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
     except CheckpointError as e:
         error = str(e)
-    dist.raise_first_error(error, CheckpointError, device=state.device)
+    _agreement.raise_first_error(error, CheckpointError, device=state.device)
     return loaded  # type: ignore[return-value]  # None only where raise_first_error raised
 
 
@@ -255,7 +255,7 @@ def _step_back(mine: _Local, low: int, state: Any, layout: Layout, *, run_name: 
                            share=(0, 1))
         except CheckpointError as e:
             error = str(e)
-    dist.raise_first_error(error, CheckpointError, device=state.device)
+    _agreement.raise_first_error(error, CheckpointError, device=state.device)
     batches = {b for b in dist.all_gather_object(opened.batch)}
     if len(batches) > 1:
         raise CheckpointError(f"autoresume found per-rank checkpoints of batches {min(batches)} to "
@@ -287,7 +287,7 @@ def _from_rank_zero(opened: _Opened | None, state: Any, layout: Layout, *, run_n
                            check_run_name=check_run_name, share=(0, 1), data=buffer.cpu().numpy().tobytes())
         except CheckpointError as e:
             error = str(e)
-    dist.raise_first_error(error, CheckpointError, device=state.device)
+    _agreement.raise_first_error(error, CheckpointError, device=state.device)
     return opened  # type: ignore[return-value]  # opened on every rank once no rank failed
 
 

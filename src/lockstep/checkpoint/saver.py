@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist, idle
+from lockstep import _agreement, dist, idle
 from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, staging, states, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
@@ -86,7 +86,7 @@ class CheckpointSaver:
         every rank that writes into it; otherwise a ValueError on every rank that names the cause,
         instead of an error at the first save, after training has run."""
         error = writable.check_folder(self.folder) if self.writes or self.layout in FOLDER_LAYOUTS else None
-        dist.raise_first_error(error, ValueError, device=self._device)
+        _agreement.raise_first_error(error, ValueError, device=self._device)
 
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,
@@ -173,7 +173,7 @@ class CheckpointSaver:
         """
         failure = self._join()  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.config.save_overwrite or self._may_replace_own)
-        gathered = dist.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure))
+        gathered = _agreement.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure))
         self._raise_failure(next(((r, f) for r, (*_, f) in enumerate(gathered) if f is not None), None))
         if self.layout == LOCAL:  # only now is the previous save published on every rank
             self._prune()
@@ -308,7 +308,7 @@ class CheckpointSaver:
         """Return on every rank once the newest checkpoint is durable and the latest pointer names
         it; raise on every rank if writing it failed on any."""
         failure = self._join()
-        self._raise_failure(dist.first_error(failure, device=self._device))
+        self._raise_failure(_agreement.first_error(failure, device=self._device))
         if self.layout == LOCAL:
             self._prune()
 
