@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle
-from lockstep.callbacks import Event
 from lockstep.checkpoint import files, payload, staging, states, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
@@ -23,6 +22,7 @@ from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.loader import Loaded
+    from lockstep.state import State
 
 
 class CheckpointSaver:
@@ -123,14 +123,19 @@ class CheckpointSaver:
                 f"save_overwrite=True to replace them, autoresume=True to continue that run, or "
                 f"another save_folder")
 
-    def due(self, before: Timestamp, after: Timestamp, event: Event, state: Any) -> bool:
+    def due(self, before: Timestamp, after: Timestamp, event: object, state: State, *, epoch_end: bool) -> bool:
+        """Whether a checkpoint is due between ``before`` and ``after``, at the end of a batch or
+        (``epoch_end``) of an epoch. A ``save_interval`` function decides itself, from ``state`` and
+        ``event`` (the Trainer's Event of that moment)."""
         interval = self.config.save_interval
         if callable(interval):
             return bool(interval(state, event))
+        assert isinstance(interval, Time)  # CheckpointConfig parsed it
         unit = interval.unit
         if unit is TimeUnit.DURATION:
-            unit = self.max_duration.unit  # type: ignore[union-attr]
-        if (unit is TimeUnit.EPOCH) != (event is Event.EPOCH_END):
+            assert self.max_duration is not None  # __init__ refuses a 'dur' interval without it
+            unit = self.max_duration.unit
+        if (unit is TimeUnit.EPOCH) != epoch_end:
             return False
         return is_interval_due(before, after, interval, self.max_duration)
 
