@@ -127,19 +127,19 @@ def test_all_reduce_bitwise_operations_on_integer_and_bool_tensors() -> None:
 
 
 def _small_objects() -> tuple[list[list[Any]], list[int]]:
-    from lockstep import dist
+    from lockstep import _agreement, dist
     rank = dist.get_global_rank()
-    gathers, gather_rows = [], dist._gather_rows
+    gathers, gather_rows = [], _agreement._gather_rows
 
     def counted(*args: Any) -> Any:
         gathers[-1] += 1
         return gather_rows(*args)
 
-    dist._gather_rows = counted
+    _agreement._gather_rows = counted
 
     def gather(obj: Any) -> list[Any]:
         gathers.append(0)
-        return dist.gather_small_objects(obj)
+        return _agreement.gather_small_objects(obj)
 
     small = {"rank": rank, "tensor": torch.arange(5) + rank}
     big = b"x" * (40_000 + rank)  # past the one-buffer size, and a different size per rank

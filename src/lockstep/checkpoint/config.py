@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep.checkpoint import ignore, templates
+from lockstep.state import State
 from lockstep.time import Time, time_argument
 
-SaveInterval = Time | str | int | Callable[[Any, Any], bool]
+SaveInterval = Time | str | int | Callable[[State, Any], bool]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,7 +59,7 @@ class CheckpointConfig:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
             raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {keep!r}")
         if not callable(self.save_interval) or isinstance(self.save_interval, (str, Time)):
-            self.save_interval = time_argument("save_interval", self.save_interval)  # type: ignore[arg-type]
+            self.save_interval = time_argument("save_interval", self.save_interval)
         if self.autoresume and self.save_weights_only:
             raise ValueError("autoresume=True needs full checkpoints, and save_weights_only=True writes only "
                              "weights: drop one of them")

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from lockstep.checkpoint import files, zipwriter
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
-from lockstep.checkpoint.states import DEEPSPEED, SHARDED_META, Layout, misfit
+from lockstep.checkpoint.layout import DEEPSPEED, SHARDED_META, FolderLayout
+from lockstep.checkpoint.states import Layout, misfit
+from lockstep.optional import DEEPSPEED_INSTALL_HINT
 
-INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that pins "
-                "torch==2.13.0 (DeepSpeed builds against the installed torch)")
 TAG = "deepspeed"
 """The engine's checkpoint tag: the subfolder its files go in."""
 _ALLOWED_GLOBALS = frozenset({
@@ -38,7 +39,7 @@ _ALLOWED_GLOBALS = frozenset({
 })
 
 
-class DeepSpeedLayout(Layout):
+class DeepSpeedLayout(Layout, FolderLayout):
     """The engine saves and loads the model and optimizer; lockstep keeps the rest in lockstep.pt."""
 
     name = DEEPSPEED
@@ -56,7 +57,8 @@ class DeepSpeedLayout(Layout):
     def extra_meta(self) -> dict[str, Any]:
         return {"zero_stage": self.stage, "files": self._sizes}
 
-    def folder_parts(self, temp: Path, model: dict[str, Any], optimizers: list[Any]) -> tuple[list[Any], list[Any]]:
+    def folder_parts(self, temp: Path, model: dict[str, Any],
+                     optimizers: list[Any]) -> tuple[list[tuple[str, Any]], list[Any]]:
         """Every rank (a collective): run the engine's save into ``temp``, but keep each state dict it
         would write, by reference, with the file it names (:meth:`write_captured` writes them);
         the optimizers have no part of their own in lockstep.pt."""
@@ -69,7 +71,7 @@ class DeepSpeedLayout(Layout):
             del writer.save  # the class's own again
         return captured, [{} for _ in optimizers]
 
-    def write_parts(self, temp: Path, captured: list[tuple[str, Any]], group: Any) -> None:
+    def write_parts(self, temp: Path, captured: list[tuple[str, Any]], group: ProcessGroup | None) -> None:
         """This rank's files, then a barrier: every rank's are written on return."""
         self.write_captured(captured)
         if group is not None:
@@ -168,6 +170,6 @@ def export_weights(folder: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as e:
         raise ImportError(f"{folder} is a DeepSpeed checkpoint; reading it needs DeepSpeed ({e}): "
-                          f"{INSTALL_HINT}") from None
+                          f"{DEEPSPEED_INSTALL_HINT}") from None
     weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
     return {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}

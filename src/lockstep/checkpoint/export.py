@@ -10,7 +10,7 @@ import torch
 from lockstep.checkpoint import files, payload
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.deepspeed import check_folder, export_weights
-from lockstep.checkpoint.states import DEEPSPEED, LOCAL, SHARDED_META
+from lockstep.checkpoint.layout import DEEPSPEED, LOCAL, SHARDED_META
 
 
 def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -26,9 +26,9 @@ def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """
     target = files.resolve_pointer(Path(path))
     if target.is_dir():
-        meta = _folder_meta(target)
-        if payload.layout_of(meta) == DEEPSPEED:
-            check_folder(target, meta)
+        folder_meta = _folder_meta(target)
+        if payload.layout_of(folder_meta) == DEEPSPEED:
+            check_folder(target, folder_meta)
             return export_weights(target)
         return _from_sharded(target)
     content = files.read(target)

@@ -12,16 +12,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist
+from lockstep import _agreement, dist
 from lockstep.checkpoint import ignore as ignore_keys
 from lockstep.checkpoint import files, payload, templates
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
-from lockstep.checkpoint.states import (
-    DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, Layout, rekey_optimizer)
+from lockstep.checkpoint.layout import (
+    DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, CheckpointLayout, is_folder)
+from lockstep.checkpoint.states import rekey_optimizer
+
+if TYPE_CHECKING:
+    from lockstep.state import State
+
 
 @dataclass(slots=True)
 class Loaded:
@@ -137,7 +142,7 @@ def _start_over_or_fail(probes: Sequence[Probe], on_rank: Any) -> Action:
                               f"must be the same folder for every rank, e.g. on a shared file system)"))
 
 
-def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_only: bool, strict: bool,
+def load(template: str, state: State, layout: CheckpointLayout, *, run_name: str, weights_only: bool, strict: bool,
          optional: bool = False, what: str = "load_path", ignore: ignore_keys.IgnoreKeys = None) -> Loaded | None:
     """Load the checkpoint ``template`` names into ``state`` on every rank (a collective).
 
@@ -166,9 +171,10 @@ def load(template: str, state: Any, layout: Layout, *, run_name: str, weights_on
             if receive:
                 opened = _from_rank_zero(opened, state, layout, run_name=run_name, weights_only=weights_only,
                                          check_run_name=optional)
+            assert opened is not None  # decide() loads once every rank has a file, or receives rank 0's
             if check_whole:
-                dist.raise_first_error(_checked(opened.path) if mine.probe.shared else None, DamagedCheckpoint,
-                                       device=state.device)
+                _agreement.raise_first_error(_checked(opened.path) if mine.probe.shared else None,
+                                             DamagedCheckpoint, device=state.device)
     return _apply_agreed(opened, state, layout, weights_only=weights_only, strict=strict, agree=agree,
                          ignore=ignore)
 
@@ -197,8 +203,8 @@ class _Local:
             files.remove(self.opened.path)
 
 
-def _probe(template: str, state: Any, layout: Layout, *, run_name: str, weights_only: bool, optional: bool,
-           what: str) -> _Local:
+def _probe(template: str, state: State, layout: CheckpointLayout, *, run_name: str, weights_only: bool,
+           optional: bool, what: str) -> _Local:
     own, zero = candidates(template, run_name)
     if layout.name == LOCAL:  # per-rank files: rank 0's never serves another rank
         zero = own
@@ -216,12 +222,12 @@ def _probe(template: str, state: Any, layout: Layout, *, run_name: str, weights_
         damaged = isinstance(e, DamagedCheckpoint)
         return _Local(Probe(found=True, shared=shared, path=str(path), error=str(e), damaged=damaged), path)
     can_send = rank == 0 and shared and layout.name == SINGLE and opened.path.is_file()
-    probe = Probe(found=True, shared=shared, batch=opened.batch, saves=len((opened.meta or {}).get("history", [])),
-                  path=str(opened.path), can_send=can_send)
+    probe = Probe(found=True, shared=shared, batch=opened.batch, saves=len(opened.history), path=str(opened.path),
+                  can_send=can_send)
     return _Local(probe, path, opened)
 
 
-def _apply_agreed(opened: _Opened, state: Any, layout: Layout, *, weights_only: bool, strict: bool,
+def _apply_agreed(opened: _Opened, state: State, layout: CheckpointLayout, *, weights_only: bool, strict: bool,
                   agree: bool, ignore: ignore_keys.IgnoreKeys = None) -> Loaded:
     """Apply the opened checkpoint. When every rank loaded the same file into an unsharded model,
     a failure is the same on every rank, so only otherwise is there an agreement."""
@@ -232,20 +238,22 @@ def _apply_agreed(opened: _Opened, state: Any, layout: Layout, *, weights_only: 
         loaded = _apply(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
     except CheckpointError as e:
         error = str(e)
-    dist.raise_first_error(error, CheckpointError, device=state.device)
-    return loaded  # type: ignore[return-value]  # None only where raise_first_error raised
+    _agreement.raise_first_error(error, CheckpointError, device=state.device)
+    assert loaded is not None  # else this rank's error was raised
+    return loaded
 
 
-def _step_back(mine: _Local, low: int, state: Any, layout: Layout, *, run_name: str) -> _Opened:
+def _step_back(mine: _Local, low: int, state: State, layout: CheckpointLayout, *, run_name: str) -> _Opened:
     """Autoresume of per-rank files after a crash between two ranks' publishes: the ranks whose
     latest pointer is one save ahead open their previous checkpoint (kept until every rank had
     published: see CheckpointSaver._prune), so that all resume from the step every rank has. Once
     all agree, those ranks point their latest pointer back and delete the newer file, which no
     other rank's files match."""
-    ahead: _Opened = mine.opened  # type: ignore[assignment]  # every rank found its file
+    ahead = mine.opened
+    assert ahead is not None  # decide() steps back only once every rank found its file
     opened, error = ahead, None
     if ahead.batch != low:
-        history = (ahead.meta or {}).get("history", [])
+        history = ahead.history
         previous = ahead.path.parent / history[-2] if len(history) >= 2 else None
         try:
             if previous is None or not previous.exists():
@@ -255,7 +263,7 @@ def _step_back(mine: _Local, low: int, state: Any, layout: Layout, *, run_name: 
                            share=(0, 1))
         except CheckpointError as e:
             error = str(e)
-    dist.raise_first_error(error, CheckpointError, device=state.device)
+    _agreement.raise_first_error(error, CheckpointError, device=state.device)
     batches = {b for b in dist.all_gather_object(opened.batch)}
     if len(batches) > 1:
         raise CheckpointError(f"autoresume found per-rank checkpoints of batches {min(batches)} to "
@@ -266,14 +274,15 @@ def _step_back(mine: _Local, low: int, state: Any, layout: Layout, *, run_name: 
     return opened
 
 
-def _from_rank_zero(opened: _Opened | None, state: Any, layout: Layout, *, run_name: str, weights_only: bool,
-                    check_run_name: bool) -> _Opened:
+def _from_rank_zero(opened: _Opened | None, state: State, layout: CheckpointLayout, *, run_name: str,
+                    weights_only: bool, check_run_name: bool) -> _Opened:
     """Rank 0's single-file checkpoint, sent to the ranks that do not see it: a node whose disk
     is not the one rank 0 saved to (no shared file system). Every rank takes part in the
     broadcast; the ranks without the file check and open what it carries, as if read from disk."""
     sender = opened if dist.get_global_rank() == 0 else None
     header = [(str(sender.path), sender.path.stat().st_size) if sender is not None else None]
     dist.broadcast_object_list(header, src=0)
+    assert header[0] is not None  # decide() has ranks receive only what rank 0 can send
     name, size = header[0]
     if sender is not None:
         buffer = torch.frombuffer(bytearray(sender.path.read_bytes()), dtype=torch.uint8)
@@ -287,8 +296,9 @@ def _from_rank_zero(opened: _Opened | None, state: Any, layout: Layout, *, run_n
                            check_run_name=check_run_name, share=(0, 1), data=buffer.cpu().numpy().tobytes())
         except CheckpointError as e:
             error = str(e)
-    dist.raise_first_error(error, CheckpointError, device=state.device)
-    return opened  # type: ignore[return-value]  # opened on every rank once no rank failed
+    _agreement.raise_first_error(error, CheckpointError, device=state.device)
+    assert opened is not None  # else this rank's error was raised
+    return opened
 
 
 def _checked(path: Path) -> str | None:
@@ -317,9 +327,14 @@ class _Opened:
     def layout(self) -> str:
         return payload.layout_of(self.meta) if self.meta is not None else SINGLE
 
+    @property
+    def history(self) -> list[str]:
+        """The save history the checkpoint holds (none for a plain state_dict)."""
+        return list((self.meta or {}).get("history", []))
 
-def _open(path: Path, state: Any, layout: Layout, *, run_name: str, weights_only: bool, check_run_name: bool,
-          share: tuple[int, int], data: bytes | None = None) -> _Opened:
+
+def _open(path: Path, state: State, layout: CheckpointLayout, *, run_name: str, weights_only: bool,
+          check_run_name: bool, share: tuple[int, int], data: bytes | None = None) -> _Opened:
     """Read, check and unpickle ``path`` (or, given ``data``, the file's content received from rank 0)."""
     if data is None:
         target = files.resolve_pointer(path)
@@ -356,7 +371,7 @@ def _meta_file(target: Path) -> Path:
     return target / SHARDED_META
 
 
-def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
+def _check_layout(opened: _Opened, layout: CheckpointLayout, weights_only: bool) -> None:
     saved, meta = opened.layout, opened.meta
     assert meta is not None
     if saved == SINGLE and layout.name != SINGLE:
@@ -366,9 +381,9 @@ def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
     if saved == DEEPSPEED and layout.name != DEEPSPEED:
         raise CheckpointError(f"{opened.path} is a DeepSpeed checkpoint: resume it with deepspeed_config, or "
                               f"pass load_weights_only=True to start from its weights")
-    if saved == DEEPSPEED and meta.get("zero_stage") != getattr(layout, "stage", None):
+    if saved == DEEPSPEED and meta.get("zero_stage") != layout.stage:
         raise CheckpointError(f"{opened.path} was saved with ZeRO stage {meta.get('zero_stage')} and this run "
-                              f"uses stage {getattr(layout, 'stage', None)}: resume with the same "
+                              f"uses stage {layout.stage}: resume with the same "
                               f"zero_optimization stage, or pass load_weights_only=True")
     if saved != layout.name:
         hint = "train with fsdp_config={'state_dict_type': %r}" % saved if saved != SINGLE \
@@ -388,7 +403,7 @@ def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
                                   f"{dist.get_global_rank()}'s: give load_path a {{rank}} field")
 
 
-def _apply(opened: _Opened, state: Any, layout: Layout, *,
+def _apply(opened: _Opened, state: State, layout: CheckpointLayout, *,
            weights_only: bool, strict: bool, ignore: ignore_keys.IgnoreKeys = None) -> Loaded:
     if ignore is not None:
         return _apply_ignoring(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
@@ -400,7 +415,8 @@ def _apply(opened: _Opened, state: Any, layout: Layout, *,
         from lockstep.checkpoint.deepspeed import export_weights
         layout.full_reader().load_model(export_weights(path), path, strict)
     elif opened.layout in FOLDER_LAYOUTS:
-        layout.load_folder(path, content, weights_only=weights_only, strict=strict)  # type: ignore[attr-defined]
+        assert is_folder(layout)  # _check_layout: a folder checkpoint resumes only into its own layout
+        layout.load_folder(path, content, weights_only=weights_only, strict=strict)
     else:
         reader = layout.full_reader() if opened.layout == SINGLE else layout
         reader.load_model(content["model"], path, strict)
@@ -415,15 +431,15 @@ def _apply(opened: _Opened, state: Any, layout: Layout, *,
     return _apply_rest(opened, content, state, layout)
 
 
-def _apply_rest(opened: _Opened, content: dict[str, Any], state: Any, layout: Layout) -> Loaded:
+def _apply_rest(opened: _Opened, content: dict[str, Any], state: State, layout: CheckpointLayout) -> Loaded:
     """Schedulers, scaler, timestamp and this rank's buffers; this rank's entry for the loop."""
     entry = payload.apply(content, state, opened.path, dist.get_global_rank(), dist.get_world_size())
     if entry and entry.get("buffers"):
         layout.load_rank_buffers(entry["buffers"])
-    return Loaded(opened.batch, entry, list(opened.meta.get("history", [])))  # type: ignore[union-attr]
+    return Loaded(opened.batch, entry, opened.history)
 
 
-def _apply_ignoring(opened: _Opened, state: Any, layout: Layout, *, weights_only: bool, strict: bool,
+def _apply_ignoring(opened: _Opened, state: State, layout: CheckpointLayout, *, weights_only: bool, strict: bool,
                     ignore: ignore_keys.IgnoreKeys) -> Loaded:
     """As :func:`_apply`, leaving out what ``load_ignore_keys`` names (a file of full or per-rank tensors)."""
     content, meta, path = opened.content, opened.meta, opened.path
@@ -447,10 +463,10 @@ def _apply_ignoring(opened: _Opened, state: Any, layout: Layout, *, weights_only
     kept = tree.get("state", {})
     reader = layout if opened.layout == LOCAL else layout.full_reader()
     reader.load_model(kept.get("model", {}), path, strict)
-    if not full:
+    if meta is None or weights_only:
         return Loaded(weights_only=True)
     if "optimizers" in kept:
-        optimizers, keys = kept["optimizers"], meta.get("optimizer_keys", INDEX)  # type: ignore[union-attr]
+        optimizers, keys = kept["optimizers"], meta.get("optimizer_keys", INDEX)
         if keys != reader.optimizer_keys:
             optimizers = [rekey_optimizer(sd, keys, layout.model, o, path)
                           for sd, o in zip(optimizers, layout.optimizers)]

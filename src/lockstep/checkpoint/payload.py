@@ -20,19 +20,22 @@ Only tensors, numbers, strings, lists and dicts: it loads with ``weights_only=Tr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.states import INDEX, NAME, SINGLE, Layout
+from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, CheckpointLayout
 from lockstep.time import Timestamp
+
+if TYPE_CHECKING:
+    from lockstep.state import State
 
 VERSION = 1
 
 
-def build(state: Any, ranks: list[dict[str, Any]], history: list[str],
-          layout: Layout, model: dict[str, Any], optimizers: list[Any], rank: int = 0,
+def build(state: State, ranks: list[dict[str, Any]], history: list[str],
+          layout: CheckpointLayout, model: dict[str, Any], optimizers: list[Any], rank: int = 0,
           metrics: bool = False) -> dict[str, Any]:
     """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position;
     ``model`` and ``optimizers`` come from ``layout.gather()``. With ``metrics``, also the
@@ -69,7 +72,7 @@ def metadata(payload: Any, path: Path) -> dict[str, Any] | None:
     raise CheckpointError(f"{path} is neither a lockstep checkpoint nor a state_dict of tensors")
 
 
-def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: Any) -> None:
+def check_complete(payload: dict[str, Any], path: Path, layout: CheckpointLayout, state: State) -> None:
     """Everything :func:`apply` needs is there and fits in number and kind (before any loading)."""
     missing = {"ranks", "optimizers", "schedulers", "scaler", "timestamp"} - payload.keys()
     if missing:
@@ -89,7 +92,7 @@ def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: A
             f"to start from its weights")
 
 
-def apply(payload: dict[str, Any], state: Any, path: Path, rank: int, world_size: int) -> dict[str, Any] | None:
+def apply(payload: dict[str, Any], state: State, path: Path, rank: int, world_size: int) -> dict[str, Any] | None:
     """Load schedulers, scaler and timestamp into ``state`` (the model and optimizers are the
     layout's to load); return this rank's entry
     (RNG and data position) for the training loop to apply when it starts, or None when the
@@ -121,7 +124,7 @@ def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None
 def check_world_size(payload: dict[str, Any], path: Path, world_size: int) -> None:
     """Only a sharded (DCP) checkpoint reshards to another world size."""
     saved = payload["lockstep"].get("world_size")
-    if saved != world_size and layout_of(payload["lockstep"]) != "sharded":
+    if saved != world_size and layout_of(payload["lockstep"]) != SHARDED:
         raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
                               f"{world_size}: an exact resume needs the same world size; pass "
                               f"load_weights_only=True to start a new run from its weights")

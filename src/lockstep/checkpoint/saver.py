@@ -7,6 +7,7 @@ import glob
 import os
 import string
 import threading
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,15 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist, idle
-from lockstep.callbacks import Event
-from lockstep.checkpoint import files, payload, staging, states, templates, writable
+from lockstep import _agreement, dist, idle
+from lockstep.checkpoint import files, payload, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
-from lockstep.checkpoint.states import FOLDER_LAYOUTS, LOCAL, SINGLE
+from lockstep.checkpoint.layout import (
+    FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, CheckpointLayout, FolderLayout, is_folder)
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.loader import Loaded
+    from lockstep.state import State
 
 
 class CheckpointSaver:
@@ -76,7 +78,7 @@ class CheckpointSaver:
         self._stager = staging.Stager()
         self.copying: threading.Event | None = None
         """Set once the background save has copied the parameters and optimizer state (None: no such copy)."""
-        self._writer_group: Any = None
+        self._writer_group: torch.distributed.ProcessGroup | None = None
         """The process group of a folder layout's writes, made at its first save."""
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
@@ -86,7 +88,7 @@ class CheckpointSaver:
         every rank that writes into it; otherwise a ValueError on every rank that names the cause,
         instead of an error at the first save, after training has run."""
         error = writable.check_folder(self.folder) if self.writes or self.layout in FOLDER_LAYOUTS else None
-        dist.raise_first_error(error, ValueError, device=self._device)
+        _agreement.raise_first_error(error, ValueError, device=self._device)
 
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,
@@ -123,18 +125,23 @@ class CheckpointSaver:
                 f"save_overwrite=True to replace them, autoresume=True to continue that run, or "
                 f"another save_folder")
 
-    def due(self, before: Timestamp, after: Timestamp, event: Event, state: Any) -> bool:
+    def due(self, before: Timestamp, after: Timestamp, event: object, state: State, *, epoch_end: bool) -> bool:
+        """Whether a checkpoint is due between ``before`` and ``after``, at the end of a batch or
+        (``epoch_end``) of an epoch. A ``save_interval`` function decides itself, from ``state`` and
+        ``event`` (the Trainer's Event of that moment)."""
         interval = self.config.save_interval
         if callable(interval):
             return bool(interval(state, event))
+        assert isinstance(interval, Time)  # CheckpointConfig parsed it
         unit = interval.unit
         if unit is TimeUnit.DURATION:
-            unit = self.max_duration.unit  # type: ignore[union-attr]
-        if (unit is TimeUnit.EPOCH) != (event is Event.EPOCH_END):
+            assert self.max_duration is not None  # __init__ refuses a 'dur' interval without it
+            unit = self.max_duration.unit
+        if (unit is TimeUnit.EPOCH) != epoch_end:
             return False
         return is_interval_due(before, after, interval, self.max_duration)
 
-    def save(self, state: Any, rank_entry: dict[str, Any], layout: states.Layout, *,
+    def save(self, state: State, rank_entry: dict[str, Any], layout: CheckpointLayout, *,
              wait: bool = False) -> Path | None:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it).
 
@@ -158,7 +165,7 @@ class CheckpointSaver:
             files.remove_stale_temps(self.folder)
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
-        if self.layout in FOLDER_LAYOUTS:
+        if is_folder(layout):
             self._save_folder(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.writes:
             self._save_file(state, ranks, history, layout, model, optimizers, path, wait=wait)
@@ -173,7 +180,7 @@ class CheckpointSaver:
         """
         failure = self._join()  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.config.save_overwrite or self._may_replace_own)
-        gathered = dist.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure))
+        gathered = _agreement.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure))
         self._raise_failure(next(((r, f) for r, (*_, f) in enumerate(gathered) if f is not None), None))
         if self.layout == LOCAL:  # only now is the previous save published on every rank
             self._prune()
@@ -183,14 +190,14 @@ class CheckpointSaver:
                                   f"replace it, or choose another save_folder or save_filename")
         return ([_from_wire(e) for e, *_ in gathered] if self.writes else []), gathered[0][2]
 
-    def _meta(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
+    def _meta(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: CheckpointLayout,
               rests: list[Any]) -> dict[str, Any] | None:
         """Rank 0's lockstep.pt of a folder layout: everything but the model and optimizer tensors."""
         if dist.get_global_rank() != 0:
             return None
         return payload.build(state, ranks, history, layout, {}, rests, metrics=self.config.save_metrics)
 
-    def _save_file(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
+    def _save_file(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: CheckpointLayout,
                    model: dict[str, Any], optimizers: list[Any], path: Path, *, wait: bool) -> None:
         """A writer's one file: staged and written by the thread, or written here when it does not fit."""
         content = model if self.config.save_weights_only else payload.build(
@@ -208,7 +215,7 @@ class CheckpointSaver:
             return
         self._hand_over(wait, self._publish, temp, None, path, history)
 
-    def _staged(self, content: Any, later: Any = ()) -> Any:
+    def _staged(self, content: Any, later: Collection[tuple[str, int]] = ()) -> Any:
         """``content`` copied for the writer thread (``later``: see :meth:`Stager.stage`), or None
         when the copy does not fit in memory."""
         try:
@@ -236,7 +243,7 @@ class CheckpointSaver:
             copying.wait()
             self.copying = None
 
-    def _save_folder(self, state: Any, ranks: list[dict[str, Any]], history: list[str], layout: states.Layout,
+    def _save_folder(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: FolderLayout,
                      model: dict[str, Any], optimizers: list[Any], path: Path, pid: int, *, wait: bool) -> None:
         """A folder layout (FSDP ``sharded``: DCP's shards; DeepSpeed: the engine's files): every
         rank's thread writes its part into one temporary folder, then rank 0 adds lockstep.pt and
@@ -249,7 +256,7 @@ class CheckpointSaver:
         if self._writer_group is None:  # a collective: every rank's first folder save comes here
             self._writer_group = _writer_group()
         temp = files.temp_path(path, pid)
-        parts, rests = layout.folder_parts(temp, model, optimizers)  # type: ignore[attr-defined]
+        parts, rests = layout.folder_parts(temp, model, optimizers)
         meta = self._meta(state, ranks, history, layout, rests)
         staged = None if wait else self._staged(parts)
         if staged is not None:  # training goes on changing what these hold
@@ -257,17 +264,17 @@ class CheckpointSaver:
         self._hand_over(staged is None, self._write_folder, temp, parts, meta, path, history, layout)
 
     def _write_folder(self, temp: Path, parts: Any, meta: dict[str, Any] | None, path: Path,
-                      history: list[str], layout: states.Layout) -> None:
+                      history: list[str], layout: FolderLayout) -> None:
         try:
-            layout.write_parts(temp, parts, self._writer_group)  # type: ignore[attr-defined]
+            layout.write_parts(temp, parts, self._writer_group)
             if meta is not None:  # rank 0, once every rank's part is written
-                layout.seal(temp, meta)  # type: ignore[attr-defined]
-                files.save_durably(meta, temp / states.SHARDED_META)
+                layout.seal(temp, meta)
+                files.save_durably(meta, temp / SHARDED_META)
                 self._publish(temp, None, path, history)
         except BaseException as e:  # raised on every rank by the next save or wait
             self._failure = e
 
-    def _hand_over(self, now: bool, write: Any, *args: Any) -> None:
+    def _hand_over(self, now: bool, write: Callable[..., None], *args: Any) -> None:
         """Run ``write`` here (``now``), or on the one lasting writer thread."""
         if now:
             write(*args)
@@ -308,7 +315,7 @@ class CheckpointSaver:
         """Return on every rank once the newest checkpoint is durable and the latest pointer names
         it; raise on every rank if writing it failed on any."""
         failure = self._join()
-        self._raise_failure(dist.first_error(failure, device=self._device))
+        self._raise_failure(_agreement.first_error(failure, device=self._device))
         if self.layout == LOCAL:
             self._prune()
 
@@ -323,12 +330,12 @@ class CheckpointSaver:
             files.remove(self.folder / self.history.pop(0))
 
 
-def _with_short_lock_turns(write: Any, *args: Any) -> None:
+def _with_short_lock_turns(write: Callable[..., None], *args: Any) -> None:
     with idle.short_lock_turns():
         write(*args)
 
 
-def _writer_group() -> Any:
+def _writer_group() -> torch.distributed.ProcessGroup | None:
     """A gloo group of every rank for a folder layout's writes (None without a process group: DCP
     then writes as one process). gloo, because DCP's collectives move CPU objects, and on a GPU the
     default group is NCCL's."""

@@ -7,6 +7,9 @@
   tensors go through DCP (whose non-tensor path unpickles); the rest travels in ``lockstep.pt``.
 * ``deepspeed``: a folder with the DeepSpeed engine's own files and ``lockstep.pt``
   (:mod:`lockstep.checkpoint.deepspeed`).
+
+Each is a :class:`~lockstep.checkpoint.layout.CheckpointLayout`; ``sharded`` and ``deepspeed``
+are also a :class:`~lockstep.checkpoint.layout.FolderLayout`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
@@ -23,23 +27,17 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint import staging
 from lockstep.checkpoint.files import CheckpointError
-
-SINGLE, LOCAL, SHARDED, DEEPSPEED = "single", "local", "sharded", "deepspeed"
-FOLDER_LAYOUTS = (SHARDED, DEEPSPEED)
-"""Layouts whose checkpoint is a folder that every rank writes into."""
-SHARDED_META = "lockstep.pt"
-"""In a checkpoint folder: everything but the model and optimizer tensors."""
-INDEX, NAME = "index", "name"
-"""How optimizer state is keyed: by parameter index (``Optimizer.state_dict``) or by parameter name."""
+from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SINGLE, CheckpointLayout, FolderLayout
 
 
-class Layout:
-    """Unsharded modules: ``state_dict()`` / ``load_state_dict()`` as they are."""
+class Layout(CheckpointLayout):
+    """Unsharded modules (DDP): ``state_dict()`` / ``load_state_dict()`` as they are, in one file
+    that rank 0 writes. The base of the other layouts."""
 
     name = SINGLE
     optimizer_keys = INDEX
     collective = False
-    """Whether :meth:`gather` is a collective (then every rank calls it, not only writers)."""
+    stage: int | None = None
 
     def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                  buffer_dtypes: dict[str, torch.dtype] | None = None) -> None:
@@ -51,7 +49,6 @@ class Layout:
         return {k: v.to(self.buffer_dtypes[k]) if k in self.buffer_dtypes else v for k, v in model.items()}
 
     def extra_meta(self) -> dict[str, Any]:
-        """More header fields for this rank's file."""
         return {}
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -71,8 +68,7 @@ class Layout:
         keys.difference_update(staging.storage_key(b.untyped_storage()) for b in self.model.buffers())
         return keys
 
-    def full_reader(self) -> Layout:
-        """The layout that loads a single-file checkpoint's full tensors into this run."""
+    def full_reader(self) -> CheckpointLayout:
         return self
 
     def rank_buffers(self) -> dict[str, torch.Tensor]:
@@ -222,8 +218,8 @@ class LocalLayout(Layout):
         specs = self.model.state_dict()
         for i, (optimizer, sd) in enumerate(zip(self.optimizers, saved)):
             try:
-                state = {name: {k: _like(v, specs[name]) for k, v in values.items()}
-                         for name, values in sd["state"].items()}
+                state: dict[str, Any] = {name: {k: _like(v, specs[name]) for k, v in values.items()}
+                                         for name, values in sd["state"].items()}
                 set_optimizer_state_dict(self.model, optimizer, {"state": state, "param_groups": sd["param_groups"]})
             except (RuntimeError, KeyError, ValueError) as e:
                 raise _optimizermisfit(path, i, optimizer, e) from None
@@ -258,7 +254,7 @@ def _placement(value: torch.Tensor) -> tuple[list[int], list[int]]:
     return list(value.shape), list(offset)
 
 
-class ShardedLayout(_OwnBuffers):
+class ShardedLayout(_OwnBuffers, FolderLayout):
     """FSDP, ``state_dict_type='sharded'``: DTensors saved and loaded through DCP."""
 
     name = SHARDED
@@ -277,12 +273,12 @@ class ShardedLayout(_OwnBuffers):
         tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
         return tensors, [r or {} for _, r in split]
 
-    def write_parts(self, temp: Path, tensors: dict[str, Any], group: Any) -> None:
+    def write_parts(self, temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> None:
         """Every rank's shards, durable in ``temp`` on return (DCP's save ends in a gather)."""
         self.write_tensors(temp, tensors, group)
 
     @staticmethod
-    def write_tensors(temp: Path, tensors: dict[str, Any], group: Any) -> None:
+    def write_tensors(temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> None:
         """Every rank writes its shards into ``temp`` and fsyncs them (a collective over ``group``)."""
         import torch.distributed.checkpoint as dcp
 

@@ -30,8 +30,8 @@ from torch import nn
 
 from lockstep import batch as batches
 from lockstep import dist
-from lockstep.checkpoint.deepspeed import INSTALL_HINT
 from lockstep.checks import check_keys
+from lockstep.optional import DEEPSPEED_INSTALL_HINT
 from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
@@ -67,7 +67,7 @@ def import_deepspeed(device: torch.device) -> Any:
         import deepspeed
     except ImportError as e:
         raise ImportError(f"deepspeed_config needs DeepSpeed, which is not installed ({e}): "
-                          f"{INSTALL_HINT}") from None
+                          f"{DEEPSPEED_INSTALL_HINT}") from None
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator().device_name()

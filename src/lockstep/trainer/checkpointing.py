@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,11 +14,14 @@ from lockstep.checkpoint import loader
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.saver import CheckpointSaver
-from lockstep.checkpoint.states import LOCAL, SINGLE, Layout
+from lockstep.checkpoint.layout import LOCAL, SINGLE, CheckpointLayout
 from lockstep.time import Time
 
+if TYPE_CHECKING:
+    from lockstep.state import State
 
-def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | None, layout: Layout,
+
+def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | None, layout: CheckpointLayout,
                device: torch.device) -> CheckpointSaver | None:
     if config.save_folder is None:
         return None
@@ -31,8 +34,8 @@ def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | 
     return saver
 
 
-def load_at_start(config: CheckpointConfig, state: Any, layout: Layout, saver: CheckpointSaver | None, *,
-                  run_name_given: bool) -> loader.Loaded | None:
+def load_at_start(config: CheckpointConfig, state: State, layout: CheckpointLayout, saver: CheckpointSaver | None,
+                  *, run_name_given: bool) -> loader.Loaded | None:
     """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh; then
     tell the saver what the run continues from."""
     loaded = None
@@ -40,7 +43,8 @@ def load_at_start(config: CheckpointConfig, state: Any, layout: Layout, saver: C
         if not run_name_given:
             raise ValueError("autoresume=True needs run_name=...: a restarted job finds its checkpoints by "
                              "its run name, and a generated name differs on every launch")
-        loaded = _autoresume(config, state, layout, saver)  # type: ignore[arg-type]
+        assert saver is not None  # CheckpointConfig: autoresume needs save_folder, so there is a saver
+        loaded = _autoresume(config, state, layout, saver)
     if loaded is None and config.load_path is not None:
         loaded = loader.load(config.load_path, state, layout, run_name=state.run_name,
                              weights_only=config.load_weights_only, strict=config.load_strict_model_weights,
@@ -50,13 +54,16 @@ def load_at_start(config: CheckpointConfig, state: Any, layout: Layout, saver: C
     return loaded
 
 
-def _autoresume(config: CheckpointConfig, state: Any, layout: Layout, saver: CheckpointSaver) -> loader.Loaded | None:
+def _autoresume(config: CheckpointConfig, state: State, layout: CheckpointLayout,
+                saver: CheckpointSaver) -> loader.Loaded | None:
     """Load the newest checkpoint the latest pointer names. If its bytes are damaged (a restart
     would fail on it every time), fall back to the newest one that loads, with a warning naming
     both. A checkpoint that does not fit the run fails as it is; per-rank files (FSDP ``local``)
     do not fall back."""
+    template = saver.latest_template
+    assert template is not None  # CheckpointConfig: autoresume needs save_latest_filename
     try:
-        return loader.load(saver.latest_template, state, layout, run_name=state.run_name,  # type: ignore[arg-type]
+        return loader.load(template, state, layout, run_name=state.run_name,
                            weights_only=False, strict=config.load_strict_model_weights, optional=True,
                            what="autoresume's latest pointer")
     except DamagedCheckpoint as newest:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from lockstep import dist
+from lockstep import _agreement, dist
 from lockstep import rng
 
 
@@ -270,7 +270,7 @@ class TokenSum:
 
     def __init__(self, tokens: int) -> None:
         self._tensor = torch.tensor([tokens], dtype=torch.int64)
-        self._work: Any = torch_dist.all_reduce(self._tensor, group=dist.host_group(), async_op=True)
+        self._work: Any = torch_dist.all_reduce(self._tensor, group=_agreement.host_group(), async_op=True)
 
     def __int__(self) -> int:
         if self._work is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from lockstep import dist
+from lockstep import _agreement, dist
 
 EXIT_CODE = 128 + signal.SIGTERM
 CHECK_SECONDS = 0.25
@@ -60,7 +60,7 @@ class StopSignal:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
             self._installed = True
         if dist.get_world_size() > 1 and dist.is_initialized():
-            self._group = dist.host_group()  # the flag is a CPU tensor: NCCL cannot reduce it
+            self._group = _agreement.host_group()  # the flag is a CPU tensor: NCCL cannot reduce it
             self._tensor = torch.zeros(2, dtype=torch.int64)  # [any rank stopping, -(next interval)]
         self._checked_at = time.perf_counter()
         return self

@@ -344,7 +344,7 @@ class Trainer:
         if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, before, Event.BATCH_END):
             self._evaluate()
         # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
-        if self.saver and not is_last and self.saver.due(before, after, Event.BATCH_END, s):
+        if self.saver and not is_last and self.saver.due(before, after, Event.BATCH_END, s, epoch_end=False):
             self._save(False)
         self._run_event(Event.BATCH_CHECKPOINT)
         if is_last:
@@ -364,8 +364,8 @@ class Trainer:
         self._run_event(Event.EPOCH_END)
         if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, after_batch, Event.EPOCH_END):
             self._evaluate()
-        if self.saver and (self.saver.due(before_batch, s.timestamp, Event.BATCH_END, s)
-                           or self.saver.due(before_batch, s.timestamp, Event.EPOCH_END, s)):
+        if self.saver and (self.saver.due(before_batch, s.timestamp, Event.BATCH_END, s, epoch_end=False)
+                           or self.saver.due(before_batch, s.timestamp, Event.EPOCH_END, s, epoch_end=True)):
             self._save(True)
         self._run_event(Event.EPOCH_CHECKPOINT)
 

@@ -1,0 +1,104 @@
+"""lockstep's own collectives for distributed decisions (internal: not Composer's ``dist`` API).
+
+The library decides as probe -> agree -> decide -> act: each rank gathers small local facts, one
+collective gives every rank all of them (:func:`gather_small_objects`), a pure function decides the
+same on every rank, and only then does any rank act. :func:`first_error` and
+:func:`raise_first_error` are the agreement on success, or on the first failing rank's error,
+raised everywhere. :func:`host_group` is the gloo group these small CPU collectives (and other
+off-the-critical-path reductions) run over.
+
+Built on :mod:`lockstep.dist`, which does not import this module.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import TypeVar
+
+import torch
+import torch.distributed as torch_dist
+
+from lockstep import dist
+
+T = TypeVar("T")
+
+_host_group: tuple[torch_dist.ProcessGroup, torch_dist.ProcessGroup] | None = None
+"""(the default group it was made for, the gloo group)."""
+
+
+def host_group() -> torch_dist.ProcessGroup | None:
+    """A group for small CPU tensors the library reduces off the critical path: the default group
+    when it is gloo, else a gloo group over every rank, made at the first call after the default
+    group was (a collective: every rank makes that call at the same point)."""
+    global _host_group
+    default = torch_dist.distributed_c10d._get_default_group()
+    if torch_dist.get_backend() == "gloo":
+        return None
+    if _host_group is None or _host_group[0] is not default:
+        _host_group = (default, torch_dist.new_group(backend="gloo"))
+    return _host_group[1]
+
+
+_small_object_bytes = 1 << 14
+"""The room for one rank's object in :func:`gather_small_objects`'s first all-gather. It grows to
+the largest object gathered so far (a checkpoint's per-rank entry with its RNG states is about
+30 KiB), so that the next call with objects that size takes one all-gather; every rank sees the
+same sizes, so every rank grows it alike."""
+
+
+def gather_small_objects(obj: T) -> list[T]:
+    """:func:`lockstep.dist.all_gather_object` for bookkeeping that pickles to a few KiB (what each
+    rank puts in a checkpoint): one all-gather of a fixed-size buffer over :func:`host_group`, where
+    ``all_gather_object`` takes two collectives and a device copy; an object bigger than any
+    gathered before (16 KiB at first) costs a second all-gather. Every rank calls it at the same
+    point."""
+    global _small_object_bytes
+    if dist.get_world_size() == 1 or not dist.is_initialized():
+        return [obj]
+    group, world = host_group(), torch_dist.get_world_size()
+    data = pickle.dumps(obj)
+    room = _small_object_bytes
+    rows = _gather_rows(len(data).to_bytes(8, "little") + data[:room], room + 8, world, group)
+    sizes = [int.from_bytes(rows[r][:8], "little") for r in range(world)]
+    if max(sizes) <= room:
+        return [pickle.loads(rows[r][8:8 + sizes[r]]) for r in range(world)]
+    _small_object_bytes = -(-max(sizes) // 4096) * 4096
+    rows = _gather_rows(data, max(sizes), world, group)  # every rank read the same sizes: all come here
+    return [pickle.loads(rows[r][:sizes[r]]) for r in range(world)]
+
+
+def _gather_rows(data: bytes, row: int, world: int, group: torch_dist.ProcessGroup | None) -> list[bytes]:
+    mine = torch.zeros(row, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = torch.empty(world * row, dtype=torch.uint8)
+    torch_dist.all_gather_single(every, mine, group=group)
+    flat = every.numpy().tobytes()
+    return [flat[r * row:(r + 1) * row] for r in range(world)]
+
+
+def first_error(error: str | None, *, device: str | torch.device = "cpu") -> tuple[int, str] | None:
+    """Agree on success, or on the first failing rank: ``(rank, message)`` on every rank.
+
+    ``error`` is this rank's failure message (None when it succeeded). Every rank must call this
+    at the same point, so that a step that fails on one rank is known to all of them instead of
+    a rank waiting in the next collective for a peer that gave up. Success costs one one-element
+    MAX all-reduce on ``device`` (NCCL reduces only CUDA tensors); the messages are gathered only
+    when some rank failed.
+    """
+    if dist.get_world_size() == 1 or not dist.is_initialized():
+        return None if error is None else (dist.get_global_rank(), error)
+    flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
+    if not int(dist.all_reduce(flag, "MAX")[0]):
+        return None
+    return next((rank, m) for rank, m in enumerate(dist.all_gather_object(error)) if m is not None)
+
+
+def raise_first_error(error: str | None, exception: type[Exception] = RuntimeError, *,
+                      device: str | torch.device = "cpu") -> None:
+    """:func:`first_error`, raised as ``exception`` on every rank; with several ranks the message
+    starts with ``rank N:``."""
+    first = first_error(error, device=device)
+    if first is not None:
+        rank, message = first
+        raise exception(message if dist.get_world_size() == 1 else f"rank {rank}: {message}")
