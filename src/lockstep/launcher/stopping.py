@@ -6,7 +6,8 @@ prints every rank's stacks) leaves the job running too. The handlers only wake t
 each signal's number arrives as a byte on a pipe that it selects on with the ranks.
 
 The teardown, after any end of the job, gives the live ranks the grace period and then SIGKILLs
-each rank's whole process group.
+each rank's whole process group. After a stopping signal, a rank it had to kill counts as stopped
+as asked: the kill was the launcher's doing, and the report says so instead of blaming the rank.
 """
 
 from __future__ import annotations
@@ -84,26 +85,43 @@ def teardown(ranks: list[Rank], wake_r: int, watchdog: Watchdog, grace_period: f
             if stopping:
                 say("second signal: killing every rank now")
                 break
+    why = "had not exited at the second signal" if stopping else \
+        f"did not exit within the {grace_period:g} s grace period (--grace_period)"
     for r in ranks:
-        # Also when the rank itself is gone: children it left in its group die with it.
-        r.signal_group(signal.SIGKILL)
-        r.proc.wait()
-        r.returncode = r.proc.returncode if r.returncode is None else r.returncode
-        watchdog.forget(r.pgid)
-        r.close()
+        _kill(r, watchdog, why)
     return stopping
+
+
+def _kill(rank: Rank, watchdog: Watchdog, why: str) -> None:
+    """SIGKILL the rank's group, also when the rank itself is gone: children it left die with it."""
+    running = rank.returncode is None
+    rank.signal_group(signal.SIGKILL)
+    rank.proc.wait()
+    if running:
+        rank.returncode = rank.proc.returncode
+        if rank.returncode == -signal.SIGKILL:
+            rank.killed = why
+    watchdog.forget(rank.pgid)
+    rank.close()
 
 
 def signalled_code(ranks: list[Rank], signum: int) -> int:
     """128 + ``signum`` when every rank stopped as asked: it finished, it exited 128 + signum
-    (the Trainer does after its preemption checkpoint is committed), or the signal killed it.
+    (the Trainer does after its preemption checkpoint is committed), the signal killed it, or the
+    teardown did after the grace period (said, as the launcher's doing, not the rank's failure).
     Otherwise the first other rank's code, with a report: a preemption that did not commit its
     checkpoint must not look clean to the scheduler."""
+    name = signal.Signals(signum).name
+    killed = [r for r in ranks if r.killed]
+    if killed:
+        who = ", ".join(str(r.spec.rank) for r in killed)
+        say(f"after {name}, rank{'s' if len(killed) > 1 else ''} {who} {killed[0].killed} and "
+            f"{'were' if len(killed) > 1 else 'was'} killed")
     clean = (0, 128 + signum, -signum)
-    bad = next((r for r in ranks if r.returncode not in clean), None)
+    bad = next((r for r in ranks if r.returncode not in clean and not r.killed), None)
     if bad is None:
         return 128 + signum
-    say(f"after {signal.Signals(signum).name}, rank {bad.spec.rank} did not stop cleanly, so a "
+    say(f"after {name}, rank {bad.spec.rank} did not stop cleanly, so a "
         f"checkpoint it should have written on the way out may be missing")
     others = [(o.spec.rank, o.returncode) for o in ranks if o is not bad]
     report_failure(bad.spec, bad.proc.pid, bad.returncode, others)  # type: ignore[arg-type]
