@@ -83,6 +83,14 @@ def test_module_and_command_modes(tmp_path: Path, write_script) -> None:
     assert result.stdout.strip() == "cmd rank 0 of 2"
 
 
+def test_a_folder_with_a_main_module_runs_as_the_script(tmp_path: Path) -> None:
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text(ENV_DUMP)
+    result = launch(["-n", "2", "app", str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "env1.json").read_text())["RANK"] == "1"
+
+
 def test_command_mode_runs_a_torch_script_through_the_launcher_store(tmp_path: Path, write_script) -> None:
     # -c runs the command as is, without lockstep's exit hook, so the script tears down itself.
     script = write_script("allreduce.py", ALL_REDUCE + "dist.destroy_process_group()\n")
