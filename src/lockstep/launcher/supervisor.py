@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel, StoreLost
+from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel, StoreLost, tcp_store
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
 from lockstep.launcher.ranks import Rank, Waiter, spawn
@@ -443,11 +443,10 @@ def _store_server(plan: LaunchPlan, listener: socket.socket | None = None):
     multi-node restart)."""
     import datetime
 
-    from torch.distributed import TCPStore
-
+    store_class = tcp_store()
     if listener is None:
-        return TCPStore(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
-                        wait_for_workers=False)
-    return TCPStore(plan.master_addr, listener.getsockname()[1], plan.world_size, True,
-                    datetime.timedelta(seconds=1800), wait_for_workers=False,
-                    master_listen_fd=listener.fileno())
+        return store_class(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
+                           wait_for_workers=False)
+    return store_class(plan.master_addr, listener.getsockname()[1], plan.world_size, True,
+                       datetime.timedelta(seconds=1800), wait_for_workers=False,
+                       master_listen_fd=listener.fileno())
