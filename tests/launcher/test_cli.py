@@ -96,6 +96,20 @@ def test_missing_targets(tmp_path: Path) -> None:
         parse_plan([], env={})
 
 
+def test_a_directory_given_as_the_script_says_so_and_what_to_pass(tmp_path: Path) -> None:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "train.py").write_text("print('hi')\n")
+    with pytest.raises(LaunchError) as info:
+        parse_plan(["-n", "2", str(folder)], env={})
+    message = str(info.value)
+    assert f"training script '{folder}' is a directory" in message and "\n" not in message
+    assert f"pass the script to run, e.g. {folder / 'train.py'}" in message
+    # as `python FOLDER` does, a folder with a __main__.py runs it
+    (folder / "__main__.py").write_text("print('main')\n")
+    assert parse_plan(["-n", "2", str(folder)], env={}).target == str(folder)
+
+
 def test_log_paths_use_every_format_field(script: str, tmp_path: Path) -> None:
     fmt = str(tmp_path / "{rank}-{local_rank}-{world_size}-{node_rank}-{local_world_size}.out")
     plan = parse_plan(["-n", "2", "--world_size", "4", "--node_rank", "1", "--master_addr", "h",

@@ -83,6 +83,14 @@ def test_module_and_command_modes(tmp_path: Path, write_script) -> None:
     assert result.stdout.strip() == "cmd rank 0 of 2"
 
 
+def test_a_folder_with_a_main_module_runs_as_the_script(tmp_path: Path) -> None:
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text(ENV_DUMP)
+    result = launch(["-n", "2", "app", str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "env1.json").read_text())["RANK"] == "1"
+
+
 def test_command_mode_runs_a_torch_script_through_the_launcher_store(tmp_path: Path, write_script) -> None:
     # -c runs the command as is, without lockstep's exit hook, so the script tears down itself.
     script = write_script("allreduce.py", ALL_REDUCE + "dist.destroy_process_group()\n")
@@ -154,6 +162,17 @@ def test_signal_to_launcher_is_forwarded_and_leaves_nothing(tmp_path: Path, writ
     assert wait_gone(pids, timeout=5) == []
 
 
+def _sigterm_when_ready(tmp_path: Path, script: Path, *flags: str) -> tuple[int, str]:
+    """Launch two ranks of ``script``, SIGTERM the launcher once both wrote their ready file."""
+    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", *flags, str(script), str(tmp_path)],
+                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    return launcher.returncode, err
+
+
 def test_a_rank_that_fails_on_its_way_out_is_not_reported_as_a_clean_preemption(tmp_path: Path,
                                                                                write_script) -> None:
     # rank 1 stops as asked (exit 143, as the Trainer does after its checkpoint); rank 0 fails instead
@@ -164,14 +183,30 @@ def test_a_rank_that_fails_on_its_way_out_is_not_reported_as_a_clean_preemption(
         open(os.path.join(sys.argv[1], "ready" + rank), "w").write("x")
         time.sleep(300)
     """))
-    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(script), str(tmp_path)],
-                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
-    launcher.send_signal(signal.SIGTERM)
-    _, err = launcher.communicate(timeout=30)
-    assert launcher.returncode == 3, err
+    code, err = _sigterm_when_ready(tmp_path, script)
+    assert code == 3, err
     assert "after SIGTERM, rank 0 did not stop cleanly" in err and "exit code 3" in err, err
+
+
+def test_a_rank_killed_after_its_grace_period_is_a_stop_as_asked_not_a_failure(tmp_path: Path,
+                                                                               write_script) -> None:
+    # rank 0 is still saving when the grace period ends, so the launcher kills it: its own SIGKILL
+    # is not the job's failure (issue 37)
+    script = write_script("slow.py", textwrap.dedent("""
+        import os, signal, sys, time
+        rank = os.environ["RANK"]
+        def stop(*_):
+            if rank == "0":
+                time.sleep(60)
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
+        open(os.path.join(sys.argv[1], "ready" + rank), "w").write("x")
+        time.sleep(300)
+    """))
+    code, err = _sigterm_when_ready(tmp_path, script, "--grace_period", "1")
+    assert code == 128 + signal.SIGTERM, err
+    assert "after SIGTERM, rank 0 did not exit within the 1 s grace period (--grace_period) and was killed" in err
+    assert "failed first" not in err and "did not stop cleanly" not in err, err
 
 
 def test_sigkill_to_launcher_leaves_no_orphans(tmp_path: Path, write_script) -> None:

@@ -117,6 +117,31 @@ def test_a_node_whose_launcher_dies_fails_the_job_on_the_others(tmp_path: Path) 
     assert "the job failed: node 1's launcher stopped answering" in err
 
 
+def test_when_node_0s_launcher_dies_the_others_say_so_without_c10d_warnings(tmp_path: Path) -> None:
+    # the launcher's own store clients fail too: torch's C++ warnings about them, each with a C++
+    # backtrace, used to come before the one line that explains it (issue 37)
+    nodes = _nodes(tmp_path, [], {"FAIL_RANK": "-1", "FAIL_CODE": "0", "STEPS": "100000"})
+    _wait_until_training(tmp_path, nodes)
+    nodes[0].send_signal(signal.SIGKILL)
+    _, err = nodes[1].communicate(timeout=60)
+    nodes[0].communicate()
+    assert nodes[1].returncode == 1, err
+    assert "[c10d]" not in err and "frame #" not in err, err
+    assert err.splitlines()[-1].startswith("lockstep: the job failed: the rendezvous store at 127.0.0.1:"), err
+
+
+@pytest.mark.parametrize("users_level", [None, "INFO"])
+def test_the_launchers_quiet_c10d_leaves_the_ranks_environment_as_it_was(users_level: str | None) -> None:
+    env = dict(os.environ)
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    if users_level is not None:
+        env["TORCH_CPP_LOG_LEVEL"] = users_level
+    code = ("import os; from lockstep.launcher.job import tcp_store; tcp_store(); "
+            "print(os.environ.get('TORCH_CPP_LOG_LEVEL'))")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == str(users_level), result.stderr
+
+
 def test_restarts_are_agreed_across_nodes(tmp_path: Path) -> None:
     nodes = _nodes(tmp_path, ["--max_restarts", "1"], {"FAIL_RANK": "1", "FAIL_CODE": "5"})
     outs = [n.communicate(timeout=120) for n in nodes]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from lockstep import __version__
-from lockstep.launcher import inputs, torchrun
+from lockstep.launcher import inputs, limits, torchrun
 from lockstep.launcher.plan import (
     DEFAULT_RDZV_TIMEOUT,
     FORMAT_FIELDS,
@@ -289,6 +289,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         run_id=getattr(args, "rdzv_id", None), nnodes=nnodes, role=getattr(args, "role", "default"),
         stall_timeout=_stall_timeout(args, env),
     )
+    limits.check_open_files(plan)  # first: the paths' check goes through every rank
     inputs.check_paths(plan)
     return plan
 

@@ -37,9 +37,7 @@ def check_format(name: str, fmt: str | None) -> None:
 def check_target(mode: Mode, target: str) -> None:
     """The script, module or command exists (and a script is Python source)."""
     if mode is Mode.SCRIPT:
-        if not Path(target).is_file():
-            raise LaunchError(f"training script {target!r} does not exist (use -m for a module, -c for a command)")
-        _check_source(target)
+        _check_script(target)
     if mode is Mode.COMMAND and shutil.which(target) is None:
         raise LaunchError(f"command {target!r} was not found on PATH or is not executable")
     if mode is Mode.MODULE:
@@ -52,6 +50,20 @@ def check_target(mode: Mode, target: str) -> None:
             sys.path.pop(0)
         if not found:
             raise LaunchError(f"module {target!r} was not found (run from the folder that contains it)")
+
+
+def _check_script(target: str) -> None:
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "__main__.py").is_file():
+            scripts = sorted(p for p in path.glob("*.py") if not p.name.startswith("_"))
+            example = scripts[0] if scripts else path / "train.py"
+            raise LaunchError(f"training script {target!r} is a directory: pass the script to run, e.g. "
+                              f"{example} (a directory runs only if it has a __main__.py)")
+        path = path / "__main__.py"  # as `python FOLDER`: the worker bootstrap runs it the same way
+    elif not path.is_file():
+        raise LaunchError(f"training script {target!r} does not exist (use -m for a module, -c for a command)")
+    _check_source(str(path))
 
 
 def _check_source(target: str) -> None:

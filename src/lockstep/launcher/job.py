@@ -32,11 +32,16 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 BEAT_S = 0.25
 LOST_AFTER_S = 3.0
@@ -64,6 +69,28 @@ STALLS = (STOPPED, WAITING)
 
 class StoreLost(RuntimeError):
     """The store (the master's launcher) stopped answering."""
+
+
+_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+
+
+def tcp_store() -> type[TCPStore]:
+    """torch's TCPStore class, for the launcher's own use.
+
+    The launcher reports a store that fails in one line (StoreLost); c10d would first log each
+    failed call as a C++ warning with a backtrace, from every thread that had one in flight. c10
+    reads TORCH_CPP_LOG_LEVEL once, when torch loads: unless the user set it, the launcher loads
+    torch with ERROR and removes the variable again, so that the ranks it starts later keep theirs.
+    """
+    if "torch" not in sys.modules and _CPP_LOG_LEVEL not in os.environ:
+        os.environ[_CPP_LOG_LEVEL] = "ERROR"
+        try:
+            import torch.distributed  # noqa: F401
+        finally:
+            del os.environ[_CPP_LOG_LEVEL]
+    from torch.distributed import TCPStore as store_class
+
+    return store_class
 
 
 @dataclass
@@ -111,11 +138,11 @@ class JobChannel:
     @classmethod
     def connect(cls, host: str, port: int, node: int, nnodes: int, server: Any = None) -> JobChannel:
         """Clients of the store at host:port (``server``: the store object this launcher hosts)."""
-        from torch.distributed import TCPStore
+        store_class = tcp_store()
 
         timeout = datetime.timedelta(seconds=10)
-        store = server or TCPStore(host, port, None, False, timeout)
-        return cls(store, TCPStore(host, port, None, False, timeout), node, nnodes)
+        store = server or store_class(host, port, None, False, timeout)
+        return cls(store, store_class(host, port, None, False, timeout), node, nnodes)
 
     # -- attempts -----------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ class Rank:
     logs: RankLogs
     pumps: list[Pump] = field(default_factory=list)
     returncode: int | None = None
+    killed: str = ""
+    """Why the teardown SIGKILLed it while it still ran ("" if it did not): its end was the launcher's doing."""
 
     def kept(self) -> dict[Stream, list[str]]:
         """The last lines of its console streams that passed through the launcher."""

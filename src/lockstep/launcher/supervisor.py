@@ -1,15 +1,13 @@
-"""Supervisor: start this node's ranks, watch them, forward signals, tear down, report, restart.
+"""Supervisor: start this node's ranks, watch them, report, restart.
 
-With ``ranks`` (a rank's process), the only module of the launcher that touches processes,
-sockets and signals. Each rank leads a process group of its own, which the watchdog kills if the
-launcher itself is killed.
+With ``ranks`` (a rank's process) and ``stopping`` (the launcher's signals, the teardown), the only
+module of the launcher that touches processes, sockets and signals. Each rank leads a process group
+of its own, which the watchdog kills if the launcher itself is killed.
 
-Signals to the launcher: SIGINT, SIGTERM and SIGHUP are forwarded and stop the job; SIGUSR1 and
-SIGUSR2 are forwarded to each rank's main process and the job goes on; SIGQUIT prints every rank's
-stacks and the job goes on. The ranks' progress slots and stack files live in a node-local control
-folder that exists while the launcher runs. On several nodes, a stopping signal is recorded for the
-other nodes as the cause of the job's end, and a stall found on any node makes every node print
-its own ranks' stacks.
+SIGQUIT prints every rank's stacks and the job goes on. The ranks' progress slots and stack files
+live in a node-local control folder that exists while the launcher runs. On several nodes, a
+stopping signal is recorded for the other nodes as the cause of the job's end, and a stall found on
+any node makes every node print its own ranks' stacks.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel, StoreLost
+from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel, StoreLost, tcp_store
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
 from lockstep.launcher.ranks import Rank, Waiter, spawn
@@ -40,14 +38,12 @@ from lockstep.launcher.report import (
 )
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
 from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose, stall_failures
+from lockstep.launcher.stopping import HANDLED, STOPPING, caught_signals, forward, pass_on, signalled_code, teardown
 from lockstep.launcher.watchdog import Watchdog
 from lockstep.progress import CONTROL_DIR_ENV
 
 __all__ = ["Supervisor", "describe_exit", "shell_code"]
 
-_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)
-_HANDLED = (*_STOPPING, *_PASSED_ON, signal.SIGQUIT)
 _STALL_POLL_S = 1.0
 _LIVENESS_EVERY_S = 1.0
 _DEPARTURE_S = 20.0  # beyond the grace period: node 0 keeps the store up this long for the others
@@ -86,41 +82,34 @@ class Supervisor:
             return listener  # a usage error, already reported
         port = listener.getsockname()[1] if listener else self.plan.master_port
         watchdog = Watchdog()  # forked first, so it inherits no handlers and no wakeup pipe
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        previous = {s: signal.signal(s, lambda *_: None) for s in _HANDLED}
-        old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        launcher_store = None
-        shm = Path("/dev/shm")
-        self._control_dir = Path(tempfile.mkdtemp(
-            prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
-        channel = None
-        try:
-            # On several nodes the store must outlive ranks and restarts: this launcher hosts it.
-            if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
-                launcher_store = _store_server(self.plan, listener)
-            if self.plan.is_multinode:
-                joined = self._join_job(port, launcher_store, wake_r)
-                if isinstance(joined, int):
-                    return joined
-                channel = joined
-            return self._run_attempts(port, listener, wake_r, watchdog, launcher_store is None, channel)
-        except LaunchError as e:
-            say(f"error: {e}")
-            return 2
-        finally:
-            if channel is not None:
-                channel.close()
-            if self._board is not None:
-                self._board.close()
-            shutil.rmtree(self._control_dir, ignore_errors=True)
-            watchdog.close()
-            signal.set_wakeup_fd(old_wakeup)
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            os.close(wake_r)
-            os.close(wake_w)
-            if listener:
-                listener.close()
+        with caught_signals() as wake_r:
+            launcher_store = None
+            shm = Path("/dev/shm")
+            self._control_dir = Path(tempfile.mkdtemp(
+                prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+            channel = None
+            try:
+                # On several nodes the store must outlive ranks and restarts: this launcher hosts it.
+                if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
+                    launcher_store = _store_server(self.plan, listener)
+                if self.plan.is_multinode:
+                    joined = self._join_job(port, launcher_store, wake_r)
+                    if isinstance(joined, int):
+                        return joined
+                    channel = joined
+                return self._run_attempts(port, listener, wake_r, watchdog, launcher_store is None, channel)
+            except LaunchError as e:
+                say(f"error: {e}")
+                return 2
+            finally:
+                if channel is not None:
+                    channel.close()
+                if self._board is not None:
+                    self._board.close()
+                shutil.rmtree(self._control_dir, ignore_errors=True)
+                watchdog.close()
+                if listener:
+                    listener.close()
 
     def _join_job(self, port: int, launcher_store: Any, wake_r: int) -> JobChannel | int:
         """Connect this node's launcher to the others through the store (the exit code if not)."""
@@ -159,7 +148,7 @@ class Supervisor:
                     return 0
                 if isinstance(outcome, int):  # the launcher was signalled
                     self._teardown(ranks, wake_r, watchdog, None)
-                    code = self._signalled_code(ranks, outcome)
+                    code = signalled_code(ranks, outcome)
                     if channel is not None:
                         self._leave(channel, wake_r)
                     return code
@@ -227,10 +216,10 @@ class Supervisor:
                 channel.leave()
                 return
             deadline = time.monotonic() + self.plan.grace_period + _DEPARTURE_S
-            with Waiter([], wake_r, _HANDLED) as waiter:
+            with Waiter([], wake_r, HANDLED) as waiter:
                 while not channel.others_gone() and time.monotonic() < deadline:
                     signals, _ = waiter.wait(BEAT_S)
-                    if any(s in _STOPPING for s in signals):
+                    if any(s in STOPPING for s in signals):
                         return
         except StoreLost:
             pass  # no one left to tell
@@ -272,7 +261,7 @@ class Supervisor:
 
         def interrupted() -> bool:
             try:
-                self._signals_seen.extend(s for s in os.read(wake_r, 64) if s in _STOPPING)
+                self._signals_seen.extend(s for s in os.read(wake_r, 64) if s in STOPPING)
             except BlockingIOError:
                 pass
             return bool(self._signals_seen)
@@ -326,18 +315,18 @@ class Supervisor:
         another node failed (_Elsewhere), or a stopping signal came (int)."""
         stall_timeout = self.plan.stall_timeout
         poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
-        with Waiter(ranks, wake_r, _HANDLED) as waiter:
+        with Waiter(ranks, wake_r, HANDLED) as waiter:
             while any(r.returncode is None for r in ranks):
                 signals, exited = waiter.wait(poll)
                 for signum in signals:
-                    if signum in _STOPPING:
+                    if signum in STOPPING:
                         self._stop(ranks, signum, channel)
                         return signum
                     if signum == signal.SIGQUIT:
                         say("received SIGQUIT: the stacks of this node's ranks follow; the job goes on")
                         self._show_stacks(ranks)
                     else:
-                        self._pass_on(ranks, signum)
+                        pass_on(ranks, signum)
                 failure = self._first_failure(exited, channel)
                 if failure is not None:
                     return failure
@@ -359,7 +348,7 @@ class Supervisor:
         self._signals_seen.append(signum)
         if channel is not None:
             self._record_signal(channel, signum)
-        self._forward(ranks, signum)
+        forward(ranks, signum)
 
     def _record_signal(self, channel: JobChannel, signum: int) -> None:
         try:
@@ -414,10 +403,10 @@ class Supervisor:
         channel.finish()
         if not self.plan.hosts_store:
             return None
-        with Waiter([], wake_r, _HANDLED) as waiter:
+        with Waiter([], wake_r, HANDLED) as waiter:
             while not channel.all_done():
                 signals, _ = waiter.wait(BEAT_S)
-                stopping = [s for s in signals if s in _STOPPING]
+                stopping = [s for s in signals if s in STOPPING]
                 if stopping:
                     self._signals_seen.extend(stopping)
                     self._record_signal(channel, stopping[0])
@@ -443,65 +432,9 @@ class Supervisor:
             for failure in stall_failures(diagnosis, dumps, progress, self.plan.node_rank, channel.host, suspects):
                 channel.report(failure)
 
-    def _pass_on(self, ranks: list[Rank], signum: int) -> None:
-        """A signal the job should see but not stop for (a batch scheduler's warning)."""
-        say(f"received {signal.Signals(signum).name}, passing it to every rank; the job goes on")
-        for r in ranks:
-            if r.returncode is None:
-                r.signal_leader(signum)
-
-    def _signalled_code(self, ranks: list[Rank], signum: int) -> int:
-        """128 + ``signum`` when every rank stopped as asked: it finished, it exited 128 + signum
-        (the Trainer does after its preemption checkpoint is committed), or the signal killed it.
-        Otherwise the first other rank's code, with a report: a preemption that did not commit its
-        checkpoint must not look clean to the scheduler."""
-        clean = (0, 128 + signum, -signum)
-        bad = next((r for r in ranks if r.returncode not in clean), None)
-        if bad is None:
-            return 128 + signum
-        say(f"after {signal.Signals(signum).name}, rank {bad.spec.rank} did not stop cleanly, so a "
-            f"checkpoint it should have written on the way out may be missing")
-        others = [(o.spec.rank, o.returncode) for o in ranks if o is not bad]
-        report_failure(bad.spec, bad.proc.pid, bad.returncode, others)  # type: ignore[arg-type]
-        return shell_code(bad.returncode)  # type: ignore[arg-type]
-
-    def _forward(self, ranks: list[Rank], signum: int) -> None:
-        say(f"received {signal.Signals(signum).name}, forwarding it to every rank")
-        for r in ranks:
-            if r.returncode is None:
-                # SIGTERM asks the rank itself to stop (the Trainer saves a checkpoint), so its
-                # dataloader workers must live on meanwhile; the teardown kills the group after.
-                # SIGINT goes to the whole group, as a terminal's Ctrl-C would.
-                if signum == signal.SIGTERM:
-                    r.signal_leader(signum)
-                else:
-                    r.signal_group(signum)
-
     def _teardown(self, ranks: list[Rank], wake_r: int, watchdog: Watchdog, first: int | None) -> None:
         """Signal the live ranks (unless already done), give them the grace period, then SIGKILL."""
-        if first is not None:
-            for r in ranks:
-                if r.returncode is None:
-                    r.signal_group(first)
-        deadline = time.monotonic() + self.plan.grace_period
-        with Waiter(ranks, wake_r, _HANDLED) as waiter:
-            while any(r.returncode is None for r in ranks):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                signals, _ = waiter.wait(remaining)
-                stopping = [s for s in signals if s in _STOPPING]
-                if stopping:
-                    self._signals_seen.extend(stopping)
-                    say("second signal: killing every rank now")
-                    break
-        for r in ranks:
-            # Also when the rank itself is gone: children it left in its group die with it.
-            r.signal_group(signal.SIGKILL)
-            r.proc.wait()
-            r.returncode = r.proc.returncode if r.returncode is None else r.returncode
-            watchdog.forget(r.pgid)
-            r.close()
+        self._signals_seen.extend(teardown(ranks, wake_r, watchdog, self.plan.grace_period, first))
 
 
 def _store_server(plan: LaunchPlan, listener: socket.socket | None = None):
@@ -510,11 +443,10 @@ def _store_server(plan: LaunchPlan, listener: socket.socket | None = None):
     multi-node restart)."""
     import datetime
 
-    from torch.distributed import TCPStore
-
+    store_class = tcp_store()
     if listener is None:
-        return TCPStore(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
-                        wait_for_workers=False)
-    return TCPStore(plan.master_addr, listener.getsockname()[1], plan.world_size, True,
-                    datetime.timedelta(seconds=1800), wait_for_workers=False,
-                    master_listen_fd=listener.fileno())
+        return store_class(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
+                           wait_for_workers=False)
+    return store_class(plan.master_addr, listener.getsockname()[1], plan.world_size, True,
+                       datetime.timedelta(seconds=1800), wait_for_workers=False,
+                       master_listen_fd=listener.fileno())
