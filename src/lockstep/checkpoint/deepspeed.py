@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 from lockstep.checkpoint import files, zipwriter
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.layout import DEEPSPEED, SHARDED_META, FolderLayout
-from lockstep.checkpoint.states import Layout, misfit
+from lockstep.checkpoint.states import ReplicatedLayout, misfit
 from lockstep.optional import DEEPSPEED_INSTALL_HINT
 
 TAG = "deepspeed"
@@ -39,7 +39,7 @@ _ALLOWED_GLOBALS = frozenset({
 })
 
 
-class DeepSpeedLayout(Layout, FolderLayout):
+class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
     """The engine saves and loads the model and optimizer; lockstep keeps the rest in lockstep.pt."""
 
     name = DEEPSPEED

@@ -1,7 +1,7 @@
 """What a checkpoint layout is: its names, and the interface the saver, the loader and the Trainer call.
 
 A layout is how one parallel backend's model and optimizer state go into a checkpoint and back;
-the backend makes it (``Strategy.layout()``). Every layout is a :class:`CheckpointLayout`. Those
+the backend makes it (``Strategy.layout()``). Every layout is a :class:`Layout`. Those
 that write a folder every rank writes into (FSDP ``sharded``, DeepSpeed) are also a
 :class:`FolderLayout`; their ``name`` is in :data:`FOLDER_LAYOUTS`, which is what :func:`is_folder`
 reads. The implementations are in :mod:`lockstep.checkpoint.states` (DDP and FSDP) and
@@ -27,7 +27,7 @@ INDEX, NAME = "index", "name"
 """How optimizer state is keyed: by parameter index (``Optimizer.state_dict``) or by parameter name."""
 
 
-class CheckpointLayout(Protocol):
+class Layout(Protocol):
     """What every layout does: gather the state to save, and load a file's tensors back.
 
     A single-file layout (``single``, ``local``) is only this: its writers put what :meth:`gather`
@@ -67,7 +67,7 @@ class CheckpointLayout(Protocol):
         """Put back what :meth:`rank_buffers` saved."""
         ...
 
-    def full_reader(self) -> CheckpointLayout:
+    def full_reader(self) -> Layout:
         """The layout that loads a single-file checkpoint's full tensors into this run."""
         ...
 
@@ -80,7 +80,7 @@ class CheckpointLayout(Protocol):
         ...
 
 
-class FolderLayout(CheckpointLayout, Protocol):
+class FolderLayout(Layout, Protocol):
     """A layout whose checkpoint is a folder that every rank writes its part into, with rank 0's
     ``lockstep.pt`` (:data:`SHARDED_META`) beside the parts."""
 
@@ -104,6 +104,6 @@ class FolderLayout(CheckpointLayout, Protocol):
         ...
 
 
-def is_folder(layout: CheckpointLayout) -> TypeGuard[FolderLayout]:
+def is_folder(layout: Layout) -> TypeGuard[FolderLayout]:
     """Whether ``layout`` writes a folder every rank writes into (its ``name`` says so)."""
     return layout.name in FOLDER_LAYOUTS

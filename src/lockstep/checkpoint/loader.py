@@ -21,7 +21,7 @@ from lockstep.checkpoint import ignore as ignore_keys
 from lockstep.checkpoint import files, payload, templates
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.layout import (
-    DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, CheckpointLayout, is_folder)
+    DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, Layout, is_folder)
 from lockstep.checkpoint.states import rekey_optimizer
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def _start_over_or_fail(probes: Sequence[Probe], on_rank: Any) -> Action:
                               f"must be the same folder for every rank, e.g. on a shared file system)"))
 
 
-def load(template: str, state: State, layout: CheckpointLayout, *, run_name: str, weights_only: bool, strict: bool,
+def load(template: str, state: State, layout: Layout, *, run_name: str, weights_only: bool, strict: bool,
          optional: bool = False, what: str = "load_path", ignore: ignore_keys.IgnoreKeys = None) -> Loaded | None:
     """Load the checkpoint ``template`` names into ``state`` on every rank (a collective).
 
@@ -203,7 +203,7 @@ class _Local:
             files.remove(self.opened.path)
 
 
-def _probe(template: str, state: State, layout: CheckpointLayout, *, run_name: str, weights_only: bool,
+def _probe(template: str, state: State, layout: Layout, *, run_name: str, weights_only: bool,
            optional: bool, what: str) -> _Local:
     own, zero = candidates(template, run_name)
     if layout.name == LOCAL:  # per-rank files: rank 0's never serves another rank
@@ -227,7 +227,7 @@ def _probe(template: str, state: State, layout: CheckpointLayout, *, run_name: s
     return _Local(probe, path, opened)
 
 
-def _apply_agreed(opened: _Opened, state: State, layout: CheckpointLayout, *, weights_only: bool, strict: bool,
+def _apply_agreed(opened: _Opened, state: State, layout: Layout, *, weights_only: bool, strict: bool,
                   agree: bool, ignore: ignore_keys.IgnoreKeys = None) -> Loaded:
     """Apply the opened checkpoint. When every rank loaded the same file into an unsharded model,
     a failure is the same on every rank, so only otherwise is there an agreement."""
@@ -243,7 +243,7 @@ def _apply_agreed(opened: _Opened, state: State, layout: CheckpointLayout, *, we
     return loaded
 
 
-def _step_back(mine: _Local, low: int, state: State, layout: CheckpointLayout, *, run_name: str) -> _Opened:
+def _step_back(mine: _Local, low: int, state: State, layout: Layout, *, run_name: str) -> _Opened:
     """Autoresume of per-rank files after a crash between two ranks' publishes: the ranks whose
     latest pointer is one save ahead open their previous checkpoint (kept until every rank had
     published: see CheckpointSaver._prune), so that all resume from the step every rank has. Once
@@ -274,7 +274,7 @@ def _step_back(mine: _Local, low: int, state: State, layout: CheckpointLayout, *
     return opened
 
 
-def _from_rank_zero(opened: _Opened | None, state: State, layout: CheckpointLayout, *, run_name: str,
+def _from_rank_zero(opened: _Opened | None, state: State, layout: Layout, *, run_name: str,
                     weights_only: bool, check_run_name: bool) -> _Opened:
     """Rank 0's single-file checkpoint, sent to the ranks that do not see it: a node whose disk
     is not the one rank 0 saved to (no shared file system). Every rank takes part in the
@@ -333,7 +333,7 @@ class _Opened:
         return list((self.meta or {}).get("history", []))
 
 
-def _open(path: Path, state: State, layout: CheckpointLayout, *, run_name: str, weights_only: bool,
+def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_only: bool,
           check_run_name: bool, share: tuple[int, int], data: bytes | None = None) -> _Opened:
     """Read, check and unpickle ``path`` (or, given ``data``, the file's content received from rank 0)."""
     if data is None:
@@ -371,7 +371,7 @@ def _meta_file(target: Path) -> Path:
     return target / SHARDED_META
 
 
-def _check_layout(opened: _Opened, layout: CheckpointLayout, weights_only: bool) -> None:
+def _check_layout(opened: _Opened, layout: Layout, weights_only: bool) -> None:
     saved, meta = opened.layout, opened.meta
     assert meta is not None
     if saved == SINGLE and layout.name != SINGLE:
@@ -403,7 +403,7 @@ def _check_layout(opened: _Opened, layout: CheckpointLayout, weights_only: bool)
                                   f"{dist.get_global_rank()}'s: give load_path a {{rank}} field")
 
 
-def _apply(opened: _Opened, state: State, layout: CheckpointLayout, *,
+def _apply(opened: _Opened, state: State, layout: Layout, *,
            weights_only: bool, strict: bool, ignore: ignore_keys.IgnoreKeys = None) -> Loaded:
     if ignore is not None:
         return _apply_ignoring(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
@@ -431,7 +431,7 @@ def _apply(opened: _Opened, state: State, layout: CheckpointLayout, *,
     return _apply_rest(opened, content, state, layout)
 
 
-def _apply_rest(opened: _Opened, content: dict[str, Any], state: State, layout: CheckpointLayout) -> Loaded:
+def _apply_rest(opened: _Opened, content: dict[str, Any], state: State, layout: Layout) -> Loaded:
     """Schedulers, scaler, timestamp and this rank's buffers; this rank's entry for the loop."""
     entry = payload.apply(content, state, opened.path, dist.get_global_rank(), dist.get_world_size())
     if entry and entry.get("buffers"):
@@ -439,7 +439,7 @@ def _apply_rest(opened: _Opened, content: dict[str, Any], state: State, layout: 
     return Loaded(opened.batch, entry, opened.history)
 
 
-def _apply_ignoring(opened: _Opened, state: State, layout: CheckpointLayout, *, weights_only: bool, strict: bool,
+def _apply_ignoring(opened: _Opened, state: State, layout: Layout, *, weights_only: bool, strict: bool,
                     ignore: ignore_keys.IgnoreKeys) -> Loaded:
     """As :func:`_apply`, leaving out what ``load_ignore_keys`` names (a file of full or per-rank tensors)."""
     content, meta, path = opened.content, opened.meta, opened.path

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, CheckpointLayout
+from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, Layout
 from lockstep.time import Timestamp
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ VERSION = 1
 
 
 def build(state: State, ranks: list[dict[str, Any]], history: list[str],
-          layout: CheckpointLayout, model: dict[str, Any], optimizers: list[Any], rank: int = 0,
+          layout: Layout, model: dict[str, Any], optimizers: list[Any], rank: int = 0,
           metrics: bool = False) -> dict[str, Any]:
     """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position;
     ``model`` and ``optimizers`` come from ``layout.gather()``. With ``metrics``, also the
@@ -72,7 +72,7 @@ def metadata(payload: Any, path: Path) -> dict[str, Any] | None:
     raise CheckpointError(f"{path} is neither a lockstep checkpoint nor a state_dict of tensors")
 
 
-def check_complete(payload: dict[str, Any], path: Path, layout: CheckpointLayout, state: State) -> None:
+def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: State) -> None:
     """Everything :func:`apply` needs is there and fits in number and kind (before any loading)."""
     missing = {"ranks", "optimizers", "schedulers", "scaler", "timestamp"} - payload.keys()
     if missing:

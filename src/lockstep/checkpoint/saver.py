@@ -19,7 +19,7 @@ from lockstep import _agreement, dist, idle
 from lockstep.checkpoint import files, payload, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
-    FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, CheckpointLayout, FolderLayout, is_folder)
+    FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class CheckpointSaver:
 
     In the single-file layout the thread also copies the parameters and optimizer state, while
     the next batch's forward and backward read them: until :attr:`copying` is set, nothing may
-    change them (:meth:`settle` waits for it).
+    change them (:meth:`before_weights_change` waits for it).
     """
 
     def __init__(self, config: CheckpointConfig, *, run_name: str, max_duration: Time | None,
@@ -141,7 +141,7 @@ class CheckpointSaver:
             return False
         return is_interval_due(before, after, interval, self.max_duration)
 
-    def save(self, state: State, rank_entry: dict[str, Any], layout: CheckpointLayout, *,
+    def save(self, state: State, rank_entry: dict[str, Any], layout: Layout, *,
              wait: bool = False) -> Path | None:
         """Write the checkpoint of ``state`` now (a collective: every rank calls it).
 
@@ -190,14 +190,14 @@ class CheckpointSaver:
                                   f"replace it, or choose another save_folder or save_filename")
         return ([_from_wire(e) for e, *_ in gathered] if self.writes else []), gathered[0][2]
 
-    def _meta(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: CheckpointLayout,
+    def _meta(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: Layout,
               rests: list[Any]) -> dict[str, Any] | None:
         """Rank 0's lockstep.pt of a folder layout: everything but the model and optimizer tensors."""
         if dist.get_global_rank() != 0:
             return None
         return payload.build(state, ranks, history, layout, {}, rests, metrics=self.config.save_metrics)
 
-    def _save_file(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: CheckpointLayout,
+    def _save_file(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: Layout,
                    model: dict[str, Any], optimizers: list[Any], path: Path, *, wait: bool) -> None:
         """A writer's one file: staged and written by the thread, or written here when it does not fit."""
         content = model if self.config.save_weights_only else payload.build(
@@ -235,9 +235,10 @@ class CheckpointSaver:
             copied.set()
         self._publish(None, staged, path, history)
 
-    def settle(self) -> None:
-        """Return once no background save still reads the parameters or optimizer state: call it
-        before anything changes them in place (the optimizer step)."""
+    def before_weights_change(self) -> None:
+        """Return once no background save still reads the parameters or optimizer state: the
+        Trainer calls it before anything may change them in place (the optimizer step, and an
+        algorithm or callback acting at an event)."""
         copying = self.copying
         if copying is not None:
             copying.wait()

@@ -8,7 +8,7 @@
 * ``deepspeed``: a folder with the DeepSpeed engine's own files and ``lockstep.pt``
   (:mod:`lockstep.checkpoint.deepspeed`).
 
-Each is a :class:`~lockstep.checkpoint.layout.CheckpointLayout`; ``sharded`` and ``deepspeed``
+Each is a :class:`~lockstep.checkpoint.layout.Layout`; ``sharded`` and ``deepspeed``
 are also a :class:`~lockstep.checkpoint.layout.FolderLayout`.
 """
 
@@ -27,10 +27,10 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint import staging
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SINGLE, CheckpointLayout, FolderLayout
+from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SINGLE, Layout, FolderLayout
 
 
-class Layout(CheckpointLayout):
+class ReplicatedLayout(Layout):
     """Unsharded modules (DDP): ``state_dict()`` / ``load_state_dict()`` as they are, in one file
     that rank 0 writes. The base of the other layouts."""
 
@@ -68,7 +68,7 @@ class Layout(CheckpointLayout):
         keys.difference_update(staging.storage_key(b.untyped_storage()) for b in self.model.buffers())
         return keys
 
-    def full_reader(self) -> CheckpointLayout:
+    def full_reader(self) -> Layout:
         return self
 
     def rank_buffers(self) -> dict[str, torch.Tensor]:
@@ -132,7 +132,7 @@ def _optimizermisfit(path: Path, i: int, optimizer: torch.optim.Optimizer, e: Ex
                            f"match the saved one: {' '.join(str(e).split())[:400]}")
 
 
-class _OwnBuffers(Layout):
+class _OwnBuffers(ReplicatedLayout):
     """FSDP does not synchronise buffers (a BatchNorm's running statistics differ per rank), and
     one file or DCP's deduplication keeps rank 0's only: each rank's entry holds its own."""
 
@@ -170,12 +170,12 @@ class FullLayout(_OwnBuffers):
                 raise _optimizermisfit(path, i, optimizer, e) from None
 
 
-def _gathering_reader(self: Layout) -> Layout:
+def _gathering_reader(self: ReplicatedLayout) -> ReplicatedLayout:
     """A sharded model loads a single file's full tensors the way FSDP's ``full`` layout does."""
     return FullLayout(self.model, self.optimizers, self.buffer_dtypes)
 
 
-class LocalLayout(Layout):
+class LocalLayout(ReplicatedLayout):
     """FSDP, ``state_dict_type='local'``: this rank's shards as plain tensors, one file per rank.
 
     ``model`` maps each name to its local shard; ``shards`` maps it to (full shape, offset of the

@@ -36,7 +36,7 @@ from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
-    from lockstep.checkpoint.states import Layout
+    from lockstep.checkpoint.layout import Layout
 
 # DeepSpeed ignores top-level keys it does not know, so a misspelt section would silently train
 # without it; these are the keys DeepSpeed reads (tests check each against the installed DeepSpeed).

@@ -14,7 +14,7 @@ from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
-    from lockstep.checkpoint.states import Layout
+    from lockstep.checkpoint.layout import Layout
 
 
 class FSDPStrategy(Strategy):

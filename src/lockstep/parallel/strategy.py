@@ -28,7 +28,7 @@ from lockstep.parallel import clipping
 from lockstep.parallel.precision import NULL_CONTEXT, autocast, make_grad_scaler
 
 if TYPE_CHECKING:
-    from lockstep.checkpoint.states import Layout
+    from lockstep.checkpoint.layout import Layout
 
 
 class Strategy:
@@ -135,8 +135,8 @@ class Strategy:
 
     def layout(self) -> Layout:
         """How this backend's model and optimizer state go into a checkpoint and back."""
-        from lockstep.checkpoint.states import Layout
-        return Layout(self.model, self.optimizers)
+        from lockstep.checkpoint.states import ReplicatedLayout
+        return ReplicatedLayout(self.model, self.optimizers)
 
     def describe(self) -> dict[str, Any]:
         """Facts about the setup, for logs and tests."""

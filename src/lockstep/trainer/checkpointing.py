@@ -1,4 +1,4 @@
-"""The Trainer's checkpoint config -> a saver, and the load that happens before training."""
+"""The Trainer's checkpoints: config -> a saver, the load before training, and the saves during ``fit``."""
 
 from __future__ import annotations
 
@@ -9,19 +9,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist
+from lockstep import dist, progress
 from lockstep.checkpoint import loader
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.saver import CheckpointSaver
-from lockstep.checkpoint.layout import LOCAL, SINGLE, CheckpointLayout
-from lockstep.time import Time
+from lockstep.checkpoint.layout import LOCAL, SINGLE, Layout
+from lockstep.core.event import Event
+from lockstep.time import Time, Timestamp
+from lockstep.trainer.data import DataPosition, rank_entry, resume_caveat
 
 if TYPE_CHECKING:
     from lockstep.state import State
 
 
-def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | None, layout: CheckpointLayout,
+def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | None, layout: Layout,
                device: torch.device) -> CheckpointSaver | None:
     if config.save_folder is None:
         return None
@@ -34,10 +36,62 @@ def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | 
     return saver
 
 
-def load_at_start(config: CheckpointConfig, state: State, layout: CheckpointLayout, saver: CheckpointSaver | None,
-                  *, run_name_given: bool) -> loader.Loaded | None:
-    """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh; then
-    tell the saver what the run continues from."""
+class FitSaves:
+    """The saves ``fit`` makes: when ``save_interval`` asks, at the end, and after SIGTERM. Each
+    holds this rank's RNG state and data position (``position``, which the data loop keeps)."""
+
+    def __init__(self, saver: CheckpointSaver, state: State, layout: Layout, position: DataPosition,
+                 saved: list[str]) -> None:
+        self.saver, self.state, self.layout, self.position, self.saved = saver, state, layout, position, saved
+
+    def after_batch(self, before: Timestamp, after: Timestamp) -> None:
+        """Save if a batch-end save is due (not at an epoch's last batch: see :meth:`after_epoch`)."""
+        if self.saver.due(before, after, Event.BATCH_END, self.state, epoch_end=False):
+            self.save(at_epoch_end=False)
+
+    def after_epoch(self, before_batch: Timestamp) -> None:
+        """Save if the epoch's last batch, or the epoch's end, made a save due: after EPOCH_END, so
+        that ``{epoch}`` in its name counts the epoch."""
+        now, due = self.state.timestamp, self.saver.due
+        if due(before_batch, now, Event.BATCH_END, self.state, epoch_end=False) or \
+                due(before_batch, now, Event.EPOCH_END, self.state, epoch_end=True):
+            self.save(at_epoch_end=True)
+
+    def save(self, *, at_epoch_end: bool, wait: bool = False) -> None:
+        entry = rank_entry(self.position, at_epoch_end)
+        with progress.heartbeat_paused():  # a long write is not a stall, nor are ranks waiting for it
+            path = self.saver.save(self.state, entry, self.layout, wait=wait)
+        if path is not None:
+            self.saved.append(str(path))
+
+    def finish(self) -> None:
+        """Save this batch unless that is done already, and wait until every save is durable."""
+        timestamp = self.state.timestamp
+        if self.saver.last_saved_batch != timestamp.batch:
+            self.save(at_epoch_end=timestamp.batch_in_epoch == 0, wait=True)
+        with progress.heartbeat_paused():
+            self.saver.wait()
+
+
+def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver | None,
+                  train_dataloader: Any, *, run_name_given: bool) -> dict[str, Any] | None:
+    """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh, and tell
+    the saver what the run continues from; returns this rank's RNG and data entry for ``fit`` to
+    apply (None when nothing, or only weights, were loaded)."""
+    loaded = _load(config, state, layout, saver, run_name_given=run_name_given)
+    if saver is not None:
+        saver.begin(loaded)
+    if loaded is None or loaded.weights_only:
+        return None
+    if dist.get_global_rank() == 0:
+        caveat = resume_caveat(train_dataloader, state.timestamp.epoch)
+        if caveat:
+            warnings.warn(caveat, stacklevel=3)
+    return loaded.rank_entry or {}
+
+
+def _load(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver | None,
+          *, run_name_given: bool) -> loader.Loaded | None:
     loaded = None
     if config.autoresume:
         if not run_name_given:
@@ -49,12 +103,10 @@ def load_at_start(config: CheckpointConfig, state: State, layout: CheckpointLayo
         loaded = loader.load(config.load_path, state, layout, run_name=state.run_name,
                              weights_only=config.load_weights_only, strict=config.load_strict_model_weights,
                              ignore=config.load_ignore_keys)
-    if saver is not None:
-        saver.begin(loaded)
     return loaded
 
 
-def _autoresume(config: CheckpointConfig, state: State, layout: CheckpointLayout,
+def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
                 saver: CheckpointSaver) -> loader.Loaded | None:
     """Load the newest checkpoint the latest pointer names. If its bytes are damaged (a restart
     would fail on it every time), fall back to the newest one that loads, with a warning naming

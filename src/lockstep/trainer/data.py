@@ -101,6 +101,35 @@ class DataPosition:
     """A stateful loader's ``state_dict()`` after the newest batch it yielded for training."""
 
 
+def rank_entry(position: DataPosition, at_epoch_end: bool) -> dict[str, Any]:
+    """This rank's part of a checkpoint: its RNG state and, mid-epoch, where its data stream stands."""
+    mid_epoch = not at_epoch_end
+    return {"rng": rng.capture(),
+            "epoch_rng": position.epoch_rng if mid_epoch else None,
+            "fetch_rng": position.fetch_rng if mid_epoch else None,
+            "loader_state": position.loader_state if mid_epoch else None}
+
+
+def resume_position(entry: dict[str, Any] | None, batch_in_epoch: int, position: DataPosition) -> DataPosition | None:
+    """Where ``fit`` starts this rank's data: None at an epoch's start (after restoring a loaded
+    checkpoint's RNG state), else the position to resume mid-epoch from. ``entry`` is this rank's
+    part of a loaded checkpoint; without one, ``fit`` runs again after an earlier ``fit`` ended
+    mid-epoch (from ``position``)."""
+    if entry is None:
+        if batch_in_epoch == 0:
+            return None
+        # finish the epoch, skipping the batches it already trained on
+        return DataPosition(epoch_rng=position.epoch_rng, skip=batch_in_epoch)
+    # An empty entry: a sharded checkpoint of another world size, whose RNG streams do not map
+    # onto these ranks. The data position still does when the global batch is the same.
+    if batch_in_epoch == 0:
+        if entry and entry.get("rng") is not None:  # None: load_ignore_keys left it out
+            rng.restore(entry["rng"])
+        return None
+    return DataPosition(epoch_rng=entry.get("epoch_rng"), fetch_rng=entry.get("fetch_rng"), skip=batch_in_epoch,
+                        rng_after=entry.get("rng"), loader_state=entry.get("loader_state"))
+
+
 def is_stateful(loader: Any) -> bool:
     """A loader that saves and restores its own position (torchdata's StatefulDataLoader, or any
     with ``state_dict``/``load_state_dict``): resuming restores it instead of passing over batches."""

@@ -1,6 +1,7 @@
-"""``device_train_microbatch_size='auto'``: find the largest microbatch that fits, as Composer does.
+"""Microbatches: a rank's batch split, each piece's forward and backward with its share of the
+global batch, and the search of ``device_train_microbatch_size='auto'``.
 
-Training starts with each rank's whole batch as one microbatch. When any rank runs out of memory
+With ``'auto'``, Composer's search for the largest microbatch that fits: training starts with each rank's whole batch as one microbatch. When any rank runs out of memory
 (CUDA's ``OutOfMemoryError``, or the CPU allocator's "can't allocate memory"), every rank drops
 the gradients of the batch, halves the microbatch and trains the same batch again; the size that
 worked is kept for the rest of the run. Ranks agree with one small all-reduce per attempt, just
@@ -13,6 +14,7 @@ runs, cannot be recovered from on one rank alone (Composer has the same limit); 
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,7 +22,10 @@ from typing import Any, TypeVar
 import torch
 
 from lockstep import dist
+from lockstep.core.event import Event
+from lockstep.parallel.strategy import Strategy
 from lockstep.state import State
+from lockstep.trainer.config import LoopConfig
 
 T = TypeVar("T")
 
@@ -89,3 +94,75 @@ class AutoMicrobatch:
             if dist.get_global_rank() == 0:
                 print(f"lockstep: out of memory on a rank; training this batch again in microbatches of "
                       f"{state.device_train_microbatch_size} samples", file=sys.stderr, flush=True)
+
+
+class Microbatches:
+    """The forward and backward of a rank's batch, in the microbatches the Trainer was asked for."""
+
+    def __init__(self, state: State, strategy: Strategy, run_event: Callable[[Event], None], loop: LoopConfig,
+                 auto: AutoMicrobatch | None) -> None:
+        self.state, self.strategy, self.run_event, self.loop, self.auto = state, strategy, run_event, loop, auto
+
+    def forward_backward(self, batch: Any, share: float, loud: bool) -> torch.Tensor:
+        """Accumulate the gradients of ``batch`` (each sample weighted by ``share``); the batch's mean
+        loss. Without ``loud``, nothing acts at the microbatch events, so they are not run."""
+        if self.auto is None:
+            losses, counts = self._each(batch, share, loud)
+        else:
+            losses, counts = self.auto.retrying(lambda: self._each(batch, share, loud), self.state, batch,
+                                                self.strategy.abandon_backward)
+        return mean_loss(losses, counts)
+
+    def _each(self, batch: Any, share: float, loud: bool) -> tuple[list[torch.Tensor], list[int]]:
+        """Forward and backward of every microbatch of ``batch``; their losses and sample counts."""
+        s, strategy, run, auto = self.state, self.strategy, self.run_event, self.auto
+        microbatches = self.split(batch)
+        losses, counts, last = [], [], len(microbatches) - 1
+        for i, micro in enumerate(microbatches):
+            n = s.model.num_samples(micro)
+            s.batch = micro
+            with strategy.sync_context(i == last):
+                with strategy.autocast():
+                    if loud:
+                        run(Event.BEFORE_FORWARD)
+                    s.outputs = strategy.module(s.batch)
+                    if loud:
+                        run(Event.AFTER_FORWARD)
+                        run(Event.BEFORE_LOSS)
+                    s.loss_tensor = s.model.loss(s.outputs, s.batch)
+                    if loud:
+                        run(Event.AFTER_LOSS)
+                if auto is not None and i == last:
+                    auto.agree(False)  # every rank got here: the gradient all-reduce may start
+                if loud:
+                    run(Event.BEFORE_BACKWARD)
+                loss = s.loss_tensor
+                weight = n * share  # its share of the global batch: 1.0 (no op) for one even microbatch
+                strategy.backward(loss if weight == 1.0 else loss * weight)
+                if loud:
+                    run(Event.AFTER_BACKWARD)
+            losses.append(loss.detach())
+            counts.append(n)
+        return losses, counts
+
+    def split(self, batch: Any) -> list[Any]:
+        model, loop, auto = self.state.model, self.loop, self.auto
+        if auto is not None:
+            return [batch] if auto.size is None else model.split_batch(batch, auto.size)
+        if loop.device_train_microbatch_size is not None:
+            return model.split_batch(batch, loop.device_train_microbatch_size)
+        if loop.grad_accum is not None:
+            return model.split_batch(batch, math.ceil(model.num_samples(batch) / loop.grad_accum))
+        return [batch]
+
+
+def mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """The sample-weighted mean of the microbatches' losses, in a few tensor ops per step."""
+    if len(losses) == 1:
+        loss = losses[0]
+        return loss if loss.dtype is torch.float32 else loss.float()
+    stacked = torch.stack(losses).float()
+    if len(set(counts)) == 1 and counts[0] > 0:
+        return stacked.mean()
+    weights = torch.tensor(counts, dtype=torch.float32, device=stacked.device)
+    return (stacked * weights).sum() / max(sum(counts), 1)

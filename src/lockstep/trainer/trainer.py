@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import gc
-import math
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, SupportsInt
 
@@ -26,7 +23,7 @@ from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
-from lockstep.trainer import checkpointing, data, evaluation, predict, setup
+from lockstep.trainer import checkpointing, data, evaluation, microbatch, predict, setup
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
@@ -39,7 +36,7 @@ class Trainer:
     a count) splits it into microbatches whose gradients accumulate before one optimizer step.
     Each microbatch's mean loss is weighted by its share of the global batch, so the parameters
     after a step do not depend on how the global batch was spread over ranks and microbatches.
-    See :mod:`lockstep.callbacks` for the loop as pseudocode.
+    See :mod:`lockstep.core.event` for the loop as pseudocode.
 
     Checkpoints: with ``save_folder``, rank 0 writes ``save_filename`` every ``save_interval`` and
     at the end, each holding the model, optimizers, schedulers, timestamp and every rank's RNG and
@@ -137,7 +134,6 @@ class Trainer:
             parallel, device=self.loop.device, precision=self.loop.precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
             microbatch_size=self.loop.fixed_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
         self.state = self._start_distributed(model, optimizer_list, schedulers, run_name, dist_timeout)
-        self._auto = setup.auto_microbatching(self.loop, self.parallel)
         self.state.device_train_microbatch_size = self.loop.fixed_microbatch_size
         self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
             self.state.schedulers, step_schedulers_every_batch)
@@ -145,11 +141,14 @@ class Trainer:
         self._follow_loader(train_dataloader)
         console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
         self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
+        self._microbatches = microbatch.Microbatches(self.state, self.strategy, self._run_event, self.loop,
+                                                     setup.auto_microbatching(self.loop, self.parallel))
         self._logging, self._closed, self._fitting = False, False, False
         self._events.index()
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
-        self._resume_entry = self._load_checkpoint(run_name_given=run_name is not None)
+        self._resume_entry = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
+                                                         self.train_dataloader, run_name_given=run_name is not None)
         self._run_event(Event.AFTER_LOAD)
 
     def _set_up_checkpoints(self) -> None:
@@ -157,9 +156,14 @@ class Trainer:
         self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
                                               max_duration=self.state.max_duration, layout=self.layout,
                                               device=self.state.device)
+        # The one hook before the weights change in place (the optimizer step; whatever acts at an
+        # event): a checkpoint's background copy may still be reading them.
+        self._before_weights_change = _nothing if self.saver is None else self.saver.before_weights_change
         self._position = data.DataPosition()
         self.saved_checkpoints: list[str] = []
         """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
+        self._saves = None if self.saver is None else checkpointing.FitSaves(
+            self.saver, self.state, self.layout, self._position, self.saved_checkpoints)
 
     def _set_up_outputs(self, run_folder: str | None, loggers: Sequence[LoggerDestination],
                         callbacks: Sequence[Callback], progress_bar: bool, console: ConsoleLogger | None) -> None:
@@ -210,19 +214,6 @@ class Trainer:
             self._follow_schedules(state)
         return state
 
-    def _load_checkpoint(self, run_name_given: bool) -> dict[str, Any] | None:
-        """Load ``autoresume``'s or ``load_path``'s checkpoint; returns this rank's RNG and data
-        entry for ``fit`` to apply (None when nothing, or only weights, were loaded)."""
-        loaded = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
-                                             run_name_given=run_name_given)
-        if loaded is None or loaded.weights_only:
-            return None
-        if dist.get_global_rank() == 0:
-            caveat = data.resume_caveat(self.train_dataloader, self.state.timestamp.epoch)
-            if caveat:
-                warnings.warn(caveat, stacklevel=3)
-        return loaded.rank_entry or {}
-
     # -- the loop -----------------------------------------------------------------------------
 
     def fit(self, *, train_dataloader: Any = None, duration: Time | str | int | None = None,
@@ -248,30 +239,24 @@ class Trainer:
             raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
-        # The interpreter's full collections scan every object, torch's included: each took about
-        # 0.2 s, a stall of several steps. What exists before training lives through it, so it is
-        # kept out of those passes while training runs (unless the user manages freezing).
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
         self._fitting = True
         self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
-        try:
-            self._fit()
-        except BaseException:
-            self._events.close()
-            raise
-        finally:
-            self._fitting = False
-            progress.stop_heartbeat()  # what the script does next may wait on other ranks
-            if freeze:
-                gc.unfreeze()
+        with setup.kept_out_of_gc():
+            try:
+                self._fit()
+            except BaseException:
+                self._events.close()
+                raise
+            finally:
+                self._fitting = False
+                progress.stop_heartbeat()  # what the script does next may wait on other ranks
 
     def _fit(self) -> None:
         s = self.state
         s.model.train()
         self._events.index()  # callbacks added since the Trainer was built
-        resume = self._take_resume()
+        entry, self._resume_entry = self._resume_entry, None
+        resume = data.resume_position(entry, s.timestamp.batch_in_epoch, self._position)
         self._follow_schedules(s)
         self._logging = bool(self.logger.active)
         if self._logging:
@@ -294,11 +279,8 @@ class Trainer:
                 finally:
                     batches.close()  # puts back a sampler the resume skipped through
                 resume = None
-            if self.saver:
-                if self.saver.last_saved_batch != s.timestamp.batch:
-                    self._save(s.timestamp.batch_in_epoch == 0, wait=True)
-                with progress.heartbeat_paused():
-                    self.saver.wait()
+            if self._saves:
+                self._saves.finish()
         self._run_event(Event.FIT_END)
 
     def _train_epoch(self, batches: Iterator[tuple[Any, int, SupportsInt, bool]], stop: StopSignal | None) -> bool:
@@ -344,13 +326,13 @@ class Trainer:
         if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, before, Event.BATCH_END):
             self._evaluate()
         # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
-        if self.saver and not is_last and self.saver.due(before, after, Event.BATCH_END, s, epoch_end=False):
-            self._save(False)
+        if self._saves and not is_last:
+            self._saves.after_batch(before, after)
         self._run_event(Event.BATCH_CHECKPOINT)
         if is_last:
             self._end_epoch(before)
         if stop and stop.agreed():
-            self._preempt(is_last)
+            self._preempt()
 
     def _end_epoch(self, before_batch: Timestamp) -> None:
         """After the epoch's last batch: the timestamp counts the epoch, the per-epoch schedulers
@@ -364,9 +346,8 @@ class Trainer:
         self._run_event(Event.EPOCH_END)
         if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, after_batch, Event.EPOCH_END):
             self._evaluate()
-        if self.saver and (self.saver.due(before_batch, s.timestamp, Event.BATCH_END, s, epoch_end=False)
-                           or self.saver.due(before_batch, s.timestamp, Event.EPOCH_END, s, epoch_end=True)):
-            self._save(True)
+        if self._saves:
+            self._saves.after_epoch(before_batch)
         self._run_event(Event.EPOCH_CHECKPOINT)
 
     def _train_batch(self, batch: Any, global_samples: int, loud: bool) -> torch.Tensor:
@@ -377,65 +358,19 @@ class Trainer:
             run(Event.BEFORE_TRAIN_BATCH)
         prepared = strategy.prepare_batch(s.batch)
         share = self._world_size / global_samples  # gradients are averaged over ranks
-        if self._auto is None:
-            losses, counts = self._microbatches(prepared, share, loud)
-        else:
-            losses, counts = self._auto.retrying(lambda: self._microbatches(prepared, share, loud), s, prepared,
-                                                 strategy.abandon_backward)
+        loss = self._microbatches.forward_backward(prepared, share, loud)
         s.batch, s.outputs = batch, None
         if loud:
             run(Event.AFTER_TRAIN_BATCH)
         self._before_weights_change()
         strategy.optimizer_step()
-        return _mean_loss(losses, counts)
-
-    def _microbatches(self, batch: Any, share: float, loud: bool) -> tuple[list[torch.Tensor], list[int]]:
-        """Forward and backward of every microbatch of ``batch``; their losses and sample counts."""
-        s, strategy, run, auto = self.state, self.strategy, self._run_event, self._auto
-        microbatches = self._split(batch)
-        losses, counts, last = [], [], len(microbatches) - 1
-        for i, micro in enumerate(microbatches):
-            n = s.model.num_samples(micro)
-            s.batch = micro
-            with strategy.sync_context(i == last):
-                with strategy.autocast():
-                    if loud:
-                        run(Event.BEFORE_FORWARD)
-                    s.outputs = strategy.module(s.batch)
-                    if loud:
-                        run(Event.AFTER_FORWARD)
-                        run(Event.BEFORE_LOSS)
-                    s.loss_tensor = s.model.loss(s.outputs, s.batch)
-                    if loud:
-                        run(Event.AFTER_LOSS)
-                if auto is not None and i == last:
-                    auto.agree(False)  # every rank got here: the gradient all-reduce may start
-                if loud:
-                    run(Event.BEFORE_BACKWARD)
-                loss = s.loss_tensor
-                weight = n * share  # its share of the global batch: 1.0 (no op) for one even microbatch
-                strategy.backward(loss if weight == 1.0 else loss * weight)
-                if loud:
-                    run(Event.AFTER_BACKWARD)
-            losses.append(loss.detach())
-            counts.append(n)
-        return losses, counts
+        return loss
 
     def _log_batch(self) -> None:
         """Rank 0's loss of this batch (a tensor: destinations read it off the training thread)."""
         s = self.state
         self.logger.log_metrics({"loss/train/total": s.loss_tensor, "time/batch": s.timestamp.batch,
                                  "time/epoch": s.timestamp.epoch})
-
-    def _split(self, batch: Any) -> list[Any]:
-        model, loop = self.state.model, self.loop
-        if self._auto is not None:
-            return [batch] if self._auto.size is None else model.split_batch(batch, self._auto.size)
-        if loop.device_train_microbatch_size is not None:
-            return model.split_batch(batch, loop.device_train_microbatch_size)
-        if loop.grad_accum is not None:
-            return model.split_batch(batch, math.ceil(model.num_samples(batch) / loop.grad_accum))
-        return [batch]
 
     def _count(self, batch: Any) -> tuple[int, int]:
         return self.state.model.num_samples(batch), self._num_tokens(batch)
@@ -498,53 +433,16 @@ class Trainer:
         s.batches_per_epoch = setup.epoch_length(loader, self.loop.train_subset_num_batches)
         self._follow_loader(loader)
 
-    def _take_resume(self) -> data.DataPosition | None:
-        """Apply a loaded checkpoint's RNG state, or return the data position to resume mid-epoch."""
-        entry, self._resume_entry = self._resume_entry, None
-        if entry is None:
-            if self.state.timestamp.batch_in_epoch == 0:
-                return None
-            # fit() again mid-epoch: finish the epoch, skipping the batches it already trained on
-            return data.DataPosition(epoch_rng=self._position.epoch_rng, skip=self.state.timestamp.batch_in_epoch)
-        # An empty entry: a sharded checkpoint of another world size, whose RNG streams do not map
-        # onto these ranks. The data position still does when the global batch is the same.
-        skip = self.state.timestamp.batch_in_epoch
-        if skip == 0:
-            if entry and entry.get("rng") is not None:  # None: load_ignore_keys left it out
-                rng.restore(entry["rng"])
-            return None
-        return data.DataPosition(epoch_rng=entry.get("epoch_rng"), fetch_rng=entry.get("fetch_rng"), skip=skip,
-                                 rng_after=entry.get("rng"), loader_state=entry.get("loader_state"))
-
-    def _save(self, at_epoch_end: bool, wait: bool = False) -> None:
-        position = self._position
-        entry = {"rng": rng.capture(),
-                 "epoch_rng": None if at_epoch_end else position.epoch_rng,
-                 "fetch_rng": None if at_epoch_end else position.fetch_rng,
-                 "loader_state": None if at_epoch_end else position.loader_state}
-        with progress.heartbeat_paused():  # a long write is not a stall, nor are ranks waiting for it
-            path = self.saver.save(self.state, entry, self.layout, wait=wait)  # type: ignore[union-attr]
-        if path is not None:
-            self.saved_checkpoints.append(str(path))
-
-    def _preempt(self, at_epoch_end: bool) -> None:
+    def _preempt(self) -> None:
         s = self.state
-        if self.saver.last_saved_batch != s.timestamp.batch:  # type: ignore[union-attr]
-            self._save(at_epoch_end, wait=True)
-        with progress.heartbeat_paused():
-            self.saver.wait()  # type: ignore[union-attr]
+        assert self.saver is not None and self._saves is not None
+        self._saves.finish()
         self._run_event(Event.FIT_END)
         message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch}; the checkpoint is in "
-                   f"{self.saver.folder}")  # type: ignore[union-attr]
+                   f"{self.saver.folder}")
         if dist.get_global_rank() == 0:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(message)
-
-    def _before_weights_change(self) -> None:
-        """Called before the optimizer steps and before anything that may change the weights acts."""
-        saver = self.saver
-        if saver is not None and saver.copying is not None:
-            saver.settle()  # its background copy still reads the parameters and optimizer state
 
     def close(self) -> None:
         """Finish: every callback and logger writes what it holds and releases what it opened (logger
@@ -554,15 +452,5 @@ class Trainer:
             self._events.close()
 
 
-
-
-def _mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
-    """The sample-weighted mean of the microbatches' losses, in a few tensor ops per step."""
-    if len(losses) == 1:
-        loss = losses[0]
-        return loss if loss.dtype is torch.float32 else loss.float()
-    stacked = torch.stack(losses).float()
-    if len(set(counts)) == 1 and counts[0] > 0:
-        return stacked.mean()
-    weights = torch.tensor(counts, dtype=torch.float32, device=stacked.device)
-    return (stacked * weights).sum() / max(sum(counts), 1)
+def _nothing() -> None:
+    pass
