@@ -61,6 +61,18 @@ class ScheduledLR:
         return f"ScheduledLR({self.schedule!r}, ssr={self.ssr})"
 
 
+def compile_composer_scheduler(scheduler: Callable[..., float], state: State, ssr: float = 1.0) -> ScheduledLR:
+    """Bind a schedule to ``state``'s only optimizer, as Composer's function of this name does: the
+    result is already stepped once (the lr is the schedule's value now) and has ``step``,
+    ``get_last_lr`` and ``state_dict``. The Trainer does this itself for the ``schedulers`` it gets."""
+    if len(state.optimizers) != 1:
+        raise ValueError(f"compile_composer_scheduler binds a schedule to one optimizer and the state has "
+                         f"{len(state.optimizers)}: make a ScheduledLR(optimizer, schedule, state) for each")
+    compiled = ScheduledLR(state.optimizers[0], scheduler, state, ssr)
+    compiled.step()
+    return compiled
+
+
 def _takes_ssr(schedule: Callable[..., float]) -> bool:
     try:
         parameters = inspect.signature(schedule).parameters.values()
