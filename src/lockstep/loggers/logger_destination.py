@@ -25,6 +25,12 @@ class LoggerDestination(Callback):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         """Record the run's configuration."""
 
+    def log_traces(self, traces: dict[str, Any]) -> None:
+        """Record which algorithms ran at an event (``algorithm_traces/<Algorithm>/<Event>``: 1 or 0)."""
+
+    def upload_file(self, remote_file_name: str, file_path: str, *, overwrite: bool) -> None:
+        """Copy the local file ``file_path`` to ``remote_file_name`` (destinations that store files)."""
+
     def flush(self) -> None:
         """Write out everything received so far."""
 
