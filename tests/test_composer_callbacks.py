@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lockstep import Callback, Trainer
 from lockstep.callbacks import (EarlyStopper, FreeOutputs, MemorySnapshot, NaNMonitor, OOMObserver, OptimizerMonitor,
                                 SystemMetricsMonitor, ThresholdStopper)
-from lockstep.loggers import ConsoleLogger, FileLogger, InMemoryLogger, ProgressBarLogger
+from lockstep.loggers import ConsoleLogger, FileLogger, InMemoryLogger, LoggerDestination, ProgressBarLogger
 from lockstep.testing import run_distributed
 from lockstep.time import Time
 from tests.trainer.common import MLP, dataset, error_of, loader
@@ -405,6 +405,23 @@ def _write_rank_logs(folder: str) -> float:
                   loggers=[FileLogger(folder + "/{run_name}/logs-rank{rank}.txt", capture_stderr=False)])
     trainer.close()
     return losses.losses[-1]
+
+
+class Uploads(LoggerDestination):
+    def __init__(self) -> None:
+        self.uploads: list[tuple[str, Path, bool]] = []
+
+    def upload_file(self, state, remote_file_name, file_path, *, overwrite) -> None:
+        self.uploads.append((remote_file_name, file_path, overwrite))
+
+
+def test_file_logger_hands_its_file_to_the_uploaders_at_each_flush(tmp_path: Path) -> None:
+    uploads = Uploads()
+    sink = FileLogger(str(tmp_path / "{run_name}.txt"), remote_file_name="logs/{run_name}-rank{rank}.txt",
+                      capture_stdout=False, capture_stderr=False, flush_interval=2)
+    fit("4ba", loggers=[sink, uploads], run_name="up").close()
+    # at epoch start, batches 2 and 4, the end of fit, and close
+    assert uploads.uploads == [("logs/up-rank0.txt", tmp_path / "up.txt", True)] * 5
 
 
 def test_progress_bar_logger_replaces_the_default_bar() -> None:

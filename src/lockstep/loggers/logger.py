@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections.abc
 import functools
+import pathlib
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,11 +47,16 @@ class Logger:
         for destination in self.active:
             self._call(destination, destination.log_traces, traces)
 
-    def upload_file(self, remote_file_name: str, file_path: str, overwrite: bool = False) -> None:
-        """Hand a local file to every destination that stores files (none of them: nothing happens)."""
+    def upload_file(self, remote_file_name: str, file_path: str | pathlib.Path, *, overwrite: bool = False) -> None:
+        """Hand a local file to every destination that stores files (with none, nothing happens). Both
+        names may hold ``{run_name}``, ``{rank}``, ... ."""
+        from lockstep.checkpoint.templates import format_name, place_values
+
+        place = place_values(self._state.run_name)
+        path, remote = pathlib.Path(format_name(str(file_path), place)), format_name(remote_file_name, place)
         for destination in self.active:
-            self._call(destination, functools.partial(destination.upload_file, overwrite=overwrite),
-                       remote_file_name, file_path)
+            upload = functools.partial(destination.upload_file, overwrite=overwrite)
+            self._call(destination, upload, self._state, remote, path)
 
     def _call(self, destination: LoggerDestination, method: Any, *args: Any) -> None:
         try:
