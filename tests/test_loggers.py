@@ -207,12 +207,12 @@ def test_metrics_jsonl_lines_are_what_json_dumps_writes(tmp_path: Path) -> None:
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == expected
 
 
-def test_file_logger_stamps_each_line_with_its_own_second(tmp_path: Path) -> None:
+def test_rank_log_stamps_each_line_with_its_own_second(tmp_path: Path) -> None:
     import time
 
-    from lockstep.callbacks.loggers import FileLogger
+    from lockstep.callbacks.loggers import RankLog
 
-    sink = FileLogger(tmp_path / "log.txt")
+    sink = RankLog(tmp_path / "log.txt")
     sink._file = open(tmp_path / "log.txt", "w")
     moments = [1_700_000_000.2, 1_700_000_000.9, 1_700_000_001.0, 1_700_003_600.5]
     sink._write_records([((at, 0, i, 4 * i), 0.5) for i, at in enumerate(moments)])

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.time import Time, Timestamp
+from lockstep.time import Time, Timestamp, TimeUnit
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,3 +56,10 @@ class State:
     @property
     def lr(self) -> float:
         return float(self.optimizers[0].param_groups[0]["lr"]) if self.optimizers else float("nan")
+
+    def stop_training(self) -> None:
+        """End training after the current batch, as Composer's ``state.stop_training()``:
+        ``max_duration`` becomes the number of batches done, which the loop checks after each batch
+        (what runs after the batch, evaluation and checkpoints included, still runs). Call it on
+        every rank (a decision the ranks agree on), or ranks stop at different batches."""
+        self.max_duration = Time(int(self.timestamp.batch), TimeUnit.BATCH)

@@ -1,4 +1,4 @@
-"""Built-in callbacks: rank-0 progress bar, per-rank log file, metrics JSONL and loss-curve PNG."""
+"""The Trainer's default callbacks: rank-0 progress bar, per-rank log file, metrics JSONL and loss-curve PNG."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import operator
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
@@ -23,13 +23,17 @@ if TYPE_CHECKING:
 
 
 class ProgressBar(Callback):
-    """Rank 0 only: a tqdm bar over the whole run with loss, samples/s and ETA.
+    """Rank 0 only: a tqdm bar over the whole run with loss, samples/s and ETA, on ``stream``
+    (``'stderr'``, ``'stdout'`` or a text stream).
 
     The bar is redrawn at most every 0.2 s on a terminal and every 30 s in a log file; between
     redraws a batch costs one clock read (the loss is read, a device sync, only when drawn).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stream: str | IO[str] = "stderr") -> None:
+        if isinstance(stream, str) and stream.lower() not in ("stdout", "stderr"):
+            raise ValueError(f"{type(self).__name__}(stream={stream!r}): use 'stdout', 'stderr' or a text stream")
+        self._stream = stream.lower() if isinstance(stream, str) else stream
         self._bar: Any = None
         self._start = 0.0
         self._start_samples = 0
@@ -41,11 +45,19 @@ class ProgressBar(Callback):
             return
         from tqdm import tqdm
 
-        self._interval = 0.2 if sys.stderr.isatty() else 30.0
-        self._bar = tqdm(total=1000, file=sys.stderr, dynamic_ncols=True, leave=True, mininterval=0,
+        stream = self.stream
+        self._interval = 0.2 if stream.isatty() else 30.0
+        self._bar = tqdm(total=1000, file=stream, dynamic_ncols=True, leave=True, mininterval=0,
                          bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
         self._start, self._start_samples = time.perf_counter(), state.timestamp.sample
         self._next_draw = self._start + self._interval
+
+    @property
+    def stream(self) -> IO[str]:
+        """Where the bar is drawn (``'stderr'`` and ``'stdout'`` are looked up when drawing starts)."""
+        if isinstance(self._stream, str):
+            return sys.stdout if self._stream == "stdout" else sys.stderr
+        return self._stream
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None and time.perf_counter() >= self._next_draw:
@@ -62,9 +74,9 @@ class ProgressBar(Callback):
 
     def eval_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None:
-            self._bar.write(format_metrics(state), file=sys.stderr)
+            self._bar.write(format_metrics(state), file=self.stream)
         elif dist.get_global_rank() == 0:
-            print(format_metrics(state), file=sys.stderr)
+            print(format_metrics(state), file=self.stream)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None:
@@ -140,8 +152,10 @@ def format_metrics(state: State) -> str:
     return f"eval at ep {state.timestamp.epoch} ba {state.timestamp.batch}: " + ", ".join(parts)
 
 
-class FileLogger(_Buffered):
-    """Every rank appends its own log file; ``{rank}`` in the filename keeps them apart.
+class RankLog(_Buffered):
+    """Every rank appends its own log file; ``{rank}`` in the filename keeps them apart. The
+    Trainer's own record of a run (``trainer-rank{rank}.log`` in the run folder); Composer's
+    :class:`~lockstep.loggers.FileLogger` is the logger destination that writes what is logged.
 
     A line per ``log_every_n_batches`` batches, written in bursts (see :class:`_Buffered`): every
     ``flush_interval`` batches or ``flush_seconds``, whichever comes first.

@@ -5,11 +5,15 @@ Metric names: ``loss/train/total`` (every batch), ``metrics/eval/<Name>``, ``lr-
 ``time/batch``, ``time/epoch``. Every destination logs on rank 0 only unless ``rank_zero_only=False``.
 """
 
+from lockstep.loggers.console import ConsoleLogger
+from lockstep.loggers.file_logger import FileLogger
 from lockstep.loggers.logger import Logger
 from lockstep.loggers.logger_destination import LoggerDestination
 from lockstep.loggers.in_memory import InMemoryLogger
 from lockstep.loggers.mlflow import MLFlowLogger
+from lockstep.loggers.progress_bar_logger import ProgressBarLogger
 from lockstep.loggers.tensorboard import TensorboardLogger
 from lockstep.loggers.wandb import WandBLogger
 
-__all__ = ["InMemoryLogger", "Logger", "LoggerDestination", "MLFlowLogger", "TensorboardLogger", "WandBLogger"]
+__all__ = ["ConsoleLogger", "FileLogger", "InMemoryLogger", "Logger", "LoggerDestination", "MLFlowLogger",
+           "ProgressBarLogger", "TensorboardLogger", "WandBLogger"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import IO, TYPE_CHECKING, Any
 
+from lockstep.loggers.logger import format_log_data_value
 from lockstep.loggers.logger_destination import LoggerDestination, as_number
 from lockstep.time import Time, TimeUnit, Timestamp, is_interval_due, time_argument
 
@@ -18,12 +19,18 @@ class ConsoleLogger(LoggerDestination):
     """One line of the latest training metrics every ``log_interval`` (a Time; an int counts
     epochs), and the evaluation metrics after each evaluation, on rank 0.
 
-    Values are read (a device sync for a loss tensor) only when a line is printed.
+    Values are read (a device sync for a loss tensor) only when a line is printed. ``stream``:
+    ``'stderr'``, ``'stdout'`` or a text stream. ``log_traces``: also print what
+    ``logger.log_traces`` receives, as ``[trace]: <name>:<value>``.
     """
 
-    def __init__(self, log_interval: int | str | Time = "1ba", stream: str | IO[str] = "stderr") -> None:
+    def __init__(self, log_interval: int | str | Time = "1ba", stream: str | IO[str] = "stderr",
+                 log_traces: bool = False) -> None:
         self.log_interval = time_argument("log_interval", log_interval)
-        self._stream = stream
+        if isinstance(stream, str) and stream.lower() not in ("stdout", "stderr"):
+            raise ValueError(f"ConsoleLogger(stream={stream!r}): use 'stdout', 'stderr' or a text stream")
+        self._stream = stream.lower() if isinstance(stream, str) else stream
+        self.should_log_traces = log_traces
         self._train: dict[str, Any] = {}
         self._eval: dict[str, Any] = {}
         self._before = Timestamp()
@@ -33,6 +40,11 @@ class ConsoleLogger(LoggerDestination):
         if isinstance(self._stream, str):
             return sys.stdout if self._stream == "stdout" else sys.stderr
         return self._stream
+
+    def log_traces(self, traces: dict[str, Any]) -> None:
+        if self.should_log_traces:
+            for name, trace in traces.items():
+                print(f"[trace]: {name}:{format_log_data_value(trace)}", file=self.stream, flush=True)
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         for name, value in metrics.items():

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import collections.abc
+import functools
+import pathlib
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,6 +43,21 @@ class Logger:
         for destination in self.active:
             self._call(destination, destination.log_hyperparameters, hyperparameters)
 
+    def log_traces(self, traces: dict[str, Any]) -> None:
+        for destination in self.active:
+            self._call(destination, destination.log_traces, traces)
+
+    def upload_file(self, remote_file_name: str, file_path: str | pathlib.Path, *, overwrite: bool = False) -> None:
+        """Hand a local file to every destination that stores files (with none, nothing happens). Both
+        names may hold ``{run_name}``, ``{rank}``, ... ."""
+        from lockstep.checkpoint.templates import format_name, place_values
+
+        place = place_values(self._state.run_name)
+        path, remote = pathlib.Path(format_name(str(file_path), place)), format_name(remote_file_name, place)
+        for destination in self.active:
+            upload = functools.partial(destination.upload_file, overwrite=overwrite)
+            self._call(destination, upload, self._state, remote, path)
+
     def _call(self, destination: LoggerDestination, method: Any, *args: Any) -> None:
         try:
             method(*args)
@@ -53,3 +71,25 @@ def report_failure(destination: Any, error: BaseException, failed: set[int]) -> 
         failed.add(id(destination))
         warnings.warn(f"{type(destination).__name__} failed and is skipped from now on where it fails: "
                       f"{type(error).__name__}: {error}; training goes on", RuntimeWarning, stacklevel=3)
+
+
+def format_log_data_value(data: Any) -> str:
+    """A logged value as Composer's text loggers write it: floats to 4 decimals, strings quoted, a
+    one-element tensor as its number, mappings and sequences item by item."""
+    import torch
+
+    if data is None:
+        return "None"
+    if isinstance(data, str):
+        return f'"{data}"'
+    if isinstance(data, int):
+        return str(data)
+    if isinstance(data, float):
+        return f"{data:.4f}"
+    if isinstance(data, torch.Tensor):
+        return format_log_data_value(data.item()) if data.numel() == 1 else f"Tensor of shape {data.shape}"
+    if isinstance(data, collections.abc.Mapping):
+        return "{ " + "".join(f'"{k}": {format_log_data_value(v)}, ' for k, v in data.items()) + "}"
+    if isinstance(data, collections.abc.Iterable):
+        return "[" + ", ".join(format_log_data_value(v) for v in data) + "]"
+    return str(data)

@@ -3,11 +3,15 @@ helpers destinations share."""
 
 from __future__ import annotations
 
-from typing import Any
+import pathlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep.core.callback import Callback
+
+if TYPE_CHECKING:
+    from lockstep.state import State
 
 
 class LoggerDestination(Callback):
@@ -24,6 +28,12 @@ class LoggerDestination(Callback):
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         """Record the run's configuration."""
+
+    def log_traces(self, traces: dict[str, Any]) -> None:
+        """Record which algorithms ran at an event (``algorithm_traces/<Algorithm>/<Event>``: 1 or 0)."""
+
+    def upload_file(self, state: State, remote_file_name: str, file_path: pathlib.Path, *, overwrite: bool) -> None:
+        """Copy the local file ``file_path`` to ``remote_file_name`` (destinations that store files)."""
 
     def flush(self) -> None:
         """Write out everything received so far."""

@@ -7,6 +7,7 @@ import datetime
 import gc
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -106,12 +107,15 @@ def resolve_run_name(run_name: str | None) -> str:
     return names[0]
 
 
-def default_callbacks(run_folder: Path | None, progress_bar: bool) -> list[Callback]:
-    from lockstep.callbacks.loggers import FileLogger, LossCurve, MetricsJSONL, ProgressBar
+def default_callbacks(run_folder: Path | None, progress_bar: bool, destinations: Sequence[Any] = ()) -> list[Callback]:
+    """The progress bar (unless a ProgressBarLogger is among ``destinations``, as in Composer) and,
+    with a run folder, the per-rank log, metrics.jsonl and the loss curve."""
+    from lockstep.callbacks.loggers import LossCurve, MetricsJSONL, ProgressBar, RankLog
 
-    callbacks: list[Callback] = [ProgressBar()] if progress_bar else []
+    bar_given = any(isinstance(d, ProgressBar) for d in destinations)  # ProgressBarLogger is one
+    callbacks: list[Callback] = [ProgressBar()] if progress_bar and not bar_given else []
     if run_folder is not None:
-        callbacks += [FileLogger(run_folder / "trainer-rank{rank}.log"), MetricsJSONL(run_folder),
+        callbacks += [RankLog(run_folder / "trainer-rank{rank}.log"), MetricsJSONL(run_folder),
                       LossCurve(run_folder)]
     return callbacks
 

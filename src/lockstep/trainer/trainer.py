@@ -174,7 +174,7 @@ class Trainer:
         self.logger = Logger(self.state, destinations)
         self._events = Events(self.state, self.logger, self.algorithms, self._before_weights_change)
         self._run_event = self._events.run
-        self.callbacks = setup.default_callbacks(folder, progress_bar) + list(callbacks) + destinations
+        self.callbacks = setup.default_callbacks(folder, progress_bar, destinations) + list(callbacks) + destinations
 
     @property
     def callbacks(self) -> list[Callback]:
