@@ -151,7 +151,7 @@ class PlainSaver(lockstep.Callback):
         if state.timestamp.batch % self.every == 0 and dist.get_global_rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             torch.save({"model": state.model.state_dict(), "optimizer": state.optimizers[0].state_dict()},
-                       self.folder / f"ckpt-{state.timestamp.batch}.pt")
+                       self.folder / f"ckpt-{state.timestamp.batch.value}.pt")
 
 
 def train_cost(dataset: TensorDataset, rounds: int, warmup: int, steps: int, every: list[int]) -> None:

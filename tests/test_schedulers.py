@@ -102,7 +102,7 @@ def test_durations_that_cannot_be_counted_say_why() -> None:
 def test_a_one_argument_schedule_cannot_be_stretched() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     assert "takes only (state)" in error_of(ScheduledLR, opt, lambda state: 1.0, at(0), 2.0)
-    stepper = ScheduledLR(opt, lambda state: 0.5 ** state.timestamp.batch, at(3))
+    stepper = ScheduledLR(opt, lambda state: 0.5 ** state.timestamp.batch.value, at(3))
     stepper.step()
     assert opt.param_groups[0]["lr"] == 0.125 and stepper.state_dict() == {"base_lrs": [1.0]}
 

@@ -15,24 +15,25 @@ timestamp reaches ``max_duration``), :func:`is_interval_due` (save/eval interval
 
 from __future__ import annotations
 
-import dataclasses
+import datetime
 import functools
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import StrEnum
 from fractions import Fraction
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Time", "TimeUnit", "Timestamp", "check_max_duration", "fraction_done",
+__all__ = ["Time", "TimeUnit", "Timestamp", "check_max_duration", "ensure_time", "fraction_done",
            "is_interval_due", "is_reached", "time_argument"]
 
 
 class TimeUnit(StrEnum):
     """Unit of a :class:`Time`; the value is the suffix used in duration strings."""
 
+    ITERATION = "iter"
     EPOCH = "ep"
     BATCH = "ba"
     SAMPLE = "sp"
@@ -45,34 +46,46 @@ _DIGITS = r"\d(?:_?\d)*"
 # the exponent is capped so that '1e999999999tok' cannot make int() build a huge number
 _PATTERN = re.compile(
     rf"(?P<number>(?:{_DIGITS}(?:\.(?:{_DIGITS})?)?|\.{_DIGITS})(?:[eE][+-]?\d{{1,3}})?)"
-    r"(?P<unit>ep|ba|sp|tok|dur)"
+    r"(?P<unit>iter|ep|ba|sp|tok|dur)"
 )
 
 
-def _normalize(value: int | float, unit: TimeUnit) -> int | float:
-    """Return ``value`` in the canonical type for ``unit``; raise ValueError saying why not."""
+def _check_count(value: int | float, unit: TimeUnit) -> int | float:
+    """``value`` as a Time in ``unit`` holds it: a float for ``dur``, an int for the counts."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"a Time value must be an int or a float, got {type(value).__name__}")
     if unit is TimeUnit.DURATION:
-        if not 0 < value <= 1:
-            raise ValueError("'dur' is a fraction of max_duration and must be in (0, 1]")
         return float(value)
     if not isinstance(value, int):
-        raise ValueError(f"'{unit}' counts must be whole numbers")
-    if value < 0:
-        raise ValueError("durations cannot be negative")
+        raise TypeError(f"'{unit.value}' counts whole {_NOUN[unit]}, got {value!r}: give an int")
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class Time:
-    """An immutable duration: a whole count of ``ep ba sp tok``, or a ``dur`` fraction in (0, 1].
+def _check_duration(value: int | float, unit: TimeUnit) -> None:
+    """What a duration written by a user must be: not negative, and a ``dur`` in (0, 1]."""
+    if unit is TimeUnit.DURATION and not 0 < value <= 1:
+        raise ValueError("'dur' is a fraction of max_duration and must be in (0, 1]")
+    if value < 0:
+        raise ValueError("durations cannot be negative")
 
-    Times of the same unit compare and add; mixing units raises TypeError. ``str(t)`` gives the
-    string form back (``str(Time.from_string('2ep')) == '2ep'``).
+
+_NOUN = {TimeUnit.ITERATION: "iterations", TimeUnit.EPOCH: "epochs", TimeUnit.BATCH: "batches", TimeUnit.SAMPLE: "samples", TimeUnit.TOKEN: "tokens"}
+TValue = TypeVar("TValue", int, float)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Time(Generic[TValue]):
+    """An amount of training time, as in Composer: ``Time(10, 'ba')``, ``Time(0.5, TimeUnit.DURATION)``.
+
+    ``ep ba sp tok`` hold ints, ``dur`` (a fraction of ``max_duration``) a float. A Time compares
+    with, adds and subtracts a Time, a duration string or a plain number, which is taken in its own
+    unit (``Time(10, 'ba') == 10``); two different units raise RuntimeError. Multiplying or dividing
+    by a number scales it; a Time divided by one of its unit is a ``dur`` (their ratio).
+    ``str(t)`` gives the duration string (``'10ba'``), ``int(t)`` and ``float(t)`` the value. A
+    Time hashes as its value and is false when zero, as the number it equals.
     """
 
-    value: int | float
+    value: TValue
     unit: TimeUnit
 
     def __post_init__(self) -> None:
@@ -80,21 +93,19 @@ class Time:
             unit = TimeUnit(self.unit)
         except ValueError:
             raise ValueError(f"invalid time unit {self.unit!r}: {_HINT}") from None
-        try:
-            value = _normalize(self.value, unit)
-        except ValueError as e:
-            raise ValueError(f"invalid duration '{self.value}{unit}': {e}; {_HINT}") from None
         object.__setattr__(self, "unit", unit)
-        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "value", _check_count(self.value, unit))
 
     @classmethod
-    def from_string(cls, text: str) -> Time:
-        """Parse a duration string such as ``'160ep'``, ``'1_000sp'``, ``'3e4tok'``."""
-        if not isinstance(text, str):
-            raise TypeError(f"a duration string must be a str, got {type(text).__name__}")
+    def from_timestring(cls, timestring: str) -> Time:
+        """Parse a duration string such as ``'160ep'``, ``'1_000sp'``, ``'3e4tok'``, ``'0.5dur'``."""
+        if not isinstance(timestring, str):
+            raise TypeError(f"a duration string must be a str, got {type(timestring).__name__}")
         if cls is Time:  # schedules hold their durations as strings and read them every batch
-            return _parse(text)
-        return cls._parse_string(text)
+            return _parse(timestring)
+        return cls._parse_string(timestring)
+
+    from_string = from_timestring
 
     @classmethod
     def _parse_string(cls, text: str) -> Time:
@@ -104,34 +115,55 @@ class Time:
             raise ValueError(f"invalid duration {text!r}: {reason}{_HINT}")
         unit = TimeUnit(match["unit"])
         number = Decimal(match["number"].replace("_", ""))
-        value: int | float
-        if unit is TimeUnit.DURATION:
-            value = float(number)
-        elif number == number.to_integral_value():
-            value = int(number)
-        else:
-            value = float(number)  # _normalize rejects it with the reason
         try:
-            return cls(_normalize(value, unit), unit)
+            if unit is not TimeUnit.DURATION and number != number.to_integral_value():
+                raise ValueError(f"'{unit.value}' counts must be whole numbers")
+            value = float(number) if unit is TimeUnit.DURATION else int(number)
+            _check_duration(value, unit)
         except ValueError as e:
             raise ValueError(f"invalid duration {text!r}: {e}; {_HINT}") from None
+        return cls(value, unit)
 
     @classmethod
-    def from_input(
-        cls, value: Time | str | int, default_unit: TimeUnit | str | None = None
-    ) -> Time:
-        """Accept a Time, a duration string, or a bare int counted in ``default_unit``."""
-        if isinstance(value, Time):
-            return value
-        if isinstance(value, str):
-            return cls.from_string(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if default_unit is None:
-                raise ValueError(f"got the number {value} without a unit: write it as a string "
-                                 f"such as '{value}ep' or '{value}ba'")
-            return cls(value, TimeUnit(default_unit))
+    def from_epoch(cls, epoch: int) -> Time:
+        return cls(epoch, TimeUnit.EPOCH)
+
+    @classmethod
+    def from_batch(cls, batch: int) -> Time:
+        return cls(batch, TimeUnit.BATCH)
+
+    @classmethod
+    def from_sample(cls, sample: int) -> Time:
+        return cls(sample, TimeUnit.SAMPLE)
+
+    @classmethod
+    def from_token(cls, token: int) -> Time:
+        return cls(token, TimeUnit.TOKEN)
+
+    @classmethod
+    def from_duration(cls, duration: float) -> Time:
+        return cls(duration, TimeUnit.DURATION)
+
+    @classmethod
+    def from_input(cls, i: Time | str | int | float, default_int_unit: TimeUnit | str | None = None, *,
+                   default_unit: TimeUnit | str | None = None) -> Time:
+        """A Time, a duration string, or a number counted in ``default_int_unit`` (Composer's name;
+        ``default_unit`` is lockstep's older one)."""
+        if isinstance(i, Time):
+            return i
+        if isinstance(i, str):
+            return cls.from_timestring(i)
+        unit = default_int_unit if default_int_unit is not None else default_unit
+        if isinstance(i, (int, float)) and not isinstance(i, bool):
+            if unit is None:
+                raise ValueError(f"got the number {i} without a unit: write it as a string "
+                                 f"such as '{i}ep' or '{i}ba'")
+            return cls(i, TimeUnit(unit))
         raise TypeError(f"expected a Time, a duration string such as '2ep', or an int; "
-                        f"got {type(value).__name__}")
+                        f"got {type(i).__name__}")
+
+    def to_timestring(self) -> str:
+        return str(self)
 
     def require_positive(self, name: str) -> Time:
         """Return self if the value is above zero; otherwise raise ValueError naming ``name``."""
@@ -143,18 +175,311 @@ class Time:
         return f"{self.value}{self.unit.value}"
 
     def __repr__(self) -> str:
-        return f"Time('{self}')"
+        return f"Time({self.value}, TimeUnit.{self.unit.name})"
 
-    def _same_unit(self, other: Time, verb: str) -> None:
-        if self.unit is not other.unit:
-            raise TypeError(f"cannot {verb} '{self}' and '{other}': units '{self.unit.value}' and "
-                            f"'{other.unit.value}' differ")
+    def __format__(self, spec: str) -> str:
+        """``f"{t}"`` is ``'10ba'``; with a format spec (``f"{t:,}"``) the value is formatted."""
+        return str(self) if not spec else format(self.value, spec)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __hash__(self) -> int:
+        # as its value's: a Time equals the plain number (``Time(3, 'ba') == 3``), so
+        # ``state.timestamp.batch in {3, 6}`` finds it (Composer hashes the unit in too)
+        return hash(self.value)
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def _other(self, other: object, verb: str) -> Time:
+        """``other`` as a Time of this unit (a number is taken in it); RuntimeError for another unit."""
+        if isinstance(other, Time):
+            time = other
+        elif isinstance(other, str):
+            time = Time.from_timestring(other)
+        else:
+            return Time(other, self.unit)  # type: ignore[arg-type]  # a number: the callers checked
+        if time.unit is not self.unit:
+            raise RuntimeError(f"cannot {verb} '{self}' and '{time}': units '{self.unit.value}' and "
+                               f"'{time.unit.value}' differ")
+        return time
+
+    def _value_of(self, other: object, verb: str) -> Any:
+        """The value to set against this one, or NotImplemented for what a Time does not mix with."""
+        if type(other) is int or type(other) is float:  # the Trainer's and callbacks' common case
+            return other
+        if isinstance(other, (Time, str)) or (isinstance(other, (int, float)) and not isinstance(other, bool)):
+            return self._other(other, verb).value
+        return NotImplemented
+
+    def __eq__(self, other: object) -> bool:
+        value = self._value_of(other, "compare")
+        return value if value is NotImplemented else self.value == value
+
+    def __ne__(self, other: object) -> bool:
+        value = self._value_of(other, "compare")
+        return value if value is NotImplemented else self.value != value
+
+    def __lt__(self, other: object) -> bool:
+        value = self._value_of(other, "compare")
+        return value if value is NotImplemented else self.value < value
+
+    def __le__(self, other: object) -> bool:
+        value = self._value_of(other, "compare")
+        return value if value is NotImplemented else self.value <= value
+
+    def __gt__(self, other: object) -> bool:
+        value = self._value_of(other, "compare")
+        return value if value is NotImplemented else self.value > value
+
+    def __ge__(self, other: object) -> bool:
+        value = self._value_of(other, "compare")
+        return value if value is NotImplemented else self.value >= value
+
+    def __add__(self, other: object) -> Time:
+        value = self._value_of(other, "add")
+        return value if value is NotImplemented else Time(self.value + value, self.unit)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: object) -> Time:
+        value = self._value_of(other, "subtract")
+        return value if value is NotImplemented else Time(self.value - value, self.unit)
+
+    def __rsub__(self, other: object) -> Time:
+        value = self._value_of(other, "subtract")
+        return value if value is NotImplemented else Time(value - self.value, self.unit)
+
+    def __neg__(self) -> Time:
+        return Time(-self.value, self.unit)
+
+    def __pos__(self) -> Time:
+        return self
+
+    def __mod__(self, other: object) -> Time:
+        value = self._value_of(other, "take the remainder of")
+        return value if value is NotImplemented else Time(self.value % value, self.unit)
+
+    def __mul__(self, other: object) -> Time:
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return Time(type(self.value)(self.value * other), self.unit)
+        if not isinstance(other, (Time, str)):
+            return NotImplemented
+        time = other if isinstance(other, Time) else Time.from_timestring(other)
+        if TimeUnit.DURATION not in (self.unit, time.unit):
+            raise RuntimeError(f"cannot multiply '{self}' by '{time}': one of them must be in 'dur'")
+        unit = self.unit if time.unit is TimeUnit.DURATION else time.unit
+        product = self.value * time.value
+        return Time(product if unit is TimeUnit.DURATION else int(product), unit)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: object) -> Time:
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return Time(type(self.value)(self.value / other), self.unit)
+        if not isinstance(other, (Time, str)):
+            return NotImplemented
+        return Time(self.value / self._other(other, "divide").value, TimeUnit.DURATION)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(text: str) -> Time:
+    return Time._parse_string(text)
+
+
+def ensure_time(maybe_time: Time | str | int, int_unit: TimeUnit | str) -> Time:
+    """``maybe_time`` as a Time, a number counted in ``int_unit`` (Composer's helper)."""
+    return Time.from_input(maybe_time, int_unit)
+
+
+_COUNTS = ("_iteration", "_epoch", "_batch", "_sample", "_token", "_epoch_in_iteration", "_token_in_iteration",
+           "_batch_in_epoch", "_sample_in_epoch", "_token_in_epoch")
+_CLOCKS = ("_total_wct", "_iteration_wct", "_epoch_wct", "_batch_wct")
+_UNIT_OF_COUNT = {"iteration": TimeUnit.ITERATION, "epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.SAMPLE,
+                  "token": TimeUnit.TOKEN, "epoch_in_iteration": TimeUnit.EPOCH,
+                  "token_in_iteration": TimeUnit.TOKEN, "batch_in_epoch": TimeUnit.BATCH,
+                  "sample_in_epoch": TimeUnit.SAMPLE, "token_in_epoch": TimeUnit.TOKEN}
+
+
+class Timestamp:
+    """Training progress, as in Composer: each count is a :class:`Time` (``timestamp.batch ==
+    Time(3, 'ba')``, ``== 3`` too), the wall-clock fields ``datetime.timedelta``.
+
+    ``epoch``, ``batch``, ``sample``, ``token`` count the whole run; ``batch_in_epoch``,
+    ``sample_in_epoch``, ``token_in_epoch`` the current epoch. ``sample`` and ``token`` are summed
+    over all ranks. A run is one iteration (``iteration`` stays 0 unless set). Every update
+    (:meth:`to_next_batch`, :meth:`to_next_epoch`, :meth:`copy`) returns a new Timestamp.
+    """
+
+    __slots__ = _COUNTS + _CLOCKS
+
+    def __init__(self, iteration: int | Time = 0, epoch: int | Time = 0, batch: int | Time = 0,
+                 sample: int | Time = 0, token: int | Time = 0, epoch_in_iteration: int | Time | None = None,
+                 token_in_iteration: int | Time | None = None, batch_in_epoch: int | Time = 0,
+                 sample_in_epoch: int | Time = 0, token_in_epoch: int | Time = 0,
+                 total_wct: datetime.timedelta | None = None, iteration_wct: datetime.timedelta | None = None,
+                 epoch_wct: datetime.timedelta | None = None, batch_wct: datetime.timedelta | None = None) -> None:
+        given = {"iteration": iteration, "epoch": epoch, "batch": batch, "sample": sample, "token": token,
+                 # one iteration by default: its epochs and tokens are the run's
+                 "epoch_in_iteration": epoch if epoch_in_iteration is None else epoch_in_iteration,
+                 "token_in_iteration": token if token_in_iteration is None else token_in_iteration,
+                 "batch_in_epoch": batch_in_epoch, "sample_in_epoch": sample_in_epoch,
+                 "token_in_epoch": token_in_epoch}
+        for name, value in given.items():
+            _set(self, "_" + name, _count_argument(name, value))
+        for name, clock in zip(_CLOCKS, (total_wct, iteration_wct, epoch_wct, batch_wct)):
+            _set(self, name, _seconds(name[1:], clock))
+
+    def _time(self, name: str, unit: TimeUnit) -> Time:
+        time = _new_time(Time)  # the count was checked when it was set: no constructor checks again
+        _set(time, "value", getattr(self, name))
+        _set(time, "unit", unit)
+        return time
+
+    iteration = property(lambda self: self._time("_iteration", TimeUnit.ITERATION),
+                         doc="Iterations done: a lockstep run is one iteration, so 0 unless given.")
+    epoch = property(lambda self: self._time("_epoch", TimeUnit.EPOCH), doc="Epochs done in the run.")
+    batch = property(lambda self: self._time("_batch", TimeUnit.BATCH), doc="Batches (optimizer steps) done.")
+    sample = property(lambda self: self._time("_sample", TimeUnit.SAMPLE), doc="Samples trained on, all ranks.")
+    token = property(lambda self: self._time("_token", TimeUnit.TOKEN), doc="Tokens trained on, all ranks.")
+    epoch_in_iteration = property(lambda self: self._time("_epoch_in_iteration", TimeUnit.EPOCH))
+    token_in_iteration = property(lambda self: self._time("_token_in_iteration", TimeUnit.TOKEN))
+    batch_in_epoch = property(lambda self: self._time("_batch_in_epoch", TimeUnit.BATCH),
+                              doc="Batches done in the current epoch.")
+    sample_in_epoch = property(lambda self: self._time("_sample_in_epoch", TimeUnit.SAMPLE))
+    token_in_epoch = property(lambda self: self._time("_token_in_epoch", TimeUnit.TOKEN))
+    total_wct = property(lambda self: datetime.timedelta(seconds=self._total_wct),
+                         doc="Wall-clock time the batches of the run took.")
+    iteration_wct = property(lambda self: datetime.timedelta(seconds=self._iteration_wct))
+    epoch_wct = property(lambda self: datetime.timedelta(seconds=self._epoch_wct),
+                         doc="Wall-clock time the batches of this epoch took.")
+    batch_wct = property(lambda self: datetime.timedelta(seconds=self._batch_wct),
+                         doc="Wall-clock time the last batch took.")
+
+    def get(self, unit: TimeUnit | str) -> Time:
+        """The count in ``unit`` (``ep ba sp tok``) as a Time."""
+        name = _COUNT_OF.get(unit)  # a lookup, not an enum call
+        if name is None:  # 'dur', or not a unit at all: TimeUnit() names what is wrong
+            TimeUnit(unit)
+            raise ValueError("a Timestamp has no 'dur' count; use fraction_done(timestamp, max_duration)")
+        return self._time(name, TimeUnit(unit))
+
+    def to_next_batch(self, samples: int | Time = 0, tokens: int | Time = 0,
+                      duration: datetime.timedelta | float | None = None) -> Timestamp:
+        """The timestamp after one more batch of ``samples`` and ``tokens`` (all ranks) that took
+        ``duration`` (a timedelta, or seconds)."""
+        if type(samples) is not int or type(tokens) is not int:
+            samples, tokens = _count_argument("samples", samples), _count_argument("tokens", tokens)
+        if samples < 0 or tokens < 0:
+            raise ValueError(f"samples and tokens must be >= 0, got samples={samples}, tokens={tokens}")
+        seconds = _seconds("duration", duration) if type(duration) is not float else duration
+        # Sums of checked ints need no checking again: the fields are set directly, past the
+        # constructor (this runs every batch, with the caches cold).
+        after = _new_timestamp(Timestamp)
+        _set(after, "_iteration", self._iteration)
+        _set(after, "_epoch", self._epoch)
+        _set(after, "_batch", self._batch + 1)
+        _set(after, "_sample", self._sample + samples)
+        _set(after, "_token", self._token + tokens)
+        _set(after, "_epoch_in_iteration", self._epoch_in_iteration)
+        _set(after, "_token_in_iteration", self._token_in_iteration + tokens)
+        _set(after, "_batch_in_epoch", self._batch_in_epoch + 1)
+        _set(after, "_sample_in_epoch", self._sample_in_epoch + samples)
+        _set(after, "_token_in_epoch", self._token_in_epoch + tokens)
+        _set(after, "_total_wct", self._total_wct + seconds)
+        _set(after, "_iteration_wct", self._iteration_wct + seconds)
+        _set(after, "_epoch_wct", self._epoch_wct + seconds)
+        _set(after, "_batch_wct", seconds)
+        return after
+
+    def to_next_epoch(self, duration: datetime.timedelta | float | None = None) -> Timestamp:
+        """The timestamp after the end of this epoch: the in-epoch counts start over."""
+        seconds = _seconds("duration", duration)
+        return self._copied(_epoch=self._epoch + 1, _epoch_in_iteration=self._epoch_in_iteration + 1,
+                            _batch_in_epoch=0, _sample_in_epoch=0, _token_in_epoch=0,
+                            _total_wct=self._total_wct + seconds, _iteration_wct=self._iteration_wct + seconds,
+                            _epoch_wct=0.0, _batch_wct=0.0)
+
+    def to_next_iteration(self, duration: datetime.timedelta | float | None = None) -> Timestamp:
+        """The timestamp after the end of this iteration (Composer's; lockstep runs are one)."""
+        seconds = _seconds("duration", duration)
+        return self._copied(_iteration=self._iteration + 1, _epoch_in_iteration=0, _token_in_iteration=0,
+                            _batch_in_epoch=0, _sample_in_epoch=0, _token_in_epoch=0,
+                            _total_wct=self._total_wct + seconds, _iteration_wct=0.0, _epoch_wct=0.0,
+                            _batch_wct=0.0)
+
+    def copy(self, **changes: Any) -> Timestamp:
+        """A copy with the fields named in ``changes`` (Composer's keyword names) replaced."""
+        unknown = changes.keys() - set(TIMESTAMP_KEYS)
+        if unknown:
+            raise TypeError(f"Timestamp.copy() got unknown fields {sorted(unknown)}; the fields are {list(TIMESTAMP_KEYS)}")
+        return Timestamp(**{**self._fields(), **changes})
+
+    def _copied(self, **slots: Any) -> Timestamp:
+        copy = _new_timestamp(Timestamp)
+        for name in Timestamp.__slots__:
+            _set(copy, name, slots[name] if name in slots else getattr(self, name))
+        return copy
+
+    def _fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {name[1:]: getattr(self, name) for name in _COUNTS}
+        fields.update({name[1:]: datetime.timedelta(seconds=getattr(self, name)) for name in _CLOCKS})
+        return fields
+
+    def state_dict(self) -> dict[str, Any]:
+        """Composer's form: each count as an int, the wall-clock fields as timedeltas."""
+        return self._fields()
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Timestamp:
+        """Rebuild a Timestamp from :meth:`state_dict` (Composer's or lockstep's older seven
+        counts); a count missing, unknown or not an int is an error."""
+        if not isinstance(state, dict):
+            raise TypeError(f"a Timestamp state_dict must be a dict, got {type(state).__name__}")
+        missing, unknown = set(TIMESTAMP_FIELDS) - state.keys(), state.keys() - set(TIMESTAMP_KEYS)
+        if missing or unknown:
+            raise ValueError(f"invalid Timestamp state_dict: missing keys {sorted(missing)}, "
+                             f"unknown keys {sorted(map(str, unknown))}; expected {sorted(TIMESTAMP_FIELDS)} "
+                             f"and optionally {sorted(set(TIMESTAMP_KEYS) - set(TIMESTAMP_FIELDS))}")
+        try:
+            # operator.index also accepts numpy integers and 0-d integer tensors from a checkpoint
+            counts = {name: operator.index(state[name]) for name in _COUNTED_KEYS if name in state}
+        except TypeError:
+            raise ValueError(f"invalid Timestamp state_dict: counts must be ints, got {state!r}") from None
+        clocks = {name[1:]: state[name[1:]] for name in _CLOCKS if name[1:] in state}
+        return cls(**counts, **clocks)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Composer's in-place load of :meth:`state_dict`."""
+        loaded = Timestamp.from_state_dict(state)
+        for name in Timestamp.__slots__:
+            _set(self, name, getattr(loaded, name))
+
+    def _counts(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in _COUNTS)
+
+    def __eq__(self, other: object) -> bool:
+        """Timestamps: equal counts (and clocks, as in Composer). A Time or a duration string: the
+        count in its unit equals it."""
+        if isinstance(other, Timestamp):
+            return all(getattr(self, n) == getattr(other, n) for n in Timestamp.__slots__)
+        if isinstance(other, (Time, str)):
+            time = Time.from_input(other)
+            return self.get(time.unit) == time
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._counts())
 
     def _compare(self, other: object, op: Callable[[Any, Any], bool]) -> bool:
-        if not isinstance(other, Time):
+        if not isinstance(other, (Time, str)):
             return NotImplemented
-        self._same_unit(other, "compare")
-        return op(self.value, other.value)
+        time = Time.from_input(other)
+        return op(self.get(time.unit), time)
 
     def __lt__(self, other: object) -> bool:
         return self._compare(other, operator.lt)
@@ -168,119 +493,64 @@ class Time:
     def __ge__(self, other: object) -> bool:
         return self._compare(other, operator.ge)
 
-    def __add__(self, other: object) -> Time:
-        if not isinstance(other, Time):
-            return NotImplemented
-        self._same_unit(other, "add")
-        return Time(self.value + other.value, self.unit)
-
-    def __sub__(self, other: object) -> Time:
-        if not isinstance(other, Time):
-            return NotImplemented
-        self._same_unit(other, "subtract")
-        return Time(self.value - other.value, self.unit)
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{name[1:]}={getattr(self, name)}" for name in _COUNTS)
+        clocks = ", ".join(f"{name[1:]}={datetime.timedelta(seconds=getattr(self, name))!r}" for name in _CLOCKS)
+        return f"Timestamp({counts}, {clocks})"
 
 
-@functools.lru_cache(maxsize=1024)
-def _parse(text: str) -> Time:
-    return Time._parse_string(text)
+def _count_argument(name: str, value: int | Time) -> int:
+    """A count given to a Timestamp, as an int: an int, or a Time in the count's unit."""
+    if isinstance(value, Time):
+        unit = _UNIT_OF_COUNT.get(name)
+        if unit is not None and value.unit is not unit:
+            raise ValueError(f"Timestamp.{name} is counted in '{unit.value}', got '{value}'")
+        value = value.value
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)) or value < 0:
+        raise ValueError(f"Timestamp.{name} must be a non-negative int, got {value!r}")
+    return int(value)
 
 
-@dataclass(frozen=True, slots=True)
-class Timestamp:
-    """Training progress: completed epochs, batches, samples and tokens, in total and in this epoch.
-
-    ``sample`` and ``token`` (and their in-epoch counts) are summed over all ranks. Every update
-    returns a new Timestamp.
-    """
-
-    epoch: int = 0
-    batch: int = 0
-    sample: int = 0
-    token: int = 0
-    batch_in_epoch: int = 0
-    sample_in_epoch: int = 0
-    token_in_epoch: int = 0
-
-    def __post_init__(self) -> None:
-        for name in TIMESTAMP_FIELDS:  # a new Timestamp every batch: a tuple, not dataclasses.fields()
-            value = getattr(self, name)
-            if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)) or value < 0:
-                raise ValueError(f"Timestamp.{name} must be a non-negative int, got {value!r}")
-
-    def get(self, unit: TimeUnit | str) -> int:
-        """Return the count in ``unit`` (``ep ba sp tok``)."""
-        name = _COUNT_OF.get(unit)  # the Trainer asks every batch: a lookup, not an enum call
-        if name is None:  # 'dur', or not a unit at all: TimeUnit() names what is wrong
-            TimeUnit(unit)
-            raise ValueError("a Timestamp has no 'dur' count; use fraction_done(timestamp, max_duration)")
-        return getattr(self, name)
-
-    def to_next_batch(self, samples: int, tokens: int = 0) -> Timestamp:
-        """Return the timestamp after one more batch of ``samples`` and ``tokens`` (all ranks)."""
-        if samples < 0 or tokens < 0:
-            raise ValueError(
-                f"samples and tokens must be >= 0, got samples={samples}, tokens={tokens}")
-        if type(samples) is not int or type(tokens) is not int:  # the constructor says what is wrong
-            return Timestamp(self.epoch, self.batch + 1, self.sample + samples, self.token + tokens,
-                             self.batch_in_epoch + 1, self.sample_in_epoch + samples, self.token_in_epoch + tokens)
-        # Sums of checked ints need no checking again: the fields are set directly, without the
-        # generated __init__ and __post_init__ (this runs every batch, with the caches cold).
-        after = _new_timestamp(Timestamp)
-        _set(after, "epoch", self.epoch)
-        _set(after, "batch", self.batch + 1)
-        _set(after, "sample", self.sample + samples)
-        _set(after, "token", self.token + tokens)
-        _set(after, "batch_in_epoch", self.batch_in_epoch + 1)
-        _set(after, "sample_in_epoch", self.sample_in_epoch + samples)
-        _set(after, "token_in_epoch", self.token_in_epoch + tokens)
-        return after
-
-    def to_next_epoch(self) -> Timestamp:
-        """Return the timestamp after the end of this epoch, with the in-epoch counts reset."""
-        return dataclasses.replace(self, epoch=self.epoch + 1, batch_in_epoch=0, sample_in_epoch=0,
-                                   token_in_epoch=0)
-
-    def state_dict(self) -> dict[str, int]:
-        """Return the counts as a plain dict, for checkpoints (and every logged batch: not
-        ``dataclasses.asdict``, whose deep copy costs tens of microseconds)."""
-        return {name: getattr(self, name) for name in TIMESTAMP_FIELDS}
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, int]) -> Timestamp:
-        """Rebuild a Timestamp from :meth:`state_dict`; missing or unknown keys are an error."""
-        if not isinstance(state, dict):
-            raise TypeError(f"a Timestamp state_dict must be a dict, got {type(state).__name__}")
-        expected = {field.name for field in dataclasses.fields(cls)}
-        missing, unknown = expected - state.keys(), state.keys() - expected
-        if missing or unknown:
-            raise ValueError(f"invalid Timestamp state_dict: missing keys {sorted(missing)}, "
-                             f"unknown keys {sorted(map(str, unknown))}; "
-                             f"expected {sorted(expected)}")
-        try:
-            # operator.index also accepts numpy integers and 0-d integer tensors from a checkpoint
-            counts = {name: operator.index(state[name]) for name in expected}
-        except TypeError:
-            raise ValueError(
-                f"invalid Timestamp state_dict: values must be ints, got {state!r}") from None
-        return cls(**counts)
+def _seconds(name: str, value: datetime.timedelta | float | None) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"Timestamp.{name} must be a datetime.timedelta, got {type(value).__name__}")
 
 
-_new_timestamp, _set = object.__new__, object.__setattr__
+_new_timestamp, _new_time, _set = object.__new__, object.__new__, object.__setattr__
 
 # a StrEnum member hashes and compares as its value: "ba" finds TimeUnit.BATCH here
-_COUNT_OF: dict[TimeUnit | str, str] = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch",
-                                        TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token"}
+_COUNT_OF: dict[TimeUnit | str, str] = {TimeUnit.EPOCH: "_epoch", TimeUnit.BATCH: "_batch",
+                                        TimeUnit.SAMPLE: "_sample", TimeUnit.TOKEN: "_token"}
 
-TIMESTAMP_FIELDS = tuple(field.name for field in dataclasses.fields(Timestamp))
-"""The names of a Timestamp's counts, in the order its ``state_dict`` lists them."""
+TIMESTAMP_FIELDS = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
+"""The counts of training progress that a checkpoint must hold."""
+TIMESTAMP_KEYS = tuple(name[1:] for name in _COUNTS + _CLOCKS)
+"""Every key of :meth:`Timestamp.state_dict`, in Composer's order."""
+_COUNTED_KEYS = tuple(name[1:] for name in _COUNTS)
+
+
+def count(timestamp: Timestamp, unit: TimeUnit | str) -> int:
+    """The count of ``timestamp`` in ``unit`` (``ep ba sp tok``) as an int, for the loop's checks."""
+    name = _COUNT_OF.get(unit)
+    if name is None:
+        timestamp.get(unit)  # raises, saying why
+    return getattr(timestamp, name)  # type: ignore[arg-type]
 
 
 def time_argument(name: str, value: Time | str | int) -> Time:
     """Parse the argument ``name`` (an int counts epochs, as in Composer) and check it is positive;
     an error names the argument."""
     try:
-        return Time.from_input(value, TimeUnit.EPOCH).require_positive(name)
+        time = Time.from_input(value, TimeUnit.EPOCH)
+        if time.unit is TimeUnit.ITERATION:
+            raise ValueError("a lockstep run is one iteration: give it in ep, ba, sp, tok or dur")
+        _check_duration(time.value, time.unit)
+        return time.require_positive(name)
     except (TypeError, ValueError) as e:
         message = str(e) if str(e).startswith(name) else f"{name}={value!r}: {e}"
         raise type(e)(message) from None
@@ -325,7 +595,7 @@ def is_reached(
     if _whole_count(limit, max_duration):  # the Trainer asks every batch: no parsing, no frames
         return getattr(timestamp, _COUNT_OF[limit.unit]) >= limit.value  # type: ignore[union-attr]
     unit, amount = _resolve(Time.from_input(limit), max_duration, "limit")
-    return timestamp.get(unit) >= amount
+    return count(timestamp, unit) >= amount
 
 
 def is_interval_due(timestamp_before: Timestamp, timestamp_after: Timestamp, interval: Time | str,
@@ -341,16 +611,16 @@ def is_interval_due(timestamp_before: Timestamp, timestamp_after: Timestamp, int
     if _whole_count(interval, max_duration) and interval.value > 0:  # type: ignore[union-attr]
         name, step = _COUNT_OF[interval.unit], interval.value  # type: ignore[union-attr]
         return getattr(timestamp_after, name) // step > getattr(timestamp_before, name) // step
-    interval = Time.from_input(interval).require_positive("interval")
+    interval = time_argument("interval", interval)
     unit, step = _resolve(interval, max_duration, "interval")
-    return timestamp_after.get(unit) // step > timestamp_before.get(unit) // step
+    return count(timestamp_after, unit) // step > count(timestamp_before, unit) // step
 
 
 def _whole_count(duration: Time | str, max_duration: Time | str | None) -> bool:
     """Whether ``duration`` is already a Time counted in ``ep ba sp tok`` and ``max_duration`` needs
     no checking: then a Timestamp's attribute answers without parsing or resolving anything."""
-    return (type(duration) is Time and duration.unit is not TimeUnit.DURATION
-            and (max_duration is None or type(max_duration) is Time and max_duration.unit is not TimeUnit.DURATION))
+    return (type(duration) is Time and duration.unit in _COUNT_OF
+            and (max_duration is None or type(max_duration) is Time and max_duration.unit in _COUNT_OF))
 
 
 def fraction_done(timestamp: Timestamp, max_duration: Time | str, *,
@@ -360,7 +630,7 @@ def fraction_done(timestamp: Timestamp, max_duration: Time | str, *,
     With an ``ep`` max_duration, ``batches_per_epoch`` (when known) adds progress within the epoch.
     """
     max_duration = check_max_duration(max_duration)
-    done = float(timestamp.get(max_duration.unit))
+    done = float(count(timestamp, max_duration.unit))
     if max_duration.unit is TimeUnit.EPOCH and batches_per_epoch:
-        done += min(timestamp.batch_in_epoch / batches_per_epoch, 1.0)
+        done += min(timestamp._batch_in_epoch / batches_per_epoch, 1.0)
     return min(done / max_duration.value, 1.0)

@@ -41,7 +41,7 @@ class Faults(Callback):
         if (dist.get_global_rank(), state.timestamp.batch) in self.kills:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.progress is not None and dist.get_global_rank() == 0:
-            self.progress.write_text(str(state.timestamp.batch))
+            self.progress.write_text(str(state.timestamp.batch.value))
         time.sleep(self.sleep)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from lockstep import dist
 from lockstep.core.callback import Callback
-from lockstep.time import TIMESTAMP_FIELDS, fraction_done
+from lockstep.time import TIMESTAMP_FIELDS, Timestamp, fraction_done
 from lockstep.state import State
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class ProgressBar(Callback):
         self._interval = 0.2 if stream.isatty() else 30.0
         self._bar = tqdm(total=1000, file=stream, dynamic_ncols=True, leave=True, mininterval=0,
                          bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
-        self._start, self._start_samples = time.perf_counter(), state.timestamp.sample
+        self._start, self._start_samples = time.perf_counter(), state.timestamp.sample.value
         self._next_draw = self._start + self._interval
 
     @property
@@ -67,8 +67,8 @@ class ProgressBar(Callback):
         now = time.perf_counter()
         self._next_draw = now + self._interval
         done = fraction_done(state.timestamp, state.max_duration, batches_per_epoch=state.batches_per_epoch)
-        rate = (state.timestamp.sample - self._start_samples) / max(now - self._start, 1e-9)
-        self._bar.set_description(f"ep {state.timestamp.epoch} ba {state.timestamp.batch}", refresh=False)
+        rate = (state.timestamp.sample.value - self._start_samples) / max(now - self._start, 1e-9)
+        self._bar.set_description(f"ep {state.timestamp.epoch.value} ba {state.timestamp.batch.value}", refresh=False)
         self._bar.set_postfix_str(f"loss {state.loss:.4f}, {rate:.0f} samples/s", refresh=False)
         self._bar.update(int(1000 * done) - self._bar.n)
 
@@ -149,7 +149,7 @@ def eval_metric_names(results: dict[str, float]) -> dict[str, float]:
 
 def format_metrics(state: State) -> str:
     parts = [f"{name} {value:.4f}" for name, value in state.eval_metrics.items()]
-    return f"eval at ep {state.timestamp.epoch} ba {state.timestamp.batch}: " + ", ".join(parts)
+    return f"eval at ep {state.timestamp.epoch.value} ba {state.timestamp.batch.value}: " + ", ".join(parts)
 
 
 class RankLog(_Buffered):
@@ -195,8 +195,8 @@ class RankLog(_Buffered):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         t = state.timestamp
-        if self._file is not None and t.batch % self.every == 0:
-            self._add((time.time(), t.epoch, t.batch, t.sample), state.loss_tensor)
+        if self._file is not None and t.batch.value % self.every == 0:
+            self._add((time.time(), t.epoch.value, t.batch.value, t.sample.value), state.loss_tensor)
 
     def eval_end(self, state: State, logger: Logger) -> None:
         self._flush()
@@ -243,7 +243,7 @@ class MetricsJSONL(_Buffered):
     def eval_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:
             self._flush()
-            self._emit({"kind": "eval", "run_name": state.run_name, **state.timestamp.state_dict(),
+            self._emit({"kind": "eval", "run_name": state.run_name, **_count_dict(state.timestamp),
                         **state.eval_metrics, **eval_metric_names(state.eval_metrics)})
             self._file.flush()
 
@@ -258,7 +258,15 @@ class MetricsJSONL(_Buffered):
 # of json.dumps's time (its dict had to be built first, too).
 _TRAIN_HEAD = '{"kind": "train", "run_name": %s'
 _TRAIN_LINE = "%s, " + ", ".join(f'"{name}": %d' for name in TIMESTAMP_FIELDS) + ', "lr": %s, "loss": %s}\n'
-_counts = operator.attrgetter(*TIMESTAMP_FIELDS)
+_times = operator.attrgetter(*TIMESTAMP_FIELDS)
+
+
+def _counts(timestamp: Timestamp) -> tuple[int, ...]:
+    return tuple(t.value for t in _times(timestamp))
+
+
+def _count_dict(timestamp: Timestamp) -> dict[str, int]:
+    return dict(zip(TIMESTAMP_FIELDS, _counts(timestamp)))
 _NOT_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
@@ -283,11 +291,11 @@ class LossCurve(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._rank_zero:
-            if self._pending.add(state.timestamp.batch, state.loss_tensor) >= 1000:
+            if self._pending.add(state.timestamp.batch.value, state.loss_tensor) >= 1000:
                 self._train += self._pending.drain()
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        self._eval.append((state.timestamp.batch, dict(state.eval_metrics)))
+        self._eval.append((state.timestamp.batch.value, dict(state.eval_metrics)))
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self._train += self._pending.drain()

@@ -71,7 +71,7 @@ class SpeedMonitor(Callback):
         t = state.timestamp
         self._last = time.perf_counter()
         self._history.clear()
-        self._history.append((self._last, t.batch, t.sample, t.token, self._flops))
+        self._history.append((self._last, t.batch.value, t.sample.value, t.token.value, self._flops))
 
     def batch_end(self, state: State, logger: Logger) -> None:
         now = time.perf_counter()
@@ -81,7 +81,7 @@ class SpeedMonitor(Callback):
         if hasattr(model, "flops_per_batch") and state.batch is not None:
             self._flops += float(model.flops_per_batch(state.batch)) * self._world
         t = state.timestamp
-        self._history.append((now, t.batch, t.sample, t.token, self._flops))
+        self._history.append((now, t.batch.value, t.sample.value, t.token.value, self._flops))
         logger.log_metrics({**self._rates(), "time/train": self._train_seconds / 3600})
 
     def _rates(self) -> dict[str, float]:
@@ -131,7 +131,7 @@ class MemoryMonitor(Callback):
         self.interval = interval
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        if state.timestamp.batch % self.interval == 0:
+        if state.timestamp.batch.value % self.interval == 0:
             logger.log_metrics(memory_stats(state.device))
 
 

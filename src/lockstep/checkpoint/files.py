@@ -9,6 +9,7 @@ reader does not) and unpickles with ``weights_only=True``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import mmap
 import os
@@ -235,7 +236,8 @@ def read_bytes(data: bytes, path: Path) -> Any:
 
 def _load(source: Any, path: Path, **kwargs: Any) -> Any:
     try:
-        return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
+        with torch.serialization.safe_globals([datetime.timedelta]):  # a Timestamp's wall-clock fields
+            return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for foreign content
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint {path} with weights_only=True: {first_line}") from None

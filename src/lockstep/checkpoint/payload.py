@@ -19,6 +19,8 @@ Only tensors, numbers, strings, lists and dicts: it loads with ``weights_only=Tr
 
 from __future__ import annotations
 
+import datetime
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +47,7 @@ def build(state: State, ranks: list[dict[str, Any]], history: list[str],
         "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
                      "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
                      "rank": rank, **layout.extra_meta()},
-        "timestamp": state.timestamp.state_dict(),
+        "timestamp": _plain(state.timestamp.state_dict()),
         "model": model,
         "optimizers": optimizers,
         "schedulers": [s.state_dict() for s in state.schedulers],
@@ -128,3 +130,9 @@ def check_world_size(payload: dict[str, Any], path: Path, world_size: int) -> No
         raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
                               f"{world_size}: an exact resume needs the same world size; pass "
                               f"load_weights_only=True to start a new run from its weights")
+
+
+def _plain(timestamp: dict[str, Any]) -> dict[str, Any]:
+    """A Timestamp's state_dict with its wall-clock timedeltas in seconds: the checkpoint stays
+    loadable by ``torch.load(weights_only=True)`` with no allowlist (Timestamp reads either)."""
+    return {k: v.total_seconds() if isinstance(v, datetime.timedelta) else v for k, v in timestamp.items()}

@@ -169,7 +169,7 @@ class CheckpointSaver:
             self._save_folder(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.writes:
             self._save_file(state, ranks, history, layout, model, optimizers, path, wait=wait)
-        self.last_saved_batch = state.timestamp.batch
+        self.last_saved_batch = state.timestamp.batch.value
         return path if self.writes else None
 
     def _agree(self, path: Path, name: str, rank_entry: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:

@@ -52,6 +52,6 @@ def place_values(run_name: str, rank: int | None = None) -> dict[str, Any]:
 def format_name(template: str, place: dict[str, Any], timestamp: Timestamp | None = None) -> str:
     values = dict(place)
     if timestamp is not None:
-        values.update(epoch=timestamp.epoch, batch=timestamp.batch, sample=timestamp.sample,
-                      token=timestamp.token)
+        values.update(epoch=timestamp.epoch.value, batch=timestamp.batch.value, sample=timestamp.sample.value,
+                      token=timestamp.token.value)
     return template.format(**values)

@@ -5,6 +5,6 @@ from lockstep.core.algorithm import Algorithm
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
 from lockstep.state import State
-from lockstep.time import Time, Timestamp, TimeUnit
+from lockstep.time import Time, Timestamp, TimeUnit, ensure_time
 
-__all__ = ["Algorithm", "Callback", "Event", "State", "Time", "TimeUnit", "Timestamp"]
+__all__ = ["Algorithm", "Callback", "Event", "State", "Time", "TimeUnit", "Timestamp", "ensure_time"]

@@ -75,7 +75,7 @@ class ConsoleLogger(LoggerDestination):
         t, total = state.timestamp, state.max_duration
         of = f"/{total.value}" if total is not None and total.unit is TimeUnit.BATCH else ""
         values = ", ".join(f"{name}: {_format(as_number(v))}" for name, v in metrics.items())
-        print(f"[epoch={t.epoch}][batch={t.batch}{of}] {kind} {values}", file=self.stream, flush=True)
+        print(f"[epoch={t.epoch.value}][batch={t.batch.value}{of}] {kind} {values}", file=self.stream, flush=True)
 
 
 def _format(value: float | int) -> str:

@@ -35,7 +35,7 @@ class Logger:
         return [d for d in self.destinations if rank == 0 or not d.rank_zero_only]
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        step = self._state.timestamp.batch if step is None else step
+        step = self._state.timestamp.batch.value if step is None else step
         for destination in self.active:
             self._call(destination, destination.log_metrics, metrics, step)
 

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from lockstep.time import Time, TimeUnit
+from lockstep.time import Time, TimeUnit, count
 
 if TYPE_CHECKING:
     from lockstep.state import State
@@ -69,7 +69,7 @@ def _batches_per_epoch(state: State, time: Time) -> int:
 
 
 def _elapsed(state: State, unit: TimeUnit) -> int:
-    return state.timestamp.get(unit)
+    return count(state.timestamp, unit)
 
 
 def _fraction(done: float, total: float) -> float:

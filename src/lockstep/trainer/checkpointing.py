@@ -67,8 +67,8 @@ class FitSaves:
     def finish(self) -> None:
         """Save this batch unless that is done already, and wait until every save is durable."""
         timestamp = self.state.timestamp
-        if self.saver.last_saved_batch != timestamp.batch:
-            self.save(at_epoch_end=timestamp.batch_in_epoch == 0, wait=True)
+        if self.saver.last_saved_batch != timestamp.batch.value:
+            self.save(at_epoch_end=timestamp.batch_in_epoch.value == 0, wait=True)
         with progress.heartbeat_paused():
             self.saver.wait()
 
@@ -84,7 +84,7 @@ def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver:
     if loaded is None or loaded.weights_only:
         return None
     if dist.get_global_rank() == 0:
-        caveat = resume_caveat(train_dataloader, state.timestamp.epoch)
+        caveat = resume_caveat(train_dataloader, state.timestamp.epoch.value)
         if caveat:
             warnings.warn(caveat, stacklevel=3)
     return loaded.rank_entry or {}

@@ -88,4 +88,4 @@ def _evaluate_batch(state: State, strategy: Strategy, batch: Any, n: int, metric
     for metric in metrics.values():
         model.update_metric(batch, eval_outputs, metric)
     run_event(Event.EVAL_BATCH_END)
-    progress.heartbeat(state.timestamp.batch)
+    progress.heartbeat(state.timestamp.batch.value)

@@ -48,12 +48,12 @@ NO_TOKENS = ("max_duration is in tokens, but a batch counts no tokens: define nu
 def more_duration(duration: Any, timestamp: Any, reset_time: bool) -> Any:
     """``fit(duration=)``: the new max_duration, that much past the current timestamp (from zero
     with ``reset_time``), in the duration's unit."""
-    from lockstep.time import Time, TimeUnit, time_argument
+    from lockstep.time import TimeUnit, time_argument
 
     more = time_argument("duration", duration)
     if more.unit is TimeUnit.DURATION:
         raise ValueError(f"duration cannot be in 'dur' (got '{more}'): give it in ep, ba, sp or tok")
-    return more if reset_time else Time(timestamp.get(more.unit) + more.value, more.unit)
+    return more if reset_time else timestamp.get(more.unit) + more
 
 
 def epoch_length(loader: Any, limit: int | None) -> int | None:

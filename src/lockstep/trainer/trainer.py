@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, SupportsInt
 
@@ -256,17 +257,18 @@ class Trainer:
         s.model.train()
         self._events.index()  # callbacks added since the Trainer was built
         entry, self._resume_entry = self._resume_entry, None
-        resume = data.resume_position(entry, s.timestamp.batch_in_epoch, self._position)
+        resume = data.resume_position(entry, s.timestamp.batch_in_epoch.value, self._position)
         self._follow_schedules(s)
         self._logging = bool(self.logger.active)
         if self._logging:
             self.logger.log_hyperparameters(setup.hyperparameters(self))
+        self._clock = time.perf_counter()  # wall clock of the batches: Timestamp.total_wct, batch_wct
         self._run_event(Event.FIT_START)
         with StopSignal() if self.saver else contextlib.nullcontext() as stop:
             while not is_reached(s.timestamp, s.max_duration):
-                data.set_epoch(self.train_dataloader, s.timestamp.epoch)
-                if s.timestamp.batch_in_epoch == 0:  # as in Composer, not when resuming mid-epoch
-                    if s.timestamp.epoch == 0:  # the run is one iteration
+                data.set_epoch(self.train_dataloader, s.timestamp.epoch.value)
+                if s.timestamp.batch_in_epoch.value == 0:  # as in Composer, not when resuming mid-epoch
+                    if s.timestamp.epoch.value == 0:  # the run is one iteration
                         self._run_event(Event.ITERATION_START)
                     self._run_event(Event.EPOCH_START)
                 batches = data.epoch_batches(
@@ -314,8 +316,10 @@ class Trainer:
         s = self.state
         before = s.timestamp
         tokens = int(tokens)  # a sum over the ranks may still be on its way
-        s.timestamp = after = before.to_next_batch(samples, tokens)
-        progress.heartbeat(after.batch)
+        now = time.perf_counter()
+        s.timestamp = after = before.to_next_batch(samples, tokens, now - self._clock)
+        self._clock = now
+        progress.heartbeat(after.batch.value)
         if not tokens and s.max_duration.unit is TimeUnit.TOKEN:  # type: ignore[union-attr]
             raise ValueError(setup.NO_TOKENS)
         for scheduler in self._batch_schedulers:  # after the timestamp: the lr of the next batch
@@ -369,8 +373,8 @@ class Trainer:
     def _log_batch(self) -> None:
         """Rank 0's loss of this batch (a tensor: destinations read it off the training thread)."""
         s = self.state
-        self.logger.log_metrics({"loss/train/total": s.loss_tensor, "time/batch": s.timestamp.batch,
-                                 "time/epoch": s.timestamp.epoch})
+        self.logger.log_metrics({"loss/train/total": s.loss_tensor, "time/batch": s.timestamp.batch.value,
+                                 "time/epoch": s.timestamp.epoch.value})
 
     def _count(self, batch: Any) -> tuple[int, int]:
         return self.state.model.num_samples(batch), self._num_tokens(batch)
@@ -413,10 +417,12 @@ class Trainer:
         return predict.predict(self.state, self.strategy, self._run_event, dataloader, limit, return_outputs)
 
     def _evaluate(self) -> None:
-        """The evaluation that ``eval_interval`` asks for during fit."""
+        """The evaluation that ``eval_interval`` asks for during fit (its time is not the batches')."""
+        started = time.perf_counter()
         self._run_event(Event.EVAL_BEFORE_ALL)
         self._eval_loop(None)
         self._run_event(Event.EVAL_AFTER_ALL)
+        self._clock += time.perf_counter() - started
 
     def _eval_loop(self, subset_num_batches: int | None) -> dict[str, float]:
         limit = self.loop.eval_subset_num_batches if subset_num_batches is None else subset(
@@ -438,7 +444,7 @@ class Trainer:
         assert self.saver is not None and self._saves is not None
         self._saves.finish()
         self._run_event(Event.FIT_END)
-        message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch}; the checkpoint is in "
+        message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch.value}; the checkpoint is in "
                    f"{self.saver.folder}")
         if dist.get_global_rank() == 0:
             print(message, file=sys.stderr, flush=True)
