@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     # 1: processes: the launcher on one side, the ranks' collectives on the other
     "lockstep.launcher": 1, "lockstep.dist": 1, "lockstep._agreement": 1,
     # 2: the loop's vocabulary: state, model, events, callbacks, algorithms
-    "lockstep.state": 2, "lockstep.model": 2, "lockstep.core": 2,
+    "lockstep.state": 2, "lockstep.model": 2, "lockstep.core": 2, "lockstep.devices": 2, "lockstep.utils": 2,
     # 3: checkpoint files and layouts
     "lockstep.checkpoint": 3,
     # 4: what a step does: backends (which name their checkpoint layout), optimizers, algorithms

@@ -22,6 +22,7 @@ _LAZY = {
     "Event": "lockstep.core.event",
     "Algorithm": "lockstep.core.algorithm",
     "Logger": "lockstep.loggers.logger",
+    "ensure_time": "lockstep.time",
     "Time": "lockstep.time",
     "TimeUnit": "lockstep.time",
     "Timestamp": "lockstep.time",

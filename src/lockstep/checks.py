@@ -29,3 +29,9 @@ def check_keys(name: str, given: Iterable[Any], valid: Iterable[str]) -> None:
         hints = "".join(_closest(k, valid) for k in unknown[:1])
         raise ValueError(f"{name} has unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
                          f"{', '.join(valid)}{hints}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Raise TypeError naming ``name`` unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: give True or False")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lockstep import dist
+from lockstep.devices import Device
 from lockstep.checks import check_choice
 from lockstep.parallel.precision import PRECISIONS
 from lockstep.time import Time, check_max_duration, time_argument
@@ -26,7 +27,7 @@ class LoopConfig:
     eval_interval: Time | str | int | Callable[[Any, Any], bool] = "1ep"
     """How often ``eval_dataloader`` is evaluated during ``fit``; a callable ``(state, event) -> bool``
     is asked at BATCH_END and EPOCH_END, as in Composer."""
-    device: str | torch.device | None = None
+    device: str | torch.device | Device | None = None
     """'cpu' | 'gpu' (this local rank's CUDA device) | None: gpu when CUDA is available."""
     precision: str | None = "fp32"
     """fp32 | amp_bf16 | amp_fp16 (the latter with a GradScaler); None: Composer's default for the
@@ -98,10 +99,13 @@ def scale_duration(max_duration: Time, ratio: float) -> Time:
     return scaled
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """'cpu' | 'gpu' | None (gpu when CUDA is available); gpu means this local rank's CUDA device."""
+def resolve_device(device: str | torch.device | Device | None) -> torch.device:
+    """'cpu' | 'gpu' | a :class:`lockstep.devices.Device` | None (gpu when CUDA is available); gpu
+    means this local rank's CUDA device."""
     if isinstance(device, torch.device):
         return device
+    if isinstance(device, Device):
+        return device.torch_device
     if device is None:
         device = "gpu" if torch.cuda.is_available() else "cpu"
     check_choice("device", device, DEVICES, also=" or None (auto)")

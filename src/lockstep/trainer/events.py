@@ -20,17 +20,31 @@ STEP_EVENTS = (Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_STAR
 """The events of a step before BATCH_END: dispatched only when something acts at one of them."""
 
 
+AlgorithmPass = Callable[[Sequence[Algorithm], Event], Sequence[Algorithm]]
+"""Composer's algorithm pass: the algorithms that match an event -> the ones to run, in order."""
+
+
+def filo_order(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorithm]:
+    """Composer's default pass: at the ``AFTER_*`` events algorithms run in reverse order, so that
+    one that changed something at ``BEFORE_*`` undoes it after the others."""
+    return list(reversed(algorithms)) if event.name.startswith("AFTER_") else algorithms
+
+
 class Events:
-    """Runs each event: matching algorithms first, then the callbacks that act at it.
+    """Runs each event: matching algorithms first (ordered by ``passes``; with ``log_traces``, each
+    event's algorithms are logged as ``algorithm_traces/<Algorithm>/<event>``), then the callbacks
+    that act at it.
 
     ``before_weights_change`` is called before anything acts at an event, since an algorithm or a
     callback may change the weights there (a checkpoint's background copy may still read them).
     """
 
     def __init__(self, state: State, logger: Logger, algorithms: Sequence[Algorithm],
-                 before_weights_change: Callable[[], None]) -> None:
+                 before_weights_change: Callable[[], None], *, passes: Sequence[AlgorithmPass] = (),
+                 log_traces: bool = False) -> None:
         self.state, self.logger, self.algorithms = state, logger, algorithms
         self.before_weights_change = before_weights_change
+        self.passes, self.log_traces = [filo_order, *passes], log_traces
         self.callbacks: CallbackList = CallbackList()
         self.step_heard = False
         """Whether a callback acts at one of :data:`STEP_EVENTS`."""
@@ -43,9 +57,8 @@ class Events:
         handlers = self._handlers_of[event]
         if self.algorithms or handlers:
             self.before_weights_change()
-        for algorithm in self.algorithms:
-            if algorithm.match(event, self.state):
-                algorithm.apply(event, self.state, self.logger)
+        if self.algorithms:
+            self._run_algorithms(event)
         if self._indexed_version != self.callbacks.version:
             self.index()  # the list changed (a callback added one, say): from this event on
             handlers = self._handlers_of[event]
@@ -53,6 +66,16 @@ class Events:
             handler(self.state, self.logger)
         if self._indexed_version != self.callbacks.version:
             self.index()  # changed by a callback just now: the loop must know who listens
+
+    def _run_algorithms(self, event: Event) -> None:
+        state = self.state
+        matching: Sequence[Algorithm] = [a for a in self.algorithms if a.match(event, state)]
+        for algorithm_pass in self.passes:
+            matching = algorithm_pass(matching, event)
+        for algorithm in matching:
+            algorithm.apply(event, state, self.logger)
+        if self.log_traces and matching:
+            self.logger.log_traces({f"algorithm_traces/{type(a).__name__}/{event.value}": 1 for a in matching})
 
     def index(self) -> None:
         """Note what acts at each event."""

@@ -100,8 +100,11 @@ class Microbatches:
     """The forward and backward of a rank's batch, in the microbatches the Trainer was asked for."""
 
     def __init__(self, state: State, strategy: Strategy, run_event: Callable[[Event], None], loop: LoopConfig,
-                 auto: AutoMicrobatch | None) -> None:
+                 auto: AutoMicrobatch | None, *, count: Callable[[Any], int] | None = None) -> None:
         self.state, self.strategy, self.run_event, self.loop, self.auto = state, strategy, run_event, loop, auto
+        self.count = count
+        """What a microbatch's loss is weighted by (``accumulate_train_batch_on_tokens``: its
+        tokens); None: its samples."""
 
     def forward_backward(self, batch: Any, share: float, loud: bool) -> torch.Tensor:
         """Accumulate the gradients of ``batch`` (each sample weighted by ``share``); the batch's mean
@@ -115,11 +118,11 @@ class Microbatches:
 
     def _each(self, batch: Any, share: float, loud: bool) -> tuple[list[torch.Tensor], list[int]]:
         """Forward and backward of every microbatch of ``batch``; their losses and sample counts."""
-        s, strategy, run, auto = self.state, self.strategy, self.run_event, self.auto
+        s, strategy, run, auto, count = self.state, self.strategy, self.run_event, self.auto, self.count
         microbatches = self.split(batch)
         losses, counts, last = [], [], len(microbatches) - 1
         for i, micro in enumerate(microbatches):
-            n = s.model.num_samples(micro)
+            n = s.model.num_samples(micro) if count is None else count(micro)
             s.batch = micro
             with strategy.sync_context(i == last):
                 with strategy.autocast():

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, SupportsInt
 
 import torch
 from torch import nn
@@ -234,3 +234,12 @@ def kept_out_of_gc() -> Iterator[None]:
     finally:
         if freeze:
             gc.unfreeze()
+
+
+def tokens_of(global_tokens: SupportsInt) -> int:
+    """``accumulate_train_batch_on_tokens``: the global batch's tokens, which weigh the losses."""
+    tokens = int(global_tokens)  # waits for the sum over the ranks
+    if tokens <= 0:
+        raise ValueError("accumulate_train_batch_on_tokens=True, but the batch has no tokens: give the model "
+                         "num_tokens(batch), or the dataloader get_num_tokens_in_batch(batch)")
+    return tokens

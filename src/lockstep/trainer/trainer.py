@@ -24,9 +24,11 @@ from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
-from lockstep.trainer import checkpointing, data, evaluation, microbatch, predict, setup
+from lockstep.trainer import checkpointing, data, evaluation, microbatch, options, predict, setup
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.events import Events
+from lockstep.trainer.options import RunOptions
+from lockstep.utils.reproducibility import configure_deterministic_mode
 from lockstep.trainer.preemption import Preempted, StopSignal
 
 
@@ -109,7 +111,31 @@ class Trainer:
         parallelism_config: dict | None = None,
         deepspeed_config: dict | None = None,
         compile_config: dict | None = None,
+        train_dataloader_label: str = "train",
+        spin_dataloaders: bool = True,
+        algorithm_passes: Any = None,
+        log_traces: bool = False,
+        auto_log_hparams: bool = False,
+        load_object_store: Any = None,
+        load_progress_bar: bool = True,
+        load_exclude_algorithms: list[str] | None = None,
+        save_ignore_keys: Any = None,
+        precision_config: dict | None = None,
+        accumulate_train_batch_on_tokens: bool = False,
+        deterministic_mode: bool = False,
+        profiler: Any = None,
     ) -> None:
+        arguments = dict(locals())  # auto_log_hparams logs them
+        self.options = RunOptions(
+            train_dataloader_label=train_dataloader_label, spin_dataloaders=spin_dataloaders,
+            algorithm_passes=algorithm_passes, log_traces=log_traces, auto_log_hparams=auto_log_hparams,
+            load_progress_bar=load_progress_bar, load_exclude_algorithms=load_exclude_algorithms,
+            accumulate_train_batch_on_tokens=accumulate_train_batch_on_tokens,
+            deterministic_mode=deterministic_mode, profiler=profiler)
+        options.check_unsupported(precision_config=precision_config, load_object_store=load_object_store,
+                                  save_ignore_keys=save_ignore_keys)
+        if deterministic_mode:
+            configure_deterministic_mode()  # before any kernel runs
         setup.set_python_log_level(python_log_level)
         fsdp_config = setup.fsdp_from_parallelism_config(parallelism_config, fsdp_config)
         self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
@@ -142,10 +168,14 @@ class Trainer:
         self._follow_loader(train_dataloader)
         console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
         self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
-        self._microbatches = microbatch.Microbatches(self.state, self.strategy, self._run_event, self.loop,
-                                                     setup.auto_microbatching(self.loop, self.parallel))
+        on_tokens = self.options.accumulate_train_batch_on_tokens
+        self._microbatches = microbatch.Microbatches(
+            self.state, self.strategy, self._run_event, self.loop, setup.auto_microbatching(self.loop, self.parallel),
+            count=(lambda micro: self._num_tokens(micro)) if on_tokens else None)
         self._logging, self._closed, self._fitting = False, False, False
         self._events.index()
+        if auto_log_hparams:
+            self.logger.log_hyperparameters(options.hyperparameters_of(arguments))
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
@@ -173,9 +203,12 @@ class Trainer:
         self.state.run_folder = None if folder is None else str(folder)
         destinations = setup.check_loggers(loggers) + ([console] if console is not None else [])
         self.logger = Logger(self.state, destinations)
-        self._events = Events(self.state, self.logger, self.algorithms, self._before_weights_change)
+        self._events = Events(self.state, self.logger, self.algorithms, self._before_weights_change,
+                              passes=self.options.algorithm_passes, log_traces=self.options.log_traces)
         self._run_event = self._events.run
-        self.callbacks = setup.default_callbacks(folder, progress_bar, destinations) + list(callbacks) + destinations
+        profiling = list(self.options.profiler.callbacks) if self.options.profiler is not None else []
+        self.callbacks = setup.default_callbacks(folder, progress_bar, destinations) + list(callbacks) + profiling + \
+            destinations
 
     @property
     def callbacks(self) -> list[Callback]:
@@ -304,7 +337,7 @@ class Trainer:
             if loud:
                 run(Event.AFTER_DATALOADER)
                 run(Event.BATCH_START)
-            s.loss_tensor = self._train_batch(s.batch, samples, loud)
+            s.loss_tensor = self._train_batch(s.batch, samples, tokens, loud)
             self._end_batch(samples, tokens, is_last, stop)
             if is_reached(s.timestamp, s.max_duration):
                 return trained
@@ -354,14 +387,16 @@ class Trainer:
             self._saves.after_epoch(before_batch)
         self._run_event(Event.EPOCH_CHECKPOINT)
 
-    def _train_batch(self, batch: Any, global_samples: int, loud: bool) -> torch.Tensor:
+    def _train_batch(self, batch: Any, global_samples: int, global_tokens: SupportsInt, loud: bool) -> torch.Tensor:
         """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync).
         Without ``loud``, no callback or algorithm acts at the events of the step before BATCH_END."""
         s, strategy, run = self.state, self.strategy, self._run_event
         if loud:
             run(Event.BEFORE_TRAIN_BATCH)
         prepared = strategy.prepare_batch(s.batch)
-        share = self._world_size / global_samples  # gradients are averaged over ranks
+        # gradients are averaged over ranks; each sample (or token) weighs the same
+        share = self._world_size / (global_samples if self._microbatches.count is None else
+                                    setup.tokens_of(global_tokens))
         loss = self._microbatches.forward_backward(prepared, share, loud)
         s.batch, s.outputs = batch, None
         if loud:
