@@ -27,8 +27,8 @@ LAYERS: dict[str, int] = {
     "lockstep.checkpoint": 3,
     # 4: what a step does: backends (which name their checkpoint layout), optimizers, algorithms
     "lockstep.parallel": 4, "lockstep.optim": 4, "lockstep.algorithms": 4,
-    # 5: what watches the loop: callbacks and logger destinations
-    "lockstep.callbacks": 5, "lockstep.loggers": 5,
+    # 5: what watches the loop: callbacks, logger destinations and the profiler
+    "lockstep.callbacks": 5, "lockstep.loggers": 5, "lockstep.profiler": 5,
     # 6: the loop
     "lockstep.trainer": 6,
     # 7: entry points and test tools

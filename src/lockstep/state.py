@@ -32,6 +32,8 @@ class State:
     """The backend (:class:`lockstep.parallel.strategy.Strategy`): gradient clipping goes through it."""
     run_folder: str | None = None
     """The run's folder (``run_folder=`` or the launcher's run directory), where loggers put files."""
+    profiler: Any = None
+    """The run's :class:`lockstep.profiler.Profiler` (Composer's ``state.profiler``), or None."""
     batch: Any = None
     """This rank's current training batch (from BATCH_START to BATCH_END; the microbatch in the
     microbatch loop; the evaluation batch during evaluation)."""
