@@ -193,3 +193,46 @@ def test_two_ranks_write_one_trace_each_per_window(tmp_path: Path) -> None:
     assert results == [["0"], ["1"]]
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["rank0.4.pt.trace.json", "rank1.4.pt.trace.json"]
     assert "aten::addmm" in names_in(read_trace(tmp_path / "two" / "rank1.4.pt.trace.json"))
+
+
+def test_the_trainers_profiler_argument_writes_traces(tmp_path) -> None:
+    from lockstep.profiler import Profiler, cyclic_schedule
+
+    profiler = Profiler(schedule=cyclic_schedule(wait=0, warmup=1, active=2, repeat=1), torch_prof_folder=str(tmp_path))
+    trainer = _trainer_for_profiler(profiler)
+    trainer.fit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.3.pt.trace.json"]
+    assert "device_train_microbatch_size='auto' does not work with the profiler" in _error(
+        lambda: _trainer_for_profiler(profiler, device_train_microbatch_size="auto"))
+    assert "must be a lockstep.profiler.Profiler" in _error(lambda: _trainer_for_profiler(object()))
+
+
+def _trainer_for_profiler(profiler, **kwargs):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lockstep import Model, Trainer
+
+    class Linear(Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, batch):
+            return self.linear(batch[0])
+
+        def loss(self, outputs, batch):
+            return torch.nn.functional.mse_loss(outputs, batch[1])
+
+    model = Linear()
+    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+    return Trainer(model=model, train_dataloader=data, max_duration="4ba", device="cpu", progress_bar=False,
+                   optimizers=torch.optim.SGD(model.parameters(), lr=0.1), profiler=profiler, **kwargs)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"

@@ -52,6 +52,11 @@ class RunOptions:
             raise TypeError("load_exclude_algorithms must be a list of algorithm class names, such as "
                             "['GradientClipping']")
         self.load_exclude_algorithms = list(excluded)
+        if self.profiler is not None:
+            from lockstep.profiler import Profiler
+
+            if not isinstance(self.profiler, Profiler):
+                raise TypeError(f"profiler must be a lockstep.profiler.Profiler, got {type(self.profiler).__name__}")
 
 
 def _passes(value: Any) -> list[Callable[..., Any]]:
@@ -76,8 +81,11 @@ def _is_pair(item: Any) -> bool:
 
 
 def check_unsupported(*, precision_config: dict[str, Any] | None, load_object_store: Any,
-                      save_ignore_keys: Any) -> None:
+                      save_ignore_keys: Any, profiler: Any, device_train_microbatch_size: Any) -> None:
     """The arguments of Composer's that lockstep cannot honour yet: a one-line error each."""
+    if profiler is not None and device_train_microbatch_size == "auto":  # Composer refuses the pair too
+        raise ValueError("device_train_microbatch_size='auto' does not work with the profiler (its search would "
+                         "be profiled): give the microbatch size as a number")
     if precision_config:  # Composer's precision_config configures amp_fp8 only
         raise ValueError(f"precision_config={precision_config!r} configures amp_fp8 (Transformer Engine), which "
                          f"lockstep does not have: remove it and use precision='amp_bf16' or 'amp_fp16'")

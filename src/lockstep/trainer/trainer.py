@@ -133,7 +133,8 @@ class Trainer:
             accumulate_train_batch_on_tokens=accumulate_train_batch_on_tokens,
             deterministic_mode=deterministic_mode, profiler=profiler)
         options.check_unsupported(precision_config=precision_config, load_object_store=load_object_store,
-                                  save_ignore_keys=save_ignore_keys)
+                                  save_ignore_keys=save_ignore_keys, profiler=profiler,
+                                  device_train_microbatch_size=device_train_microbatch_size)
         if deterministic_mode:
             configure_deterministic_mode()  # before any kernel runs
         setup.set_python_log_level(python_log_level)
@@ -206,7 +207,8 @@ class Trainer:
         self._events = Events(self.state, self.logger, self.algorithms, self._before_weights_change,
                               passes=self.options.algorithm_passes, log_traces=self.options.log_traces)
         self._run_event = self._events.run
-        profiling = list(self.options.profiler.callbacks) if self.options.profiler is not None else []
+        profiler = self.options.profiler
+        profiling = [c for c in profiler.callbacks if c not in callbacks] if profiler is not None else []
         self.callbacks = setup.default_callbacks(folder, progress_bar, destinations) + list(callbacks) + profiling + \
             destinations
 
