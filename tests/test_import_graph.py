@@ -21,8 +21,10 @@ LAYERS: dict[str, int] = {
     "lockstep.idle": 0, "lockstep.rng": 0, "lockstep.optional": 0,
     # 1: processes: the launcher on one side, the ranks' collectives on the other
     "lockstep.launcher": 1, "lockstep.dist": 1, "lockstep._agreement": 1,
-    # 2: the loop's vocabulary: state, model, events, callbacks, algorithms
+    # 2: the loop's vocabulary: state, model, events, callbacks, algorithms, devices, Composer's
+    # utilities, models, metrics and losses
     "lockstep.state": 2, "lockstep.model": 2, "lockstep.core": 2, "lockstep.devices": 2, "lockstep.utils": 2,
+    "lockstep.models": 2, "lockstep.metrics": 2, "lockstep.loss": 2,
     # 3: checkpoint files and layouts
     "lockstep.checkpoint": 3,
     # 4: what a step does: backends (which name their checkpoint layout), optimizers, algorithms

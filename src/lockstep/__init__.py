@@ -18,6 +18,7 @@ _LAZY = {
     "Trainer": "lockstep.trainer.trainer",
     "State": "lockstep.state",
     "Model": "lockstep.model",
+    "ComposerModel": "lockstep.models",
     "Callback": "lockstep.core.callback",
     "Event": "lockstep.core.event",
     "Algorithm": "lockstep.core.algorithm",

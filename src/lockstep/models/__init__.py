@@ -1,0 +1,34 @@
+"""Models at Composer's ``composer.models`` path: ``ComposerModel`` (the same class as
+:class:`lockstep.Model`) and ``ComposerClassifier``.
+
+``ComposerClassifier`` is imported on first use, so that ``import lockstep.models`` (and
+``lockstep.ComposerModel``) does not import torchmetrics.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lockstep.models.base import ComposerModel
+
+if TYPE_CHECKING:
+    from lockstep.models.tasks.classification import ComposerClassifier
+
+# public name -> module that defines it
+_LAZY = {"ComposerClassifier": "lockstep.models.tasks.classification"}
+
+__all__ = ["ComposerModel", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'lockstep.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
