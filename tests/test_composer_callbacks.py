@@ -347,7 +347,7 @@ def test_system_metrics_monitor_logs_composers_names_per_batch() -> None:
 
 class Printer(Callback):
     def batch_end(self, state, logger) -> None:
-        print(f"hello from batch {state.timestamp.batch}")
+        print(f"hello from batch {state.timestamp.batch.value}")
 
 
 class FileSeen(Callback):

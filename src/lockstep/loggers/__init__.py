@@ -2,7 +2,8 @@
 
 Metric names: ``loss/train/total`` (every batch), ``metrics/eval/<Name>``, ``lr-<Optimizer>/group<i>``
 (:class:`~lockstep.callbacks.LRMonitor`), ``throughput/...`` (:class:`~lockstep.callbacks.SpeedMonitor`),
-``time/batch``, ``time/epoch``. Every destination logs on rank 0 only unless ``rank_zero_only=False``.
+``time/batch``, ``time/epoch``. Every destination logs on rank 0 only unless ``rank_zero_only=False``
+(``InMemoryLogger`` and ``FileLogger``: on every rank, as in Composer).
 """
 
 from lockstep.loggers.console import ConsoleLogger

@@ -17,7 +17,10 @@ class InMemoryLogger(LoggerDestination):
     ``hyperparameters`` what :meth:`log_hyperparameters` received.
 
     Values are stored as given (a loss may be a 0-d tensor); reading ``data`` turns them into numbers.
+    As in Composer, every rank keeps what it is given (other destinations log on rank 0 only).
     """
+
+    rank_zero_only = False
 
     def __init__(self) -> None:
         self._data: dict[str, list[tuple[Timestamp, Any]]] = {}
