@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep.checks import check_bool
+from lockstep.utils.reproducibility import configure_deterministic_mode
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,6 +79,19 @@ def _passes(value: Any) -> list[Callable[..., Any]]:
 
 def _is_pair(item: Any) -> bool:
     return isinstance(item, (tuple, list)) and len(item) == 2 and callable(item[0]) and isinstance(item[1], int)
+
+
+def from_arguments(arguments: dict[str, Any]) -> RunOptions:
+    """The run options among the Trainer's ``arguments``, checked; a one-line error for those that
+    lockstep cannot honour; deterministic kernels switched on when asked (before any kernel runs)."""
+    check_unsupported(**{name: arguments[name] for name in _UNSUPPORTED})
+    run = RunOptions(**{name: arguments[name] for name in RunOptions.__dataclass_fields__})
+    if run.deterministic_mode:
+        configure_deterministic_mode()
+    return run
+
+
+_UNSUPPORTED = ("precision_config", "load_object_store", "save_ignore_keys", "profiler", "device_train_microbatch_size")
 
 
 def check_unsupported(*, precision_config: dict[str, Any] | None, load_object_store: Any,

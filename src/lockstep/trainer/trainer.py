@@ -27,8 +27,6 @@ from lockstep.time import Time, Timestamp, TimeUnit, is_reached
 from lockstep.trainer import checkpointing, data, evaluation, microbatch, options, predict, setup
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.events import Events
-from lockstep.trainer.options import RunOptions
-from lockstep.utils.reproducibility import configure_deterministic_mode
 from lockstep.trainer.preemption import Preempted, StopSignal
 
 
@@ -54,12 +52,10 @@ class Trainer:
     ``compile_config`` (a dict of ``torch.compile`` arguments) compiles the model after it is wrapped
     (see :mod:`lockstep.parallel.compile`).
 
-    ``precision`` defaults to ``'fp32'``; ``precision=None`` asks for Composer's default for the
-    device (fp32 on CPU, amp_fp16 on GPU). Composer's other arguments keep Composer's meaning:
-    ``step_schedulers_every_batch`` (torch schedulers step every epoch unless True), a callable
-    ``eval_interval(state, event)``, ``log_to_console`` / ``console_log_interval``,
-    ``python_log_level``, ``dist_timeout`` (seconds for every collective), ``parallelism_config``
-    (``{'fsdp': {...}}``), ``save_weights_only``, ``save_metrics`` and ``load_ignore_keys``.
+    ``precision`` defaults to ``'fp32'`` (``None``: Composer's default for the device, amp_fp16 on
+    a GPU). Every other argument has Composer 0.32.1's meaning (the run options are in
+    :mod:`lockstep.trainer.options`); docs/porting-from-composer.md lists them, with the few that
+    lockstep refuses and why.
     """
 
     def __init__(
@@ -126,17 +122,7 @@ class Trainer:
         profiler: Any = None,
     ) -> None:
         arguments = dict(locals())  # auto_log_hparams logs them
-        self.options = RunOptions(
-            train_dataloader_label=train_dataloader_label, spin_dataloaders=spin_dataloaders,
-            algorithm_passes=algorithm_passes, log_traces=log_traces, auto_log_hparams=auto_log_hparams,
-            load_progress_bar=load_progress_bar, load_exclude_algorithms=load_exclude_algorithms,
-            accumulate_train_batch_on_tokens=accumulate_train_batch_on_tokens,
-            deterministic_mode=deterministic_mode, profiler=profiler)
-        options.check_unsupported(precision_config=precision_config, load_object_store=load_object_store,
-                                  save_ignore_keys=save_ignore_keys, profiler=profiler,
-                                  device_train_microbatch_size=device_train_microbatch_size)
-        if deterministic_mode:
-            configure_deterministic_mode()  # before any kernel runs
+        self.options = options.from_arguments(arguments)  # deterministic_mode acts here, before any kernel
         setup.set_python_log_level(python_log_level)
         fsdp_config = setup.fsdp_from_parallelism_config(parallelism_config, fsdp_config)
         self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
