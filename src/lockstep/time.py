@@ -305,6 +305,31 @@ _UNIT_OF_COUNT = {"iteration": TimeUnit.ITERATION, "epoch": TimeUnit.EPOCH, "bat
                   "sample_in_epoch": TimeUnit.SAMPLE, "token_in_epoch": TimeUnit.TOKEN}
 
 
+class _Count:
+    # A Timestamp's count, read as a Time: one frame and three C calls, since callbacks (and the
+    # Trainer) read counts every batch. (No class docstring: each instance has its own __doc__.)
+
+    __slots__ = ("slot", "unit", "__doc__")
+
+    def __init__(self, slot: str, unit: TimeUnit, doc: str) -> None:
+        self.slot, self.unit, self.__doc__ = slot, unit, doc
+
+    def __get__(self, timestamp: Timestamp | None, owner: type | None = None) -> Any:
+        if timestamp is None:
+            return self
+        time = _new_time(Time)  # the count was checked when it was set: no constructor checks again
+        _set(time, "value", getattr(timestamp, self.slot))
+        _set(time, "unit", self.unit)
+        return time
+
+    @staticmethod
+    def make(value: int, unit: TimeUnit) -> Time:
+        time = _new_time(Time)
+        _set(time, "value", value)
+        _set(time, "unit", unit)
+        return time
+
+
 class Timestamp:
     """Training progress, as in Composer: each count is a :class:`Time` (``timestamp.batch ==
     Time(3, 'ba')``, ``== 3`` too), the wall-clock fields ``datetime.timedelta``.
@@ -335,23 +360,18 @@ class Timestamp:
             _set(self, name, _seconds(name[1:], clock))
 
     def _time(self, name: str, unit: TimeUnit) -> Time:
-        time = _new_time(Time)  # the count was checked when it was set: no constructor checks again
-        _set(time, "value", getattr(self, name))
-        _set(time, "unit", unit)
-        return time
+        return _Count.make(getattr(self, name), unit)
 
-    iteration = property(lambda self: self._time("_iteration", TimeUnit.ITERATION),
-                         doc="Iterations done: a lockstep run is one iteration, so 0 unless given.")
-    epoch = property(lambda self: self._time("_epoch", TimeUnit.EPOCH), doc="Epochs done in the run.")
-    batch = property(lambda self: self._time("_batch", TimeUnit.BATCH), doc="Batches (optimizer steps) done.")
-    sample = property(lambda self: self._time("_sample", TimeUnit.SAMPLE), doc="Samples trained on, all ranks.")
-    token = property(lambda self: self._time("_token", TimeUnit.TOKEN), doc="Tokens trained on, all ranks.")
-    epoch_in_iteration = property(lambda self: self._time("_epoch_in_iteration", TimeUnit.EPOCH))
-    token_in_iteration = property(lambda self: self._time("_token_in_iteration", TimeUnit.TOKEN))
-    batch_in_epoch = property(lambda self: self._time("_batch_in_epoch", TimeUnit.BATCH),
-                              doc="Batches done in the current epoch.")
-    sample_in_epoch = property(lambda self: self._time("_sample_in_epoch", TimeUnit.SAMPLE))
-    token_in_epoch = property(lambda self: self._time("_token_in_epoch", TimeUnit.TOKEN))
+    iteration = _Count("_iteration", TimeUnit.ITERATION, "Iterations done: a lockstep run is one, so 0 unless given.")
+    epoch = _Count("_epoch", TimeUnit.EPOCH, "Epochs done in the run.")
+    batch = _Count("_batch", TimeUnit.BATCH, "Batches (optimizer steps) done.")
+    sample = _Count("_sample", TimeUnit.SAMPLE, "Samples trained on, over all ranks.")
+    token = _Count("_token", TimeUnit.TOKEN, "Tokens trained on, over all ranks.")
+    epoch_in_iteration = _Count("_epoch_in_iteration", TimeUnit.EPOCH, "Epochs done in this iteration.")
+    token_in_iteration = _Count("_token_in_iteration", TimeUnit.TOKEN, "Tokens trained on in this iteration.")
+    batch_in_epoch = _Count("_batch_in_epoch", TimeUnit.BATCH, "Batches done in the current epoch.")
+    sample_in_epoch = _Count("_sample_in_epoch", TimeUnit.SAMPLE, "Samples trained on in the current epoch.")
+    token_in_epoch = _Count("_token_in_epoch", TimeUnit.TOKEN, "Tokens trained on in the current epoch.")
     total_wct = property(lambda self: datetime.timedelta(seconds=self._total_wct),
                          doc="Wall-clock time the batches of the run took.")
     iteration_wct = property(lambda self: datetime.timedelta(seconds=self._iteration_wct))

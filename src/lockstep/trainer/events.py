@@ -24,10 +24,13 @@ AlgorithmPass = Callable[[Sequence[Algorithm], Event], Sequence[Algorithm]]
 """Composer's algorithm pass: the algorithms that match an event -> the ones to run, in order."""
 
 
+_AFTER = frozenset(e for e in Event if e.name.startswith("AFTER_"))
+
+
 def filo_order(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorithm]:
     """Composer's default pass: at the ``AFTER_*`` events algorithms run in reverse order, so that
     one that changed something at ``BEFORE_*`` undoes it after the others."""
-    return list(reversed(algorithms)) if event.name.startswith("AFTER_") else algorithms
+    return list(reversed(algorithms)) if event in _AFTER else algorithms
 
 
 class Events:
@@ -44,7 +47,8 @@ class Events:
                  log_traces: bool = False) -> None:
         self.state, self.logger, self.algorithms = state, logger, algorithms
         self.before_weights_change = before_weights_change
-        self.passes, self.log_traces = [filo_order, *passes], log_traces
+        self.passes, self.log_traces = list(passes), log_traces
+        """The user's passes, which run after Composer's default one (:func:`filo_order`)."""
         self.callbacks: CallbackList = CallbackList()
         self.step_heard = False
         """Whether a callback acts at one of :data:`STEP_EVENTS`."""
@@ -70,6 +74,8 @@ class Events:
     def _run_algorithms(self, event: Event) -> None:
         state = self.state
         matching: Sequence[Algorithm] = [a for a in self.algorithms if a.match(event, state)]
+        if len(matching) > 1 and event in _AFTER:
+            matching.reverse()  # filo_order, without a call: this runs at every event of every step
         for algorithm_pass in self.passes:
             matching = algorithm_pass(matching, event)
         for algorithm in matching:
