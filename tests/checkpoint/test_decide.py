@@ -31,6 +31,8 @@ CASES = [
      Fail("rank 1: ck/ba4.pt: CRC mismatch in record data/3", damaged=True)),
     ("a damaged file fails before a missing one is considered", [MISSING, BROKEN], True, False, False,
      Fail("rank 1: ck/ba4.pt: CRC mismatch in record data/3", damaged=True)),
+    ("bad bytes one rank found win over the failure another rank had reading them", [UNFIT, BROKEN], True, False,
+     False, Fail("rank 1: ck/ba4.pt: CRC mismatch in record data/3", damaged=True)),
     ("a file that does not fit is not called damaged", [UNFIT, SHARED], True, False, False,
      Fail("rank 0: ck/ba4.pt does not fit the model")),
     ("ranks that do not see rank 0's file receive it", [SENDER, MISSING], False, False, False, Load(receive=True)),

@@ -61,9 +61,9 @@ def die_in_write(tags: set[str]) -> None:
         check(path)
         return write_temp(content, path)
 
-    def doomed_tensors(temp: Path, tensors, group) -> None:
+    def doomed_tensors(temp: Path, tensors, group) -> dict:
         check(temp)
-        write_tensors(temp, tensors, group)
+        return write_tensors(temp, tensors, group)
 
     def doomed_captured(self, captured) -> None:
         check(Path(captured[0][0]).parents[1])  # .../<temporary folder>/deepspeed/<file>

@@ -128,3 +128,21 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
             for k, v in model.state_dict().items()}
+
+
+def damage(path, how: str) -> None:
+    """Real damage to a real file: ``delete`` it, ``flip`` the bits of its middle byte, or ``truncate``
+    it to half its size."""
+    from pathlib import Path
+    path = Path(path)
+    if how == "delete":
+        path.unlink()
+    elif how == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+    else:
+        raise ValueError(f"damage how={how!r}: 'delete', 'flip' or 'truncate'")

@@ -1,10 +1,12 @@
-"""DeepSpeed checkpoints: exact resume per ZeRO stage, autoresume, export, weights across layouts,
-and damaged or foreign files refused before DeepSpeed unpickles them."""
+"""DeepSpeed checkpoints: exact resume per ZeRO stage, autoresume (past a damaged checkpoint too),
+export, weights across layouts, and damaged or foreign files refused before DeepSpeed unpickles them."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from lockstep import Trainer, dist
 from lockstep.checkpoint import export_state_dict
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.testing import run_distributed
-from tests.trainer.common import MLP, assert_same_params, error_of, loader
+from tests.trainer.common import MLP, assert_same_params, damage, error_of, loader
 from tests.trainer.test_deepspeed import needs_deepspeed
 
 pytestmark = needs_deepspeed
@@ -96,6 +98,50 @@ def test_autoresume(tmp_path: Path) -> None:
         assert_same_params(resumed, uninterrupted, atol=0)
 
 
+def _past_damage(folder: str, pattern: str, how: str) -> tuple[dict, dict, str, list[str], list[str]]:
+    """ZeRO-2: save ba3 and ba6, damage a file of ba6, then: load_path at it, autoresume, and a load of ba3."""
+    fit(2, folder, "6ba", autoresume=True)
+    dist.barrier()
+    if dist.get_global_rank() == 0:
+        damage(next((Path(folder) / "ep1-ba6" / "deepspeed").glob(pattern)), how)
+    dist.barrier()
+    error = error_of(fit, 2, None, "2ep", load=os.path.join(folder, "ep1-ba6"), train=False,
+                     expected=(CheckpointError,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit(2, folder, "2ep", autoresume=True)  # from ba3, and saves ba6 again
+    from_ba3 = fit(2, None, "2ep", load=os.path.join(folder, "ep0-ba3"))
+    return resumed, from_ba3, error, [str(w.message) for w in caught if "autoresume" in str(w.message)], \
+        sorted(os.listdir(folder))
+
+
+_LOAD_OLDER = ": load an older checkpoint or delete this one"
+DEEPSPEED_DAMAGE = {  # (file, damage) -> what the one-line error says after "rank N: "
+    ("*rank_1_*optim_states.pt", "delete"): r"deepspeed/\S*rank_1_\S*optim_states\.pt is missing \(deleted\?\)",
+    ("*rank_0_*optim_states.pt", "flip"): r"deepspeed/\S*rank_0_\S*optim_states\.pt fails its CRC32 check "
+                                         r"\(flipped bytes\?\)",
+    ("*model_states.pt", "truncate"): r"deepspeed/\S*model_states\.pt is \d+ bytes, expected \d+ \(truncated\?\)",
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pattern, how", list(DEEPSPEED_DAMAGE), ids=[f"{h}-{p}" for p, h in DEEPSPEED_DAMAGE])
+def test_autoresume_falls_back_past_a_damaged_checkpoint(pattern: str, how: str, tmp_path: Path) -> None:
+    results = run_distributed(_past_damage, world_size=2, args=(str(tmp_path), pattern, how), timeout=160)
+    newest = re.escape(str(tmp_path / "ep1-ba6"))
+    said = rf"checkpoint {newest} is damaged: {DEEPSPEED_DAMAGE[pattern, how]}{_LOAD_OLDER}"
+    for rank, (resumed, from_ba3, error, warned, listed) in enumerate(results):
+        assert re.fullmatch(rf"rank \d: {said}", error), error  # load_path: one line, on every rank
+        # autoresume: from ba3, exactly as a load of ba3; rank 0 says why and sets ba6 aside
+        assert_same_params(resumed, from_ba3, atol=0)
+        assert len(warned) == (1 if rank == 0 else 0)
+        if rank == 0:
+            assert re.fullmatch(rf"autoresume skipped the newest checkpoint, which does not load \(rank \d: {said}\); "
+                                rf"resumed from \S+/ep0-ba3 instead; renamed the damaged one to ep1-ba6\.damaged",
+                                warned[0]), warned[0]
+        assert "ep1-ba6.damaged" in listed and "ep1-ba6" in listed  # saved again by the resumed run
+
+
 def _weights_across_layouts(folder: str) -> dict[str, dict]:
     ds_folder, ddp_folder = os.path.join(folder, "ds"), os.path.join(folder, "ddp")
     fit(3, ds_folder, "3ba")
@@ -155,11 +201,12 @@ class Foreign:
 
 
 def _rewrite_sizes(folder: Path) -> None:
-    """Record the files' current sizes in lockstep.pt, as a crafted checkpoint would."""
-    from lockstep.checkpoint import files
+    """Record the files' current sizes and CRC32s in lockstep.pt, as a crafted checkpoint would."""
+    from lockstep.checkpoint import files, integrity
     meta_path = folder / "lockstep.pt"
     content = files.read(meta_path)
     content["lockstep"]["files"] = {k: (folder / k).stat().st_size for k in content["lockstep"]["files"]}
+    content["lockstep"]["parts"] = integrity.record(folder, content["lockstep"]["parts"])
     torch.save(content, folder / "new.pt")  # not over meta_path: content is mapped from it
     os.replace(folder / "new.pt", meta_path)
 
@@ -170,7 +217,9 @@ def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path: Path) -> None
         assert "saved with ZeRO stage 2 and this run uses stage 3" in e["stage"]
         assert "is a DeepSpeed checkpoint: resume it with deepspeed_config" in e["ddp"]
         size = int(e["size"])
-        assert f"{e['partition']} has {size // 2} bytes, not the {size}" in e["truncated"]
+        partition = Path(e["partition"])
+        assert f"checkpoint {partition.parents[1]} is damaged: deepspeed/{partition.name} is {size // 2} bytes, " \
+               f"expected {size} (truncated?)" in e["truncated"]
         assert "would unpickle [" in e["foreign"] and "Foreign'], which lockstep does not load" in e["foreign"]
     one_rank = run_distributed(_error_of, world_size=1, args=(2, str(tmp_path / "intact")), timeout=120)[0]
     assert "saved by 2 rank(s) and this run has 1" in one_rank

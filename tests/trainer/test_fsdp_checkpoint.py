@@ -1,21 +1,23 @@
 """FSDP checkpoints: full, local and sharded layouts resume exactly; sharded reshards 2 <-> 4 ranks;
-autoresume; export of each layout to full tensors."""
+autoresume, past a damaged sharded checkpoint too; export of each layout to full tensors."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from lockstep import Callback, Trainer, dist
-from lockstep.checkpoint import export_state_dict
+from lockstep.checkpoint import CheckpointError, export_state_dict
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
-from tests.trainer.common import BlockMLP, assert_same_params, error_of, full_params, loader
+from tests.trainer.common import BlockMLP, assert_same_params, damage, error_of, full_params, loader
 
 GLOBAL_BATCH = 8  # 28 samples: 4 batches per epoch
 NAMES = {"full": "ep{epoch}-ba{batch}-rank{rank}.pt", "local": "ep{epoch}-ba{batch}-rank{rank}.pt",
@@ -123,8 +125,9 @@ def _slow_sharded_writes(folder: str) -> tuple[dict, dict, list, dict]:
         began = time.monotonic()
         if not writes:
             time.sleep(1.0)  # long enough for training to take steps meanwhile
-        write(temp, tensors, group)
+        parts = write(temp, tensors, group)
         writes.append((temp.name, threading.current_thread().name, began, time.monotonic()))
+        return parts
 
     uninterrupted = fit("sharded", None, "2ep")
     ends = _BatchEnds()
@@ -255,3 +258,76 @@ def test_loading_another_layout_names_the_setting(tmp_path: Path) -> None:
     errors = run_distributed(_wrong_layout, world_size=2, args=(str(tmp_path),), timeout=100)
     assert "is a 'local' checkpoint but this run uses 'sharded' checkpoints" in errors[0]
     assert "fsdp_config={'state_dict_type': 'local'}" in errors[0]
+
+
+def _past_damage(folder: str, target: str, how: str,
+                 unrecorded: bool = False) -> tuple[dict, dict, str, str, list[str], list[str]]:
+    """Save ba3 and ba6, damage ba6, then: load_path at it, its export, autoresume, and a load of ba3.
+    ``unrecorded``: both as saved before lockstep.pt recorded the files' sizes and CRC32s."""
+    fit("sharded", folder, "6ba", autoresume=True)
+    dist.barrier()
+    if dist.get_global_rank() == 0:
+        for name in ("ep0-ba3", "ep1-ba6") if unrecorded else ():
+            _forget_parts(Path(folder) / name)
+        damage(Path(folder) / "ep1-ba6" / target, how)
+    dist.barrier()
+    error = error_of(fit, "sharded", None, "2ep", load=os.path.join(folder, "ep1-ba6"), expected=(CheckpointError,))
+    exported = error_of(export_state_dict, os.path.join(folder, "ep1-ba6"), expected=(CheckpointError,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit("sharded", folder, "2ep", autoresume=True)  # from ba3, and saves ba6 again
+    from_ba3 = fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3"))
+    return resumed, from_ba3, error, exported, [str(w.message) for w in caught if "autoresume" in str(w.message)], \
+        sorted(os.listdir(folder))
+
+
+def _forget_parts(checkpoint: Path) -> None:
+    from lockstep.checkpoint import files
+    content = files.read(checkpoint / "lockstep.pt")
+    del content["lockstep"]["parts"]
+    torch.save(content, checkpoint / "new.pt")  # not over lockstep.pt: content is mapped from it
+    os.replace(checkpoint / "new.pt", checkpoint / "lockstep.pt")
+
+
+_LOAD_OLDER = ": load an older checkpoint or delete this one"
+SHARDED_DAMAGE = {  # (file, damage) -> what the one-line error says after "rank N: "
+    ("__1_0.distcp", "delete"): r"checkpoint {ck} is damaged: __1_0\.distcp is missing \(deleted\?\)" + _LOAD_OLDER,
+    ("__0_0.distcp", "flip"): r"checkpoint {ck} is damaged: __0_0\.distcp fails its CRC32 check \(flipped bytes\?\)"
+                              + _LOAD_OLDER,
+    ("__1_0.distcp", "truncate"): r"checkpoint {ck} is damaged: __1_0\.distcp is \d+ bytes, expected \d+ "
+                                  r"\(truncated\?\)" + _LOAD_OLDER,
+    (".metadata", "delete"): r"checkpoint {ck} is damaged: \.metadata is missing \(deleted\?\)" + _LOAD_OLDER,
+    ("lockstep.pt", "flip"): r"checkpoint {ck}/lockstep\.pt is corrupt: record \S+ fails its CRC check; "
+                             r"load an earlier checkpoint",
+    ("lockstep.pt", "delete"): r"checkpoint {ck} is damaged: lockstep\.pt is missing \(deleted\?\)" + _LOAD_OLDER,
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("target, how", list(SHARDED_DAMAGE), ids=[f"{h}-{t}" for t, h in SHARDED_DAMAGE])
+def test_autoresume_falls_back_past_a_damaged_sharded_checkpoint(target: str, how: str, tmp_path: Path) -> None:
+    _check_fallback(tmp_path, target, how, SHARDED_DAMAGE[target, how])
+
+
+@pytest.mark.timeout(150)
+def test_a_sharded_checkpoint_saved_without_file_records_is_checked_through_dcp_metadata(tmp_path: Path) -> None:
+    # what DCP's .metadata says each file holds: the truncated one is too short; ba3 still loads
+    said = r"checkpoint {ck} is damaged: __1_0\.distcp is \d+ bytes, expected at least \d+ \(truncated\?\)"
+    said += _LOAD_OLDER
+    _check_fallback(tmp_path, "__1_0.distcp", "truncate", said, unrecorded=True)
+
+
+def _check_fallback(tmp_path: Path, target: str, how: str, said: str, unrecorded: bool = False) -> None:
+    results = run_distributed(_past_damage, world_size=2, args=(str(tmp_path), target, how, unrecorded), timeout=130)
+    said = said.replace("{ck}", re.escape(str(tmp_path / "ep1-ba6")))
+    for rank, (resumed, from_ba3, error, exported, warned, listed) in enumerate(results):
+        assert re.fullmatch(rf"rank \d: {said}", error), error  # load_path: one line, on every rank
+        assert re.fullmatch(said, exported), exported  # export checks every file in one process
+        # autoresume: from ba3, exactly as a load of ba3; rank 0 says why and sets ba6 aside
+        assert_same_params(resumed, from_ba3, atol=0)
+        assert len(warned) == (1 if rank == 0 else 0)
+        if rank == 0:
+            assert re.fullmatch(rf"autoresume skipped the newest checkpoint, which does not load \(rank \d: {said}\); "
+                                rf"resumed from \S+/ep0-ba3 instead; renamed the damaged one to ep1-ba6\.damaged",
+                                warned[0]), warned[0]
+        assert "ep1-ba6.damaged" in listed and "ep1-ba6" in listed  # saved again by the resumed run

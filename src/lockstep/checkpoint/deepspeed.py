@@ -4,13 +4,16 @@ The folder that ``save_filename`` names holds::
 
     deepspeed/         engine.save_checkpoint's files: model states, each rank's optimizer partition
     zero_to_fp32.py    DeepSpeed's recovery scripts, which it copies beside them
-    lockstep.pt        timestamp, schedulers, every rank's RNG and data position, the ZeRO stage and
-                       the size of every file above (lockstep.payload's format, without tensors)
+    lockstep.pt        timestamp, schedulers, every rank's RNG and data position, the ZeRO stage,
+                       the size of every file above and the CRC32 of each the engine wrote
+                       (lockstep.payload's format, without tensors)
 
 DeepSpeed reads its files with ``torch.load(weights_only=False)``. Before it does, every one is
-checked: its size against lockstep.pt, its zip records against their CRCs, and its pickle for
-globals beyond the tensors and containers ``weights_only=True`` allows and three plain DeepSpeed
-classes. So a damaged or foreign file is an error naming it, and no arbitrary code is unpickled.
+checked on every rank: its size against lockstep.pt, its CRC32 (each rank a share of the files:
+:mod:`lockstep.checkpoint.integrity`; in a folder saved without them, its zip records' CRCs), and
+its pickle for globals beyond the tensors and containers ``weights_only=True`` allows and three
+plain DeepSpeed classes. So a damaged or foreign file is an error naming it, on every rank before
+any loads, and no arbitrary code is unpickled.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lockstep.checkpoint import files, zipwriter
-from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
+from lockstep.checkpoint import files, integrity, zipwriter
+from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.layout import DEEPSPEED, SHARDED_META, FolderLayout
 from lockstep.checkpoint.states import ReplicatedLayout, misfit
 from lockstep.optional import DEEPSPEED_INSTALL_HINT
@@ -50,6 +53,7 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
         super().__init__(model, optimizers)
         self.engine, self.stage = engine, stage
         self._sizes: dict[str, int] = {}
+        self._parts: dict[str, list[int]] = {}
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         return {}, [{} for _ in self.optimizers]  # the engine writes them
@@ -72,10 +76,11 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
         return captured, [{} for _ in optimizers]
 
     def write_parts(self, temp: Path, captured: list[tuple[str, Any]], group: ProcessGroup | None) -> None:
-        """This rank's files, then a barrier: every rank's are written on return."""
+        """This rank's files and its record of them; every rank's are written, and their records
+        here, on return."""
         self.write_captured(captured)
-        if group is not None:
-            torch.distributed.barrier(group=group)
+        mine = integrity.record(temp, {os.path.relpath(path, temp) for path, _ in captured})
+        self._parts = integrity.gather(mine, group)
 
     def write_captured(self, captured: list[tuple[str, Any]]) -> None:
         """Write the captured state dicts as the engine would have (its serialization). DeepSpeed's
@@ -90,9 +95,10 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
                 writer.save(state_dict, path)
 
     def seal(self, temp: Path, meta: dict[str, Any]) -> None:
-        """Rank 0, once every rank has written: fsync every file and folder; record their sizes."""
+        """Rank 0, once every rank has written: fsync every file and folder; record their sizes and CRC32s."""
         self._sizes = _sync_tree(temp)
         meta["lockstep"]["files"] = self._sizes
+        meta["lockstep"]["parts"] = self._parts
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Resume exactly: the engine loads its model and optimizer states (same world size and stage)."""
@@ -136,27 +142,28 @@ def _sync_tree(folder: Path) -> dict[str, int]:
     return sizes
 
 
-def check_folder(folder: Path, meta: dict[str, Any], *, check_crc: bool = True) -> None:
-    """Raise CheckpointError unless the engine's files are all there, whole, and safe to unpickle."""
+def check_folder(folder: Path, meta: dict[str, Any], *, share: tuple[int, int] = (0, 1)) -> None:
+    """Raise CheckpointError unless the engine's files are all there, whole, and safe to unpickle
+    (:class:`DamagedCheckpoint` when their bytes are bad); this rank checks the CRCs of its
+    ``share`` (index, of how many) of them, every size and every pickle's globals."""
     sizes = meta.get("files") or {}
     if not any(name.startswith(f"{TAG}/") for name in sizes):
         raise CheckpointError(f"{folder} records no DeepSpeed files in {SHARDED_META}: not a complete "
                               f"DeepSpeed checkpoint")
     for name, size in sorted(sizes.items()):
+        integrity.check_size(folder, name, size)
+    parts = meta.get("parts")
+    if parts:
+        integrity.check_parts(folder, parts, share)
+    else:  # saved before parts were recorded: the zip records' own CRCs
+        for name in files.share({n: s for n, s in sizes.items() if n.endswith(".pt")}, *share):
+            files.verify(folder / name)
+    for name in sorted(n for n in sizes if n.endswith(".pt")):
         path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"DeepSpeed checkpoint {folder} lacks {name}: load an earlier checkpoint")
-        if path.stat().st_size != size:
-            raise DamagedCheckpoint(f"DeepSpeed checkpoint file {path} has {path.stat().st_size} bytes, not the "
-                                  f"{size} it was saved with: load an earlier checkpoint")
-        if path.suffix != ".pt":
-            continue
-        if check_crc:
-            files.verify(path)
         try:
             unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
         except Exception as e:
-            raise DamagedCheckpoint(f"cannot read DeepSpeed checkpoint file {path}: {e}") from None
+            raise integrity.damaged(folder, name, f"does not read ({e})") from None
         if unsafe - _ALLOWED_GLOBALS:
             raise CheckpointError(f"DeepSpeed checkpoint file {path} would unpickle "
                                   f"{sorted(unsafe - _ALLOWED_GLOBALS)}, which lockstep does not load")

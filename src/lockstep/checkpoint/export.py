@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import files, payload
+from lockstep.checkpoint import files, integrity, payload
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.deepspeed import check_folder, export_weights
 from lockstep.checkpoint.layout import DEEPSPEED, LOCAL, SHARDED_META
@@ -30,6 +30,7 @@ def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         if payload.layout_of(folder_meta) == DEEPSPEED:
             check_folder(target, folder_meta)
             return export_weights(target)
+        integrity.check_sharded(target, folder_meta)
         return _from_sharded(target)
     content = files.read(target)
     meta = payload.metadata(content, target)
@@ -60,6 +61,8 @@ def _from_local(first: Path, content: dict) -> dict[str, torch.Tensor]:
 
 def _folder_meta(folder: Path) -> dict:
     if not (folder / SHARDED_META).exists():
+        if integrity.looks_like_checkpoint(folder):
+            raise integrity.damaged(folder, SHARDED_META, "is missing (deleted?)")
         raise CheckpointError(f"{folder} is a folder without {SHARDED_META}: not a lockstep checkpoint folder")
     meta = payload.metadata(files.read(folder / SHARDED_META), folder)
     if meta is None:

@@ -187,17 +187,24 @@ def _check_records(path: Path, source: Any, mapped: Callable[[], Any], share: tu
 
 
 def _part(records: list[zipfile.ZipInfo], index: int, parts: int) -> list[zipfile.ZipInfo]:
-    """The ``index``-th of ``parts`` groups of records of about equal size (largest first, each to
-    the lightest group); every caller sees the same directory, so the groups are the same."""
+    """The ``index``-th of ``parts`` groups of records of about equal size (see :func:`share`)."""
     if parts == 1:
         return records
+    by_name = {r.filename: r for r in records}
+    return [by_name[name] for name in share({r.filename: r.compress_size for r in records}, index, parts)]
+
+
+def share(sizes: dict[str, int], index: int, parts: int) -> list[str]:
+    """The ``index``-th of ``parts`` groups of names of about equal total size (largest first, each
+    to the lightest group): every rank sees the same sizes, so the groups are the same, and the
+    ranks that split a check between them check each name once."""
     loads = [0] * parts
     mine = []
-    for record in sorted(records, key=lambda r: (-r.compress_size, r.filename)):
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
         lightest = loads.index(min(loads))
-        loads[lightest] += record.compress_size + 1
+        loads[lightest] += size + 1
         if lightest == index:
-            mine.append(record)
+            mine.append(name)
     return mine
 
 

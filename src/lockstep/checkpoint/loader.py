@@ -18,10 +18,10 @@ import torch
 
 from lockstep import _agreement, dist
 from lockstep.checkpoint import ignore as ignore_keys
-from lockstep.checkpoint import files, payload, templates
+from lockstep.checkpoint import files, integrity, payload, templates
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.layout import (
-    DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED_META, SINGLE, Layout, is_folder)
+    DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED, SHARDED_META, SINGLE, Layout, is_folder)
 from lockstep.checkpoint.states import rekey_optimizer
 
 if TYPE_CHECKING:
@@ -111,7 +111,9 @@ def decide(probes: Sequence[Probe], *, optional: bool, per_rank_files: bool, col
     found = [p for p in probes if p.found]
     if optional and not found:
         return Fresh()
-    failed = next(((r, p) for r, p in enumerate(probes) if p.found and p.error), None)
+    failures = [(r, p) for r, p in enumerate(probes) if p.found and p.error]
+    # bad bytes first: a rank that read bytes another rank found damaged may fail otherwise
+    failed = next((f for f in failures if f[1].damaged), failures[0] if failures else None)
     if failed:
         return Fail(on_rank(failed[0], failed[1].error or ""), failed[1].damaged)
     missing = [(r, p) for r, p in enumerate(probes) if not p.found]
@@ -345,7 +347,9 @@ def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_on
     meta = opened.meta
     if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
         from lockstep.checkpoint.deepspeed import check_folder
-        check_folder(target, meta or {}, check_crc=share[0] == 0)
+        check_folder(target, meta or {}, share=share)
+    elif opened.layout == SHARDED:  # before DCP reads any of them, on any rank
+        integrity.check_sharded(target, meta or {}, share)
     if meta is None:
         if not weights_only:
             raise CheckpointError(f"{target} holds only model weights (a plain state_dict): pass "
@@ -367,6 +371,8 @@ def _meta_file(target: Path) -> Path:
     if not target.is_dir():
         return target
     if not (target / SHARDED_META).exists():
+        if integrity.looks_like_checkpoint(target):
+            raise integrity.damaged(target, SHARDED_META, "is missing (deleted?)")
         raise CheckpointError(f"{target} is a folder without {SHARDED_META}: not a lockstep checkpoint folder")
     return target / SHARDED_META
 

@@ -4,7 +4,8 @@
   with ``state_dict_type='full'`` gathers full tensors to rank 0 (optimizer state keyed by name).
 * ``local``: FSDP, each rank saves the shards it holds, with each shard's place in the full tensor.
 * ``sharded``: FSDP, a torch.distributed.checkpoint folder that loads at any world size. Only
-  tensors go through DCP (whose non-tensor path unpickles); the rest travels in ``lockstep.pt``.
+  tensors go through DCP (whose non-tensor path unpickles); the rest travels in ``lockstep.pt``,
+  with the size and CRC32 of every file (:mod:`lockstep.checkpoint.integrity`).
 * ``deepspeed``: a folder with the DeepSpeed engine's own files and ``lockstep.pt``
   (:mod:`lockstep.checkpoint.deepspeed`).
 
@@ -20,12 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from lockstep.checkpoint import staging
+from lockstep.checkpoint import integrity, staging
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SINGLE, Layout, FolderLayout
 
@@ -254,13 +256,30 @@ def _placement(value: torch.Tensor) -> tuple[list[int], list[int]]:
     return list(value.shape), list(offset)
 
 
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, which also records the size and CRC32 of each file this rank writes."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.folder, self.parts = path, {}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        written.wait()  # DCP waits for it next anyway; the files are synced once it is done
+        self.parts = integrity.record(self.folder, {r.storage_data.relative_path for r in written.value()})
+        return written
+
+
 class ShardedLayout(_OwnBuffers, FolderLayout):
-    """FSDP, ``state_dict_type='sharded'``: DTensors saved and loaded through DCP."""
+    """FSDP, ``state_dict_type='sharded'``: DTensors saved and loaded through DCP, with each file's
+    size and CRC32 in lockstep.pt (``parts``), which the loader checks before DCP reads any."""
 
     name = SHARDED
     optimizer_keys = NAME
     collective = True
     full_reader = _gathering_reader
+    _parts: dict[str, list[int]] = {}
+    """Every rank's records of the last save's files (:meth:`write_parts`), for :meth:`seal`."""
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = self._restore_buffer_dtypes(get_model_state_dict(self.model))
@@ -274,19 +293,22 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
         return tensors, [r or {} for _, r in split]
 
     def write_parts(self, temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> None:
-        """Every rank's shards, durable in ``temp`` on return (DCP's save ends in a gather)."""
-        self.write_tensors(temp, tensors, group)
+        """Every rank's shards, durable in ``temp`` on return, and every rank's record of them."""
+        self._parts = integrity.gather(self.write_tensors(temp, tensors, group), group)
 
     @staticmethod
-    def write_tensors(temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> None:
-        """Every rank writes its shards into ``temp`` and fsyncs them (a collective over ``group``)."""
+    def write_tensors(temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> dict[str, list[int]]:
+        """Every rank writes its shards into ``temp`` and fsyncs them (a collective over ``group``);
+        returns the size and CRC32 of each file this rank wrote (:func:`integrity.record`)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp, sync_files=True), process_group=group)
+        writer = _RecordingWriter(temp, sync_files=True)
+        dcp.save(tensors, storage_writer=writer, process_group=group)
+        return writer.parts
 
-    @staticmethod
-    def seal(temp: Path, meta: dict[str, Any]) -> None:
-        """Rank 0, before lockstep.pt is written: nothing to add (DCP wrote its own metadata)."""
+    def seal(self, temp: Path, meta: dict[str, Any]) -> None:
+        """Rank 0, before lockstep.pt is written: record every rank's files and DCP's .metadata."""
+        meta["lockstep"]["parts"] = {**self._parts, **integrity.record(temp, [integrity.DCP_METADATA])}
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""

@@ -11,13 +11,16 @@ import torch
 
 from lockstep import dist, progress
 from lockstep.checkpoint import loader
-from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
+from lockstep.checkpoint.files import DamagedCheckpoint, point_latest, remove
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.saver import CheckpointSaver
 from lockstep.checkpoint.layout import LOCAL, SINGLE, Layout
 from lockstep.core.event import Event
 from lockstep.time import Time, Timestamp
 from lockstep.trainer.data import DataPosition, rank_entry, resume_caveat
+
+DAMAGED = ".damaged"
+"""The suffix autoresume gives a damaged newest checkpoint it resumed past."""
 
 if TYPE_CHECKING:
     from lockstep.state import State
@@ -110,8 +113,9 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
                 saver: CheckpointSaver) -> loader.Loaded | None:
     """Load the newest checkpoint the latest pointer names. If its bytes are damaged (a restart
     would fail on it every time), fall back to the newest one that loads, with a warning naming
-    both. A checkpoint that does not fit the run fails as it is; per-rank files (FSDP ``local``)
-    do not fall back."""
+    what was wrong, and set the damaged one aside. The loader finds damage before any rank loads
+    anything, so a fallback starts from an untouched state. A checkpoint that does not fit the run
+    fails as it is; per-rank files (FSDP ``local``) do not fall back."""
     template = saver.latest_template
     assert template is not None  # CheckpointConfig: autoresume needs save_latest_filename
     try:
@@ -125,23 +129,46 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
             try:
                 loaded = loader.load(str(path), state, layout, run_name=state.run_name, weights_only=False,
                                      strict=config.load_strict_model_weights, what="autoresume's fallback")
-            except CheckpointError:
+            except DamagedCheckpoint:
                 continue
             if dist.get_global_rank() == 0:
                 warnings.warn(f"autoresume skipped the newest checkpoint, which does not load ({newest}); "
-                              f"resumed from {path} instead", stacklevel=4)
+                              f"resumed from {path} instead{_set_aside(saver, path)}", stacklevel=4)
             return loaded
         raise
 
 
+def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
+    """Rank 0, once every rank has loaded ``resumed``: rename the damaged checkpoint the latest
+    pointer names with a ``.damaged`` suffix (kept to look at, and out of the way of the run's next
+    save of that step) and point the pointer at ``resumed``. What it did, for the warning; it never
+    raises, since no other rank would know (the run goes on, and its next save moves the pointer)."""
+    pointer = saver.latest
+    assert pointer is not None  # autoresume needs save_latest_filename
+    done = ""
+    try:
+        if pointer.is_symlink():
+            newest = pointer.parent / os.readlink(pointer)
+            if newest.exists() and newest.resolve() != resumed.resolve():
+                aside = newest.with_name(newest.name + DAMAGED)
+                remove(aside)  # set aside at an earlier resume
+                os.replace(newest, aside)
+                done = f"; renamed the damaged one to {aside.name}"
+        point_latest(pointer, resumed)
+    except OSError as e:
+        done += f"; could not set the damaged one aside ({e})"
+    return done
+
+
 def _older_checkpoints(saver: CheckpointSaver) -> list[Path]:
-    """Rank 0's view of the run's checkpoints other than the latest pointer's, newest first (every
-    rank gets the same list: the loads that try them are collectives)."""
+    """Rank 0's view of the run's checkpoints other than the latest pointer's (and those set aside),
+    newest first (every rank gets the same list: the loads that try them are collectives)."""
     found: list[Any] = [None]
     if dist.get_global_rank() == 0:
         pointer = saver.latest
         newest = os.path.basename(os.readlink(pointer)) if pointer is not None and pointer.is_symlink() else None
-        paths = [p for p in saver.folder.glob(saver.filename_glob()) if p.name != newest]
+        paths = [p for p in saver.folder.glob(saver.filename_glob())
+                 if p.name != newest and not p.name.endswith(DAMAGED)]
         found[0] = [str(p) for p in sorted(paths, key=_mtime, reverse=True)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)

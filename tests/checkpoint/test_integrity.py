@@ -1,0 +1,70 @@
+"""A checkpoint folder's parts: recorded sizes and CRC32s, checked against real damage to real files,
+and a DCP folder saved without records checked through its ``.metadata``. One process, no Trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.checkpoint import integrity
+from lockstep.checkpoint.files import DamagedCheckpoint
+from tests.trainer.common import damage
+
+
+def _dcp_folder(folder: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    tensors = {"model": {f"w{i}": torch.randn(64 * (i + 1)) for i in range(4)}}
+    writer = dcp.FileSystemWriter(folder, single_file_per_rank=False)  # a file per tensor
+    dcp.save(tensors, storage_writer=writer, no_dist=True)
+    return folder
+
+
+def _parts(folder: Path) -> dict[str, list[int]]:
+    return integrity.record(folder, [p.name for p in folder.iterdir()])
+
+
+def test_intact_parts_pass_and_every_share_is_checked_once(tmp_path: Path) -> None:
+    folder = _dcp_folder(tmp_path / "ck")
+    parts = _parts(folder)
+    assert len(parts) == 5 and all(size == (folder / n).stat().st_size for n, (size, _) in parts.items())
+    for i in range(3):
+        integrity.check_parts(folder, parts, (i, 3))
+    integrity.check_dcp_files(folder)
+    shares = [integrity.share({n: s for n, (s, _) in parts.items()}, i, 3) for i in range(3)]
+    assert sorted(n for share in shares for n in share) == sorted(parts)
+
+
+@pytest.mark.parametrize("how, says", [
+    ("delete", r"__0_1\.distcp is missing \(deleted\?\)"),
+    ("truncate", r"__0_1\.distcp is \d+ bytes, expected \d+ \(truncated\?\)"),
+    ("flip", r"__0_1\.distcp fails its CRC32 check \(flipped bytes\?\)"),
+], ids=["delete", "truncate", "flip"])
+def test_damage_is_named_by_the_rank_whose_share_holds_it(tmp_path: Path, how: str, says: str) -> None:
+    folder = _dcp_folder(tmp_path / "ck")
+    parts = _parts(folder)
+    damage(folder / "__0_1.distcp", how)
+    mine = next(i for i in range(3) if "__0_1.distcp" in integrity.share({n: s for n, (s, _) in parts.items()}, i, 3))
+    with pytest.raises(DamagedCheckpoint, match=rf"^checkpoint {folder} is damaged: {says}: load an older "
+                                                rf"checkpoint or delete this one$"):
+        integrity.check_parts(folder, parts, (mine, 3))
+    if how == "flip":  # the other ranks check only sizes of it: theirs pass, and the loader agrees on the failure
+        for other in {0, 1, 2} - {mine}:
+            integrity.check_parts(folder, parts, (other, 3))
+
+
+@pytest.mark.parametrize("target, how, says", [
+    ("__0_2.distcp", "delete", r"__0_2\.distcp is missing \(deleted\?\)"),
+    ("__0_2.distcp", "truncate", r"__0_2\.distcp is \d+ bytes, expected at least \d+ \(truncated\?\)"),
+    (".metadata", "delete", r"\.metadata is missing \(deleted\?\)"),
+    (".metadata", "truncate", r"\.metadata does not load \(.*; truncated or flipped bytes\?\)"),
+], ids=["delete-distcp", "truncate-distcp", "delete-metadata", "truncate-metadata"])
+def test_a_folder_saved_without_records_is_checked_through_its_metadata(tmp_path: Path, target: str, how: str,
+                                                                        says: str) -> None:
+    folder = _dcp_folder(tmp_path / "ck")
+    damage(folder / target, how)
+    with pytest.raises(DamagedCheckpoint, match=rf"^checkpoint {folder} is damaged: {says}: load an older "):
+        integrity.check_sharded(folder, {})
