@@ -49,6 +49,11 @@ class Layout(Protocol):
         """More header fields for this rank's file."""
         ...
 
+    def restore_meta(self, meta: dict[str, Any]) -> None:
+        """Put back what :meth:`extra_meta` recorded (``meta`` is the header), after the model and
+        optimizers are loaded, when a run resumes (not with weights only); every rank."""
+        ...
+
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Model and optimizer state to save; when :attr:`collective`, every rank calls it and
         ranks that do not write may get empty dicts."""

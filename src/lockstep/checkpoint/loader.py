@@ -442,6 +442,8 @@ def _apply_rest(opened: _Opened, content: dict[str, Any], state: State, layout: 
     entry = payload.apply(content, state, opened.path, dist.get_global_rank(), dist.get_world_size())
     if entry and entry.get("buffers"):
         layout.load_rank_buffers(entry["buffers"])
+    if opened.meta is not None:
+        layout.restore_meta(opened.meta)
     return Loaded(opened.batch, entry, opened.history)
 
 

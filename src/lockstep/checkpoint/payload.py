@@ -7,6 +7,9 @@ optimizer state::
      "timestamp": {...}, "model": {...}, "optimizers": [...], "schedulers": [...], "scaler": {...},
      "ranks": [{"rng", "epoch_rng", "fetch_rng", "loader_state"}, ...]}   # one entry per rank, by rank
 
+Under DDP the header also holds ``ddp_buckets``, the layout of DDP's rebuilt gradient buckets
+(:mod:`lockstep.parallel.ddp_buckets`), which a resumed run's DDP starts with.
+
 Under FSDP a rank's entry also holds its own float buffers (``buffers``: FSDP does not keep them
 equal across ranks), and in the ``local`` layout the name of its ``file``.
 

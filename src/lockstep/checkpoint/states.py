@@ -53,6 +53,9 @@ class ReplicatedLayout(Layout):
     def extra_meta(self) -> dict[str, Any]:
         return {}
 
+    def restore_meta(self, meta: dict[str, Any]) -> None:
+        pass
+
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Model and optimizer state to save; when :attr:`collective`, every rank calls it and
         ranks that do not write may get empty dicts."""

@@ -13,9 +13,10 @@ All three produce the same gradients.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,8 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lockstep import dist
 from lockstep.checks import check_choice
+from lockstep.parallel import ddp_buckets
 from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
+
+if TYPE_CHECKING:
+    from lockstep.checkpoint.layout import Layout
 
 
 class DDPSyncStrategy(StrEnum):
@@ -48,16 +53,58 @@ class DDPStrategy(Strategy):
                  find_unused_parameters: bool = False) -> None:
         super().__init__(device, precision)
         self.sync_strategy, self.find_unused_parameters = sync_strategy, find_unused_parameters
+        self.buckets: ddp_buckets.BucketLayout | None = None
+        """The layout of DDP's rebuilt gradient buckets, once known: a checkpoint records it, and
+        DDP starts with it on resume (:mod:`lockstep.parallel.ddp_buckets`)."""
+        self._await_rebuild = False
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if dist.get_world_size() == 1 or not any(p.requires_grad for p in model.parameters()):
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # DDP rebuilds its buckets after the first synchronized backward; never when it finds
+        # unused parameters, nor under forced_sync, which never lets DDP synchronize.
+        forced = self.sync_strategy is DDPSyncStrategy.FORCED_SYNC
+        self._await_rebuild = not (self.find_unused_parameters or forced)
         # Gradients as views of DDP's buckets: the all-reduced bucket is the gradient, not copied
         # back into a tensor of its own every step. The same values bit for bit, one copy of the
         # gradients less in memory, and a faster step (docs/benchmarks.md).
-        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                       find_unused_parameters=self.find_unused_parameters)
+        with ddp_buckets.starting_with(self.buckets, model) if self.buckets else NULL_CONTEXT:
+            return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                           find_unused_parameters=self.find_unused_parameters)
+
+    def use_buckets(self, layout: Any) -> None:
+        """Build DDP anew so that it starts with ``layout`` (a checkpoint's), as the run that saved
+        it reduced by then (every rank, a collective). A layout that does not fit the model (a
+        checkpoint of another model) is left out, with a warning."""
+        ddp = self.module
+        if not isinstance(ddp, DistributedDataParallel):
+            return
+        if not ddp_buckets.fits(layout, self.model, ddp.parameters_to_ignore):
+            if dist.get_global_rank() == 0:
+                warnings.warn("the checkpoint's layout of DDP's gradient buckets does not fit this model; DDP "
+                              "starts with its own, so the steps after the resume may differ in the last bits")
+            return
+        self.buckets = layout
+        self.module = self._wrap(self.model)  # the old DDP goes, and its reducer's gradient hooks with it
+
+    def optimizer_step(self) -> None:
+        if self._await_rebuild:
+            self._rebuild_buckets()
+        super().optimizer_step()
+
+    def _rebuild_buckets(self) -> None:
+        """Rebuild DDP's buckets right after the first synchronized backward (DDP would at the next
+        forward), so that a checkpoint of this step already records the layout of the next."""
+        ddp = self.module
+        assert isinstance(ddp, DistributedDataParallel)
+        # DDP's own call (a collective: rank 0's layout is broadcast), made at every forward
+        if ddp.reducer._rebuild_buckets() or ddp._has_rebuilt_buckets:
+            self._await_rebuild = False
+            self.buckets = ddp_buckets.read(self.model, ddp.parameters_to_ignore) or self.buckets
+
+    def layout(self) -> Layout:
+        return ddp_buckets.DDPLayout(self)
 
     def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
         # plain context objects, not generators: this runs for every microbatch
