@@ -126,7 +126,24 @@ def _grads_of(params: list[torch.Tensor], optimizer: str) -> list[torch.Tensor]:
     return grads
 
 
-class DecoupledSGDW(SGD):
+class _ByGroup:
+    """``step`` for both optimizers: each param group updated by the subclass's ``_step_group``."""
+
+    param_groups: list[dict[str, Any]]
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Update every parameter that has a gradient; ``closure`` re-computes and returns the loss."""
+        loss = _loss_of(closure)
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+
+class DecoupledSGDW(_ByGroup, SGD):
     """SGD (with optional momentum, dampening and Nesterov momentum) and decoupled weight decay.
 
     Each step, for every parameter with a gradient ``g``: the momentum buffer is ``g`` on its first
@@ -171,14 +188,6 @@ class DecoupledSGDW(SGD):
             if directions:
                 torch._foreach_add_(params[chunk], directions, alpha=-lr)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Update every parameter that has a gradient; ``closure`` re-computes and returns the loss."""
-        loss = _loss_of(closure)
-        for group in self.param_groups:
-            self._step_group(group)
-        return loss
-
     def _step_group(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         grads = _grads_of(params, "DecoupledSGDW")
@@ -209,7 +218,7 @@ def _momentum(grads: list[torch.Tensor], buffers: list[torch.Tensor | None], mom
     return list(started)
 
 
-class DecoupledAdamW(AdamW):
+class DecoupledAdamW(_ByGroup, AdamW):
     """Adam with decoupled weight decay, and Composer's defaults ``betas=(0.9, 0.95)``,
     ``weight_decay=1e-5``.
 
@@ -269,14 +278,6 @@ class DecoupledAdamW(AdamW):
             _divide_(denoms, [math.sqrt(1 - beta2**step) for step in steps[chunk]])
             torch._foreach_add_(denoms, eps)
             torch._foreach_addcdiv_(ps, ms, denoms, [-lr / (1 - beta1**step) for step in steps[chunk]])
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Update every parameter that has a gradient; ``closure`` re-computes and returns the loss."""
-        loss = _loss_of(closure)
-        for group in self.param_groups:
-            self._step_group(group)
-        return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None and p.requires_grad]
