@@ -73,6 +73,11 @@ class Events:
 
     def _run_algorithms(self, event: Event) -> None:
         state = self.state
+        if not self.passes and not self.log_traces:  # every event of a step, with GradientClipping say
+            for algorithm in reversed(self.algorithms) if event in _AFTER else self.algorithms:
+                if algorithm.match(event, state):
+                    algorithm.apply(event, state, self.logger)
+            return
         matching: Sequence[Algorithm] = [a for a in self.algorithms if a.match(event, state)]
         if len(matching) > 1 and event in _AFTER:
             matching.reverse()  # filo_order, without a call: this runs at every event of every step
