@@ -160,7 +160,8 @@ class CheckpointSaver:
         if buffers:
             rank_entry = {**rank_entry, "buffers": buffers}
         ranks, pid = self._agree(path, name, rank_entry)
-        model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
+        with _agreement.long_io():  # every rank is here (it took part in the agreement)
+            model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
         if self.writes and not self._swept:  # temporary files of a writer that died mid-save
             files.remove_stale_temps(self.folder)
             self._swept = True
@@ -209,7 +210,8 @@ class CheckpointSaver:
             self._hand_over(False, self._copy_and_publish, staged, path, history, self.copying)
             return
         try:  # written before training goes on
-            temp = files.write_temp(content, path)
+            with _agreement.long_io():
+                temp = files.write_temp(content, path)
         except Exception as e:  # raised on every rank by wait() or the next save
             self._failure = e
             return
@@ -219,7 +221,8 @@ class CheckpointSaver:
         """``content`` copied for the writer thread (``later``: see :meth:`Stager.stage`), or None
         when the copy does not fit in memory."""
         try:
-            return self._stager.stage(content, later)
+            with _agreement.long_io():
+                return self._stager.stage(content, later)
         except staging.DoesNotFit:
             return None
 
@@ -278,7 +281,8 @@ class CheckpointSaver:
     def _hand_over(self, now: bool, write: Callable[..., None], *args: Any) -> None:
         """Run ``write`` here (``now``), or on the one lasting writer thread."""
         if now:
-            write(*args)
+            with _agreement.long_io():
+                write(*args)
             return
         if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
             idle_only = self.layout not in FOLDER_LAYOUTS  # those writers meet in collectives
@@ -300,7 +304,8 @@ class CheckpointSaver:
     def _join(self) -> str | None:
         """Wait for the background publish; its failure, if any, as a message."""
         if self._publisher is not None:
-            self._publisher.result()  # _publish keeps its failure in self._failure; it never raises
+            with _agreement.long_io():
+                self._publisher.result()  # _publish keeps its failure in self._failure; it never raises
             self._publisher = self.copying = None
         if self._failure is None:
             return None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist, progress
+from lockstep import dist
 from lockstep.checkpoint import loader
 from lockstep.checkpoint.files import DamagedCheckpoint, point_latest, remove
 from lockstep.checkpoint.config import CheckpointConfig
@@ -62,8 +62,9 @@ class FitSaves:
 
     def save(self, *, at_epoch_end: bool, wait: bool = False) -> None:
         entry = rank_entry(self.position, at_epoch_end)
-        with progress.heartbeat_paused():  # a long write is not a stall, nor are ranks waiting for it
-            path = self.saver.save(self.state, entry, self.layout, wait=wait)
+        # Progress reports go on: the saver pauses them only around long local work (see
+        # _agreement.long_io), so that a rank stopping before a save is caught as a stall.
+        path = self.saver.save(self.state, entry, self.layout, wait=wait)
         if path is not None:
             self.saved.append(str(path))
 
@@ -72,8 +73,7 @@ class FitSaves:
         timestamp = self.state.timestamp
         if self.saver.last_saved_batch != timestamp.batch.value:
             self.save(at_epoch_end=timestamp.batch_in_epoch.value == 0, wait=True)
-        with progress.heartbeat_paused():
-            self.saver.wait()
+        self.saver.wait()
 
 
 def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver | None,
