@@ -1,6 +1,6 @@
-"""Stalls inside the Trainer's own collectives (issue 37): a rank that stops just before a save is
-caught by --stall_timeout and named, on one node and across two, while a long checkpoint write
-that other ranks wait for is not a stall, on any node."""
+"""Stalls inside the Trainer's own collectives (issue 37): a rank that stops just before a save, or
+on its way into a load, is caught by --stall_timeout and named, on one node and across two, while
+a long checkpoint write that other ranks wait for is not a stall, on any node."""
 
 from __future__ import annotations
 
@@ -68,3 +68,15 @@ def test_a_long_write_that_the_other_node_waits_for_is_not_a_stall(tmp_path: Pat
     results = _two_nodes(tmp_path, {"SLOW_WRITE": "3"}, per_node=1)
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     assert all("finished" in out and "stall" not in err for _, out, err in results)
+
+
+def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    first = launch(["-n", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path, env=env, timeout=100)
+    assert first.returncode == 0, first.stderr[-3000:]
+    load = str(tmp_path / "ckpt" / "ep0-ba6-rank{rank}.pt")
+    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "again")], tmp_path,
+                    env={**env, "LOAD": load, "STOP_IN_LOAD": "1"}, timeout=100)
+    assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
+    err = result.stderr
+    assert "rank 1 (pid" in err and "stopped first" in err and "look at rank 1 first" in err, err[-3000:]

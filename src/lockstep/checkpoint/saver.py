@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle
-from lockstep.checkpoint import files, payload, staging, templates, writable
+from lockstep.checkpoint import files, ownership, payload, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -61,6 +61,12 @@ class CheckpointSaver:
         self.config, self.layout, self.max_duration = config, layout, max_duration
         self._device = torch.device(device)
         """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
+        self.run_name = run_name
+        self._rank = dist.get_global_rank()
+        self._claimed = False
+        """Whether this rank holds a claim on the folder (see :mod:`lockstep.checkpoint.ownership`)."""
+        self._claim_agreed = False
+        """Whether every rank agreed that the run holds the folder (the same on every rank)."""
         self.place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
         """Values of the place fields in names: this rank's for per-rank files, else rank 0's."""
         self.folder = Path(templates.format_name(config.save_folder, self.place))
@@ -88,7 +94,37 @@ class CheckpointSaver:
         every rank that writes into it; otherwise a ValueError on every rank that names the cause,
         instead of an error at the first save, after training has run."""
         error = writable.check_folder(self.folder) if self.writes or self.layout in FOLDER_LAYOUTS else None
-        _agreement.raise_first_error(error, ValueError, device=self._device)
+        self.claim(error)
+
+    def claim(self, error: str | None = None) -> None:
+        """Claim the folder for this run until :meth:`release` (a collective; see
+        :mod:`lockstep.checkpoint.ownership`): a ValueError on every rank if any rank may not
+        write there (``error``: why, found by the caller) or another live job owns it."""
+        if self._claim_agreed:
+            return
+        if error is None and self.writes:
+            error = ownership.claim(self.folder, self.run_name, self._rank, self._patterns())
+            self._claimed = error is None
+        try:
+            _agreement.raise_first_error(error, ValueError, device=self._device)
+        except ValueError:
+            self.release()
+            raise
+        self._claim_agreed = True
+
+    def _patterns(self) -> list[str]:
+        """Globs of the names this rank writes in the folder, for :mod:`ownership`."""
+        names = [self.filename_glob()]
+        if self.latest is not None:
+            names.append(self.latest.name)
+        return names
+
+    def release(self) -> None:
+        """Give up this rank's claim on the folder (the end of ``fit``, ``close``); safe to call again."""
+        self._claim_agreed = False
+        if self._claimed:
+            self._claimed = False
+            ownership.release(self.folder, self.run_name, self._rank)
 
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist
+from lockstep import dist, progress
 from lockstep.checkpoint import loader
 from lockstep.checkpoint.files import DamagedCheckpoint, point_latest, remove
 from lockstep.checkpoint.config import CheckpointConfig
@@ -81,7 +81,14 @@ def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver:
     """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh, and tell
     the saver what the run continues from; returns this rank's RNG and data entry for ``fit`` to
     apply (None when nothing, or only weights, were loaded)."""
-    loaded = _load(config, state, layout, saver, run_name_given=run_name_given)
+    watch = config.autoresume or config.load_path is not None
+    if watch:  # a rank that never comes to the load's agreements is a stall the launcher names
+        progress.heartbeat(state.timestamp.batch.value)
+    try:
+        loaded = _load(config, state, layout, saver, run_name_given=run_name_given)
+    finally:
+        if watch:  # until the first batch ends: a first step may compile for long
+            progress.stop_heartbeat()
     if saver is not None:
         saver.begin(loaded)
     if loaded is None or loaded.weights_only:
