@@ -158,3 +158,22 @@ def test_load_checkpoint_callback_resumes_exactly_and_loads_weights_at_an_event(
     assert all(torch.equal(started[0][k], v) for k, v in saved.items())
     assert "BEFORE_LOAD or AFTER_LOAD" in error_of(LoadCheckpoint, middle, event="fit_start")
     assert "not an event" in error_of(LoadCheckpoint, middle, event="someday")
+
+
+def _save_metrics_before_any_evaluation(folder: str) -> list[str]:
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
+                      eval_dataloader=loader(4), eval_interval="1ep", save_folder=folder, save_interval="1ba",
+                      save_metrics=True, progress_bar=False, run_name="r")
+    trainer.fit()  # rank 0 writes each checkpoint: reading metrics never evaluated must not gather
+    trainer.eval()
+    return sorted(values(trainer.state.eval_metrics)["eval"])
+
+
+@pytest.mark.timeout(120)
+def test_save_metrics_before_the_first_evaluation_on_two_ranks(tmp_path: Path) -> None:
+    from lockstep.testing import run_distributed
+
+    results = run_distributed(_save_metrics_before_any_evaluation, world_size=2, args=(str(tmp_path),), timeout=100)
+    assert results == [["accuracy", "loss"]] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt", "latest-rank0.pt"]

@@ -2,7 +2,9 @@
 
 The fixtures in tests/fixtures/composer are Composer's text (its checkpoint/autoresume and early
 stopping notebooks, the code of its trainer docs) with only the changes each header lists: offline
-synthetic data instead of downloads, smaller batches. Here the rename is the only change."""
+synthetic data instead of downloads, smaller batches. Here the rename is the only change. Each
+fixture also runs under Composer 0.32.1 itself (the venv of scripts/composer_reference/setup.sh);
+there the early stopping notebook's runs also last 5 epochs and 1."""
 
 from __future__ import annotations
 

@@ -34,8 +34,11 @@ class EvalLoss(Metric):
 
 
 def values(eval_metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """``{label: {name: value}}`` of the metrics' last computed values (a plain number stays one)."""
-    return {label: {name: value_of(metric) for name, metric in metrics.items()}
+    """``{label: {name: value}}`` of the metrics' last computed values (a plain number stays one).
+    A metric not computed since its last update or reset (an evaluator that has not run yet) is
+    left out: computing it would gather over the ranks, and this may run on one rank only."""
+    return {label: {name: value_of(metric) for name, metric in metrics.items()
+                    if not isinstance(metric, Metric) or metric._computed is not None}
             for label, metrics in eval_metrics.items()}
 
 
