@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -71,12 +70,14 @@ def test_the_autoresume_notebook_killed_after_two_epochs_resumes_when_run_again(
 def test_the_early_stopping_notebook_stops_each_run_before_its_100_epochs(tmp_path: Path) -> None:
     done = run_renamed("early_stopping.py", tmp_path, 1, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    runs: dict[str, list[dict]] = defaultdict(list)
+    runs: list[list[dict]] = []  # each Trainer's evaluations, in the notebook's order
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record["kind"] == "eval":
-            runs[record["run_name"]].append(record)
-    early, threshold = runs.values()  # in the notebook's order
+            if not runs or record["epoch"] <= runs[-1][-1]["epoch"]:  # a new Trainer starts at epoch 0
+                runs.append([])
+            runs[-1].append(record)
+    early, threshold = runs
     accuracies = [r["metrics/eval/MulticlassAccuracy"] for r in early]
     # EarlyStopper(patience=1): it ends the run once the best accuracy is more than an epoch old
     best = accuracies.index(max(accuracies))
