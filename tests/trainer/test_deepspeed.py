@@ -86,7 +86,8 @@ def evaluate(deepspeed_config: dict | None) -> dict[str, float]:
                       progress_bar=False, deepspeed_config=deepspeed_config,
                       eval_dataloader=DataLoader(eval_set, batch_size=4, sampler=dist.get_sampler(eval_set, shuffle=True)))
     trainer.fit()
-    return trainer.state.eval_metrics
+    from lockstep.core.eval_metrics import values
+    return values(trainer.state.eval_metrics)["eval"]
 
 
 def _zero3_eval() -> dict[str, float]:
