@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from lockstep import __version__
-from lockstep.launcher import inputs, limits, torchrun
+from lockstep.launcher import inputs, limits, slurm, torchrun
 from lockstep.launcher.plan import (
     DEFAULT_RDZV_TIMEOUT,
     FORMAT_FIELDS,
@@ -180,19 +180,24 @@ def _nproc(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return _from_env(env, "LOCAL_WORLD_SIZE", _positive_int, "-n") or max(1, cuda_devices)
 
 
-def _world(args: argparse.Namespace, env: Mapping[str, str], nproc: int) -> tuple[int, int | None]:
-    """(world_size, nnodes); torchrun's --nnodes N means world_size = N x nproc."""
+def _world(args: argparse.Namespace, env: Mapping[str, str], nproc: int, notes: list[str]) -> tuple[int, int | None]:
+    """(world_size, nnodes); torchrun's --nnodes N means world_size = N x nproc; else SLURM's nodes."""
     text = getattr(args, "nnodes", None)
     nnodes = torchrun.parse_nnodes(text) if text is not None else None
     if nnodes is None:
-        return args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size") or nproc, None
+        world_size = args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size")
+        if world_size is None and (step := slurm.step(env)) is not None:
+            notes.append(f"SLURM: {step.nnodes} node(s) x {nproc} ranks")
+            return step.nnodes * nproc, step.nnodes
+        return world_size or nproc, None
     if args.world_size is not None and args.world_size != nnodes * nproc:
         raise LaunchError(f"--world_size {args.world_size} is not --nnodes {nnodes} x nproc {nproc}: "
                           f"pass only one of them")
     return nnodes * nproc, nnodes
 
 
-def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_size: int) -> tuple[int, int]:
+def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_size: int,
+          notes: list[str]) -> tuple[int, int]:
     """(base_rank, node_rank) from flags, else env, checked against the world."""
     base_rank = args.base_rank
     if base_rank is None:
@@ -200,6 +205,9 @@ def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_si
     node_rank = args.node_rank
     if node_rank is None:
         node_rank = _from_env(env, "NODE_RANK", _non_negative_int, "--node_rank")
+    if base_rank is None and node_rank is None and world_size > nproc and (step := slurm.step(env)) is not None:
+        node_rank = step.node_rank
+        notes.append(f"SLURM: this is node {node_rank} (SLURM_NODEID)")
     if base_rank is None and node_rank is None and world_size > nproc and _torchrun_style(args):
         raise torchrun.missing_node_rank(args, math.ceil(world_size / nproc))
     return _resolve_ranks(nproc, world_size, base_rank, node_rank)
@@ -209,7 +217,8 @@ def _torchrun_style(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) is not None for name in ("nnodes", "rdzv_backend", "rdzv_endpoint"))
 
 
-def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool) -> tuple[str | None, int | None]:
+def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool,
+            notes: list[str]) -> tuple[str | None, int | None]:
     addr, port = args.master_addr, args.master_port
     endpoint = getattr(args, "rdzv_endpoint", None)
     if endpoint is not None:
@@ -220,6 +229,13 @@ def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool) -
         addr, port = host, endpoint_port
     addr = addr or env.get("MASTER_ADDR") or None
     port = port or _from_env(env, "MASTER_PORT", _port, "--master_port")
+    if multinode and (step := slurm.step(env)) is not None:
+        if addr is None:
+            addr = slurm.resolve(step.master_host, f"the first host of {step.hostlist_name}")
+            notes.append(f"SLURM: master {step.master_host} ({addr}), the first host of {step.hostlist_name}")
+        if port is None:
+            port = step.master_port
+            notes.append(f"SLURM: master port {port}, from SLURM_JOB_ID")
     if multinode and addr is None:
         raise LaunchError("multi-node run needs --master_addr (or env MASTER_ADDR): the address of the node with rank 0")
     if multinode and port is None:
@@ -261,11 +277,12 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     if standalone:
         env = torchrun.standalone_env(env)
     nproc = _nproc(args, env)
-    world_size, nnodes = _world(args, env, nproc)
+    notes: list[str] = []
+    world_size, nnodes = _world(args, env, nproc, notes)
     if standalone:
         _standalone(args, nproc, world_size)
-    base_rank, node_rank = _node(args, env, nproc, world_size)
-    master_addr, master_port = _master(args, env, world_size > nproc)
+    base_rank, node_rank = _node(args, env, nproc, world_size, notes)
+    master_addr, master_port = _master(args, env, world_size > nproc, notes)
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = _from_env(env, "LOCKSTEP_MAX_RESTARTS", _non_negative_int, "--max_restarts") or 0
@@ -287,7 +304,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         redirects=getattr(args, "redirects", Stream.NONE),
         tee_ranks=torchrun.parse_local_ranks(getattr(args, "local_ranks_filter", None), nproc),
         run_id=getattr(args, "rdzv_id", None), nnodes=nnodes, role=getattr(args, "role", "default"),
-        stall_timeout=_stall_timeout(args, env),
+        stall_timeout=_stall_timeout(args, env), notes=tuple(notes),
     )
     limits.check_open_files(plan)  # first: the paths' check goes through every rank
     inputs.check_paths(plan)
@@ -301,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as e:
         print(f"lockstep: error: {e}", file=sys.stderr)
         return 2
+    if plan.verbose:
+        for note in plan.notes:
+            print(f"lockstep: {note}", file=sys.stderr, flush=True)
     from lockstep.launcher.supervisor import Supervisor
 
     return Supervisor(plan).run()

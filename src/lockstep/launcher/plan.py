@@ -87,6 +87,8 @@ class LaunchPlan:
     role: str = "default"
     stall_timeout: float = 0.0
     """Seconds without progress from a reporting rank that end the job as a stall; 0: never."""
+    notes: tuple[str, ...] = ()
+    """Where settings came from that no flag gave (SLURM's variables); -v prints them."""
     python: str = field(default=sys.executable)
 
     @property

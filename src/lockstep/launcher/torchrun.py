@@ -265,5 +265,5 @@ def parse_local_ranks(text: str | None, nproc: int) -> frozenset[int] | None:
 
 
 def standalone_env(env: Mapping[str, str]) -> dict[str, str]:
-    """--standalone is one node on its own: rank variables in the launcher's env do not apply."""
-    return {k: v for k, v in env.items() if k not in _RANK_ENV}
+    """--standalone is one node on its own: rank variables in the launcher's env (SLURM's too) do not apply."""
+    return {k: v for k, v in env.items() if k not in _RANK_ENV and not k.startswith("SLURM_")}
