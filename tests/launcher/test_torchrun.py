@@ -168,6 +168,15 @@ ATTEMPTS = textwrap.dedent("""
 """)
 
 
+LINES = textwrap.dedent("""
+    import os, sys
+    local = os.environ["LOCAL_RANK"]
+    print(f"out {local}", flush=True)
+    print(f"err {local}", file=sys.stderr, flush=True)
+    print(f"out {local} again", flush=True)
+""")
+
+
 def _torchrun(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
@@ -210,24 +219,21 @@ def test_log_dir_keeps_torchruns_layout_beside_locksteps_logs(tmp_path: Path, wr
 
 
 def test_tee_prefixes_lines_as_torchrun_does(tmp_path: Path, write_script) -> None:
-    script = write_script("attempts.py", ATTEMPTS)
-    env = {"TORCHELASTIC_RESTART_COUNT": "1"}  # no failure on a first attempt: the script reads its own count
-
-    def lines(result: subprocess.CompletedProcess[str]) -> list[str]:
-        assert result.returncode == 0, result.stderr
-        return sorted(line.split(" run ")[0] for line in result.stdout.splitlines())
-
-    for tee in (["--tee", "3"], ["-t", "0:1,1:3"]):
-        theirs = _torchrun(["--nproc-per-node", "2", *tee, "--max-restarts", "1", str(script)], tmp_path, env)
-        ours = launch(["-n", "2", *tee, "--max-restarts", "1", "--run_directory", "run", str(script)],
-                      cwd=tmp_path)
-        assert lines(ours) == lines(theirs)
-        assert "[default1]:err 1 attempt 0" in ours.stderr and "[default1]:err 1 attempt 0" in theirs.stderr
-    assert lines(ours) == ["[default0]:out 0 attempt 0", "[default0]:out 0 attempt 1",
-                           "[default1]:out 1 attempt 0", "[default1]:out 1 attempt 1"]
-    custom = launch(["-n", "2", "--tee", "1", "--role", "trainer", "--run_directory", "run2", str(script)],
+    script = write_script("lines.py", LINES)
+    theirs = _torchrun(["--nproc-per-node", "2", "--tee", "3", str(script)], tmp_path)
+    ours = launch(["-n", "2", "--tee", "3", "--run_directory", "run", str(script)], cwd=tmp_path)
+    assert theirs.returncode == 0 and ours.returncode == 0, (theirs.stderr, ours.stderr)
+    assert sorted(ours.stdout.splitlines()) == sorted(theirs.stdout.splitlines()) == [
+        "[default0]:out 0", "[default0]:out 0 again", "[default1]:out 1", "[default1]:out 1 again"]
+    for line in ("[default0]:err 0", "[default1]:err 1"):
+        assert line in ours.stderr.splitlines() and line in theirs.stderr.splitlines()
+    # a value per local rank: 0's stdout, 1's both (torchrun's Std.from_str syntax)
+    mapped = launch(["-n", "2", "-t", "0:1,1:3", "--run_directory", "run", str(script)], cwd=tmp_path)
+    assert sorted(mapped.stdout.splitlines()) == sorted(ours.stdout.splitlines())
+    assert "[default1]:err 1" in mapped.stderr and "err 0" in mapped.stderr.splitlines()  # 0's stderr: console
+    custom = launch(["-n", "2", "--tee", "1", "--role", "trainer", "--run_directory", "run", str(script)],
                     cwd=tmp_path, env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}|${rank}> "})
-    assert sorted(custom.stdout.splitlines())[0].startswith("<trainer|0> out 0 attempt 0")
+    assert sorted(custom.stdout.splitlines())[:2] == ["<trainer|0> out 0", "<trainer|0> out 0 again"]
 
 
 STANDALONE_ENV = textwrap.dedent("""
