@@ -1,11 +1,13 @@
 """What schedulers tell the launcher: SLURM's variables under srun, Kubernetes' PyTorchJob variables,
-Slurm's hostlist syntax, and which source wins. Pure parsing; the end-to-end runs are in
-test_multinode.py."""
+Slurm's hostlist syntax and which source wins (pure parsing); then two srun tasks that train as one
+job, on loopback and on two namespace hosts that resolve the nodelist with hosts files of their own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -180,19 +182,43 @@ def _job_id_with_a_free_port() -> str:
     raise RuntimeError("no free port in the SLURM range")
 
 
+def _clean_env() -> dict[str, str]:
+    """The test's environment without any rank, SLURM or torchrun variable."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "NODE_RANK", "BASE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+           and not k.startswith(("SLURM_", "PET_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _train_args(tmp: Path, name: str) -> list[str]:
+    return [str(JOB), "--batches", "6", "--save-interval", "3ba", "--folder", str(tmp / f"ckpt-{name}"),
+            "--out", str(tmp / f"{name}.pt")]
+
+
+@pytest.fixture(scope="module")
+def one_node_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The parameters after training the job on one node with 2 ranks."""
+    tmp = tmp_path_factory.mktemp("one_node")
+    one = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", *_train_args(tmp, "one_node")], cwd=tmp,
+                         env=_clean_env(), capture_output=True, text=True, timeout=200)
+    assert one.returncode == 0, one.stderr
+    return torch.load(tmp / "one_node.pt")
+
+
+def _assert_same(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
 @pytest.mark.timeout(240)
-def test_two_srun_tasks_train_as_one_job_with_only_minus_n(tmp_path: Path) -> None:
+def test_two_srun_tasks_train_as_one_job_with_only_minus_n(tmp_path: Path, one_node_weights) -> None:
     """Two launchers with the variables srun gives two nodes' tasks (the master named `localhost`)
     train to completion with `-n 1` alone, and end with the parameters of one node running 2 ranks."""
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("WORLD_SIZE", "NODE_RANK", "BASE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-            and not k.startswith(("SLURM_", "PET_"))}
-    base["OMP_NUM_THREADS"] = "1"
     job_id = _job_id_with_a_free_port()
-    args = [str(JOB), "--batches", "6", "--save-interval", "3ba"]
-    nodes = [subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "1", "-v", *args,
-                               "--folder", str(tmp_path / f"ckpt{n}"), "--out", str(tmp_path / "two_nodes.pt")],
-                              cwd=tmp_path, env={**base, **_srun(n, job_id=job_id)},
+    nodes = [subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "1", "-v",
+                               *_train_args(tmp_path, f"node{n}")],
+                              cwd=tmp_path, env={**_clean_env(), **_srun(n, job_id=job_id)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n in (0, 1)]
     outs = [n.communicate(timeout=200) for n in nodes]
@@ -201,11 +227,47 @@ def test_two_srun_tasks_train_as_one_job_with_only_minus_n(tmp_path: Path) -> No
     for n, (_, err) in enumerate(outs):
         assert "lockstep: SLURM: 2 node(s) x 1 ranks" in err
         assert f"lockstep: SLURM: this is node {n} (SLURM_NODEID)" in err
+        assert "lockstep: SLURM: master localhost (127.0.0.1), the first host of SLURM_STEP_NODELIST" in err
         assert f"lockstep: SLURM: master port {port}, from SLURM_JOB_ID" in err
-    one = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", *args, "--folder", str(tmp_path / "ckpt"),
-                          "--out", str(tmp_path / "one_node.pt")], cwd=tmp_path, env=base,
-                         capture_output=True, text=True, timeout=200)
-    assert one.returncode == 0, one.stderr
-    two_nodes, one_node = torch.load(tmp_path / "two_nodes.pt"), torch.load(tmp_path / "one_node.pt")
-    assert two_nodes.keys() == one_node.keys()
-    assert all(torch.equal(two_nodes[k], one_node[k]) for k in one_node)
+    _assert_same(torch.load(tmp_path / "node0.pt"), one_node_weights)  # global rank 0 saves
+
+
+@pytest.fixture
+def hosts():
+    netns = pytest.importorskip("tests.launcher.netns", reason="namespace hosts (tests/launcher/netns.py) are not here")
+    yield from netns.make_hosts(2)
+
+
+@pytest.mark.timeout(240)
+def test_srun_on_two_hosts_that_resolve_the_nodelist_with_their_own_hosts_files(
+        hosts, tmp_path: Path, one_node_weights) -> None:
+    """Two network-namespace hosts, each with its own /etc/hosts (``ip netns exec`` mounts
+    /etc/netns/<namespace>/hosts there) naming both nodes, which resolve nowhere else: srun's
+    variables with SLURM_JOB_NODELIST in Slurm's syntax are all each launcher needs."""
+    prefix = f"lst{hosts.x}node"
+    table = "127.0.0.1 localhost\n" + "".join(f"{hosts.address(i)} {prefix}{i + 1:02d}\n" for i in range(2))
+    folders = [Path("/etc/netns") / hosts.name(i) for i in range(2)]
+    try:
+        for folder in folders:
+            folder.mkdir(parents=True)
+            (folder / "hosts").write_text(table)
+        with pytest.raises(LaunchError, match="does not resolve"):  # not from the tests' namespace
+            parse_plan(["-n", "1", str(JOB)], env=_srun(1, nodes=f"{prefix}[01-02]"))
+        job_id = _job_id_with_a_free_port()
+        # The ranks' interface is named so that this test checks SLURM's part alone (where it is
+        # unset the launcher picks the one that routes to the master: test_hosts.py).
+        env = {**_clean_env(), "GLOO_SOCKET_IFNAME": hosts.interface(0)}
+        nodes = [hosts.popen(n, [sys.executable, "-m", "lockstep", "-n", "1", "-v", *_train_args(tmp_path, f"node{n}")],
+                             cwd=tmp_path, env={**env, **_srun(n, nodes=f"{prefix}[01-02]", job_id=job_id)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for n in (0, 1)]
+        outs = [n.communicate(timeout=200) for n in nodes]
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path("/etc/netns").rmdir()  # only if no one else keeps files there
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    for _, err in outs:
+        assert f"lockstep: SLURM: master {prefix}01 ({hosts.address(0)}), the first host of SLURM_STEP_NODELIST" in err
+    _assert_same(torch.load(tmp_path / "node0.pt"), one_node_weights)
