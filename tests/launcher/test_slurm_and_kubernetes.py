@@ -165,6 +165,12 @@ def test_kubernetes_pytorchjob_variables(script: str) -> None:
     assert (plan.world_size, plan.node_rank, plan.base_rank) == (12, 1, 4)
     worker = plan.worker_env(1, 23456, 0, dict(pod))
     assert (worker["RANK"], worker["WORLD_SIZE"], worker["NODE_RANK"]) == ("5", "12", "1")
+    # an elasticPolicy job: torchrun's c10d rendezvous numbers the nodes, which lockstep does not
+    elastic = {"PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "job-worker-0:23456", "PET_NPROC_PER_NODE": "2"}
+    with pytest.raises(LaunchError, match="--nnodes 2:4: elastic node ranges are not supported"):
+        parse_plan([script], env={**elastic, "PET_NNODES": "2:4"})
+    with pytest.raises(LaunchError, match="--rdzv-backend c10d needs --node-rank on each node"):
+        parse_plan([script], env={**elastic, "PET_NNODES": "2:2"})
 
 
 JOB = Path(__file__).resolve().parents[1] / "checkpoint" / "train_job.py"
