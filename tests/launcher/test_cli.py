@@ -205,7 +205,8 @@ def test_version_and_help() -> None:
                                         "MASTER_ADDR": "10.1.1.1"},
          {"world_size": 2, "node_rank": 0, "master_port": None, "master_addr": "localhost"}),
         # HOST:0: a free port the launcher picks (on one node), whatever MASTER_PORT says
-        (["--rdzv-endpoint", "localhost:0"], {"MASTER_PORT": "1234"}, {"master_addr": "localhost", "master_port": None}),
+        (["--rdzv-endpoint", "localhost:0"], {"MASTER_PORT": "1234"},
+         {"master_addr": "localhost", "master_port": None}),
         # per-local-rank maps, as torchrun's Std.from_str reads them
         (["-n", "3", "--tee", "0:3,2:1", "-r", "1:2"], {},
          {"tee": {0: Stream.BOTH, 2: Stream.STDOUT}, "redirects": {1: Stream.STDERR}}),

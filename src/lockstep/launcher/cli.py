@@ -1,4 +1,5 @@
-"""``lockstep`` command line: argv + env -> LaunchPlan. Pure: no processes, no sockets, no torch."""
+"""``lockstep`` command line: argv + env -> LaunchPlan. Pure: no processes, no sockets, no torch (only SLURM's
+master host name goes through the system resolver)."""
 
 from __future__ import annotations
 
