@@ -276,8 +276,7 @@ class Supervisor:
         return 1
 
     def _spawn_all(self, port: int, attempt: int, store_fd: int | None, watchdog: Watchdog) -> list[Rank]:
-        prepare_run_directory(self.plan)
-        specs = self.plan.ranks
+        specs = prepare_run_directory(self.plan, attempt)
         logs = []
         try:
             for spec in specs:  # every file opens before any rank starts
