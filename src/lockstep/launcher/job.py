@@ -22,6 +22,13 @@ every restart) and every launcher talks to it under ``lockstep/attempt{N}/``:
   new port (torch's env:// rendezvous keeps no per-attempt prefix, so the old keys would mislead
   them); attempt 0's ranks use the store on ``--master_port`` itself.
 
+Every store call has a deadline (``CALL_S``): torch's client waits for an answer forever when the
+master's host is cut off (its timeout covers waiting for keys, not a silent network), so calls run
+on a thread of their own while the launcher's main thread waits for the answer through the
+supervisor's ``meanwhile`` hook, which goes on draining the ranks' output and catching signals (a
+stopping one abandons the call: :class:`Stopped`). A call not answered in time, or failed, makes
+the client lost for good (:class:`StoreLost`); a node that restarts connects again.
+
 Deciding waits until every other node has reported, left, finished or is lost, then picks the
 earliest failure: the rank that failed first, not a victim whose collective broke because of it.
 On a stall, every node first prints its own ranks' stacks and records what it found: a rank that
@@ -33,10 +40,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import queue
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +54,9 @@ if TYPE_CHECKING:
 
 BEAT_S = 0.25
 LOST_AFTER_S = 3.0
+CALL_S = 5.0
+"""A store call not answered within this long: the store (the master) counts as lost."""
+_SLICE_S = 0.1  # the longest the main thread leaves output and signals alone while a call is out
 _SILENT_S = 10.0
 """A node that beats but has not reported this long after deciding began is not waited for."""
 LOST_EXIT_CODE = 1
@@ -69,6 +81,82 @@ STALLS = (STOPPED, WAITING)
 
 class StoreLost(RuntimeError):
     """The store (the master's launcher) stopped answering."""
+
+
+class Stopped(Exception):
+    """A stopping signal came while the launcher waited for the store (raised by the ``meanwhile`` hook)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+Meanwhile = Callable[[float], None]
+"""Waits up to the given seconds while a store call is out, doing the main thread's other work;
+raises :class:`Stopped` when a stopping signal comes."""
+
+
+def _idle(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+class StoreClient:
+    """A store whose every call ends within ``CALL_S``, answered or not.
+
+    The calls run one at a time on a daemon thread. Past the deadline the client is given up: the
+    thread may stay blocked in torch's C++ for good (it holds no lock and no GIL meanwhile), and
+    every later call raises :class:`StoreLost` at once.
+    """
+
+    def __init__(self, connect: Callable[[], Any], where: str, deadline: float = CALL_S) -> None:
+        self._connect, self.where, self._deadline = connect, where, deadline
+        self._store: Any = None
+        self._jobs: queue.SimpleQueue[tuple[str, tuple[Any, ...], list[Any], threading.Event]] = queue.SimpleQueue()
+        self.lost: str | None = None
+        self.last_answer = time.time()
+        """Wall-clock time of the last answer: since when the store is silent, once lost."""
+        threading.Thread(target=self._serve, name=f"lockstep-store-{where}", daemon=True).start()
+
+    def _serve(self) -> None:
+        try:  # connecting counts towards the first call's deadline
+            self._store = self._connect()
+        except Exception as e:  # noqa: BLE001
+            self._store = e
+        while True:
+            name, args, box, done = self._jobs.get()
+            try:
+                if isinstance(self._store, Exception):
+                    raise self._store
+                box.append((True, getattr(self._store, name)(*args)))
+            except Exception as e:  # noqa: BLE001 - torch raises several kinds for a lost connection
+                box.append((False, e))
+            done.set()
+
+    def call(self, name: str, *args: Any, meanwhile: Meanwhile = _idle) -> Any:
+        if self.lost is not None:
+            raise StoreLost(self.lost)
+        box: list[Any] = []
+        done = threading.Event()
+        self._jobs.put((name, args, box, done))
+        deadline = time.monotonic() + self._deadline
+        pause = 0.001  # most answers come within a millisecond or two: look again soon, then less often
+        while not done.wait(pause):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.lost = f"no answer within {self._deadline:g} s"
+                raise StoreLost(self.lost)
+            pause = min(2 * pause, _SLICE_S, remaining)
+            try:
+                meanwhile(pause)
+            except Stopped:
+                self.lost = "a call was abandoned at a stopping signal"
+                raise
+        ok, value = box[0]
+        if not ok:
+            self.lost = str(value).splitlines()[0] if str(value) else type(value).__name__
+            raise StoreLost(self.lost)
+        self.last_answer = time.time()
+        return value
 
 
 _CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
@@ -123,8 +211,10 @@ def root_cause(failures: list[Failure]) -> Failure:
 class JobChannel:
     """This launcher's side of the agreement."""
 
-    def __init__(self, store: Any, beat_store: Any, node: int, nnodes: int) -> None:
+    def __init__(self, store: StoreClient, beat_store: StoreClient, node: int, nnodes: int) -> None:
         self._store, self._beat_store = store, beat_store
+        self.meanwhile: Meanwhile = _idle
+        """What the main thread does while it waits for the store (the supervisor sets it)."""
         self.node, self.nnodes = node, nnodes
         self.host = socket.gethostname()
         self._prefix = "lockstep/attempt0/"
@@ -140,9 +230,16 @@ class JobChannel:
         """Clients of the store at host:port (``server``: the store object this launcher hosts)."""
         store_class = tcp_store()
 
-        timeout = datetime.timedelta(seconds=10)
-        store = server or store_class(host, port, None, False, timeout)
-        return cls(store, store_class(host, port, None, False, timeout), node, nnodes)
+        def client() -> Any:
+            return store_class(host, port, None, False, datetime.timedelta(seconds=CALL_S))
+
+        where = f"{host}:{port}"
+        return cls(StoreClient((lambda: server) if server is not None else client, where),
+                   StoreClient(client, where), node, nnodes)
+
+    def last_answer(self) -> float:
+        """Wall-clock time the store last answered this launcher."""
+        return max(self._store.last_answer, self._beat_store.last_answer)
 
     # -- attempts -----------------------------------------------------------------------------
 
@@ -152,15 +249,15 @@ class JobChannel:
         self._prefix = f"lockstep/attempt{attempt}/"
         self._seen.clear()
         self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
-        self._call(self._store.set, self._key(f"joined{self.node}"), "1")
-        self._call(self._store.set, self._key(f"stage{self.node}"), str(_RUNNING))
-        self._call(self._store.add, self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
-        self._call(self._store.add, self._key("joined"), 1)
+        self._call("set", self._key(f"joined{self.node}"), "1")
+        self._call("set", self._key(f"stage{self.node}"), str(_RUNNING))
+        self._call("add", self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
+        self._call("add", self._key("joined"), 1)
         deadline = time.monotonic() + timeout
-        while self._call(self._store.add, self._key("joined"), 0) < self.nnodes:
+        while self._call("add", self._key("joined"), 0) < self.nnodes:
             if time.monotonic() > deadline:
-                return [n for n in range(self.nnodes) if not self._call(self._store.check, [self._key(f"joined{n}")])]
-            time.sleep(BEAT_S)
+                return [n for n in range(self.nnodes) if not self._call("check", [self._key(f"joined{n}")])]
+            self._pause(BEAT_S)
         self._beater = threading.Thread(target=self._beat, name="lockstep-beat", daemon=True)
         self._beater.start()
         return []
@@ -169,15 +266,15 @@ class JobChannel:
         key = self._key(f"alive{self.node}")
         while not self._stop.is_set():
             try:
-                self._beat_store.add(key, 1)
-            except Exception:  # noqa: BLE001 - the store is gone: the main thread will see it too
+                self._beat_store.call("add", key, 1)
+            except StoreLost:  # the main thread will see it too
                 return
             self._stop.wait(BEAT_S)
 
     def _stop_beating(self) -> None:
         if self._beater is not None:
             self._stop.set()
-            self._beater.join()
+            self._beater.join(timeout=CALL_S + 1)  # bounded: its call has a deadline
             self._stop.clear()
             self._beater = None
 
@@ -186,28 +283,28 @@ class JobChannel:
 
     def publish_port(self, attempt: int, port: int) -> None:
         """The master's: where the ranks of ``attempt`` find their store (before :meth:`begin`)."""
-        self._call(self._store.set, f"lockstep/attempt{attempt}/port", str(port))
+        self._call("set", f"lockstep/attempt{attempt}/port", str(port))
 
     def port(self, attempt: int) -> int:
         """The ranks' store port of ``attempt`` (after :meth:`begin`: the master set it before joining)."""
-        return int(self._call(self._store.get, f"lockstep/attempt{attempt}/port"))
+        return int(self._call("get", f"lockstep/attempt{attempt}/port"))
 
     # -- failures -----------------------------------------------------------------------------
 
     def report(self, failure: Failure) -> None:
-        self._call(self._store.append, self._key("failures"), failure.to_json() + "\n")
-        self._call(self._store.add, self._key("failed"), 1)
+        self._call("append", self._key("failures"), failure.to_json() + "\n")
+        self._call("add", self._key("failed"), 1)
 
     def done_reporting(self) -> None:
         """This node has recorded every failure it will: deciders need not wait for it."""
-        self._call(self._store.set, self._key(f"stage{self.node}"), str(_REPORTED))
+        self._call("set", self._key(f"stage{self.node}"), str(_REPORTED))
 
     def leave(self) -> None:
         """This node is done with the store (it will not restart)."""
-        self._call(self._store.set, self._key(f"stage{self.node}"), str(_LEFT))
+        self._call("set", self._key(f"stage{self.node}"), str(_LEFT))
 
     def any_failed(self) -> bool:
-        return self._call(self._store.add, self._key("failed"), 0) > 0
+        return self._call("add", self._key("failed"), 0) > 0
 
     def stall_reported(self) -> bool:
         """Whether a node recorded a stall."""
@@ -216,7 +313,7 @@ class JobChannel:
     def _counts(self) -> tuple[list[int], list[int]]:
         """Every node's ``alive`` counter and stage, in one round trip (each exists once all joined)."""
         keys = [self._key(f"{name}{n}") for name in ("alive", "stage") for n in range(self.nnodes)]
-        values = [int(v) for v in self._call(self._store.multi_get, keys)]
+        values = [int(v) for v in self._call("multi_get", keys)]
         return values[:self.nnodes], values[self.nnodes:]
 
     def lost_nodes(self, counts: tuple[list[int], list[int]] | None = None) -> list[Failure]:
@@ -250,7 +347,7 @@ class JobChannel:
         verdict = self._verdict()
         if verdict is None:
             first = root_cause(self._failures() + lost)
-            verdict = Failure.from_json(self._call(self._store.compare_set, self._key("verdict"), "",
+            verdict = Failure.from_json(self._call("compare_set", self._key("verdict"), "",
                                                    first.to_json()).decode())
         return verdict
 
@@ -261,7 +358,7 @@ class JobChannel:
         pending = {n: (alive[n], start) for n in range(self.nnodes) if n != self.node}  # last beat seen
         lost: list[Failure] = []
         while pending and self._verdict() is None:
-            time.sleep(BEAT_S)
+            self._pause(BEAT_S)
             now = time.monotonic()
             alive, stage = self._counts()
             for n, (count, since) in list(pending.items()):
@@ -276,20 +373,20 @@ class JobChannel:
         return lost
 
     def _verdict(self) -> Failure | None:
-        if self._call(self._store.check, [self._key("verdict")]):
-            return Failure.from_json(self._call(self._store.get, self._key("verdict")).decode())
+        if self._call("check", [self._key("verdict")]):
+            return Failure.from_json(self._call("get", self._key("verdict")).decode())
         return None
 
     def _failures(self) -> list[Failure]:
-        if not self._call(self._store.check, [self._key("failures")]):
+        if not self._call("check", [self._key("failures")]):
             return []
-        text = self._call(self._store.get, self._key("failures")).decode()
+        text = self._call("get", self._key("failures")).decode()
         return [Failure.from_json(line) for line in text.splitlines() if line.strip()]
 
     # -- success ------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        self._call(self._store.add, self._key(f"alive{self.node}"), DONE)
+        self._call("add", self._key(f"alive{self.node}"), DONE)
 
     def all_done(self) -> bool:
         return all(count >= DONE for count in self._counts()[0])
@@ -297,9 +394,11 @@ class JobChannel:
     def _key(self, name: str) -> str:
         return self._prefix + name
 
-    @staticmethod
-    def _call(method: Any, *args: Any) -> Any:
-        try:
-            return method(*args)
-        except Exception as e:  # noqa: BLE001 - torch raises several kinds for a lost connection
-            raise StoreLost(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    def _call(self, name: str, *args: Any) -> Any:
+        return self._store.call(name, *args, meanwhile=self.meanwhile)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait between polls of the store, doing the main thread's other work meanwhile."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            self.meanwhile(remaining)
