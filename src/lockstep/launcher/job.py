@@ -222,7 +222,7 @@ class JobChannel:
         self._last_alive: dict[int, float] = {}
         """Wall-clock time each node was last seen beating: a lost node failed then, before the
         ranks that broke because of it."""
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # each beat thread has its own
         self._beater: threading.Thread | None = None
 
     @classmethod
@@ -258,24 +258,26 @@ class JobChannel:
             if time.monotonic() > deadline:
                 return [n for n in range(self.nnodes) if not self._call("check", [self._key(f"joined{n}")])]
             self._pause(BEAT_S)
-        self._beater = threading.Thread(target=self._beat, name="lockstep-beat", daemon=True)
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, args=(self._stop,), name="lockstep-beat", daemon=True)
         self._beater.start()
         return []
 
-    def _beat(self) -> None:
+    def _beat(self, stop: threading.Event) -> None:
         key = self._key(f"alive{self.node}")
-        while not self._stop.is_set():
+        while not stop.is_set():
             try:
                 self._beat_store.call("add", key, 1)
             except StoreLost:  # the main thread will see it too
                 return
-            self._stop.wait(BEAT_S)
+            stop.wait(BEAT_S)
 
     def _stop_beating(self) -> None:
         if self._beater is not None:
             self._stop.set()
-            self._beater.join(timeout=CALL_S + 1)  # bounded: its call has a deadline
-            self._stop.clear()
+            # A beat blocked by a partition may take until its deadline: not waited for (it
+            # stops at its next look at its own event, and its client is lost by then).
+            self._beater.join(timeout=2 * BEAT_S)
             self._beater = None
 
     def close(self) -> None:
