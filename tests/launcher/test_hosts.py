@@ -4,8 +4,11 @@ under --max_restarts, and the interface the ranks use on multi-homed hosts."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from lockstep.launcher.interface import interface_env, route_to
+from lockstep.launcher.job import StoreClient, Stopped, StoreLost, tcp_store
 from tests.checkpoint.test_faults import JOB as TRAIN_JOB
 from tests.checkpoint.test_faults import assert_bitwise
 from tests.launcher.conftest import launch
@@ -187,6 +191,27 @@ def test_sigterm_ends_a_node_cut_off_from_the_master_within_its_grace_period(hos
     _no_process_left(hosts)
 
 
+def test_sigterm_ends_a_node_that_retries_the_cut_off_master_for_a_restart(hosts: Hosts, tmp_path: Path) -> None:
+    nodes = _start(hosts, tmp_path, ["--max_restarts", "1", "--rdzv_timeout", "120"])
+    _cut_mid_run(hosts, tmp_path, nodes, 1)
+    deadline = time.monotonic() + 40
+    while "rejoining the master at" not in nodes[1].err:
+        assert time.monotonic() < deadline and nodes[1].proc.poll() is None, nodes[1].err
+        time.sleep(0.1)
+    time.sleep(1.0)
+    signalled = time.monotonic()
+    nodes[1].proc.send_signal(signal.SIGTERM)
+    code = nodes[1].wait(timeout=30)
+    took = time.monotonic() - signalled
+    err = nodes[1].err
+    assert code == 128 + signal.SIGTERM, err
+    assert took < GRACE + 2.5, (took, err)
+    assert "received SIGTERM while waiting for the rendezvous store" in err, err
+    nodes[0].proc.send_signal(signal.SIGTERM)  # it waits for node 1 to rejoin
+    assert nodes[0].wait(timeout=30) == 128 + signal.SIGTERM, nodes[0].err
+    _no_process_left(hosts)
+
+
 def _train(hosts: Hosts, tmp: Path, restarts: int) -> list[Node]:
     """tests/checkpoint/train_job.py on both hosts, each with a save folder of its own."""
     return [Node(hosts, n, tmp, [str(TRAIN_JOB), "--folder", str(tmp / f"saves{n}"), "--out", str(tmp / f"final{n}.pt"),
@@ -202,13 +227,16 @@ def test_a_partition_that_heals_re_forms_the_job_and_ends_as_the_uninterrupted_r
     assert reference.returncode == 0, reference.stderr
     nodes = _train(hosts, tmp_path, restarts=2)
     progress = tmp_path / "progress0"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 150
     # after the checkpoint of batch 8, before the end (24 batches)
     while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 10):
         assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), [n.err for n in nodes]
         time.sleep(0.1)
     hosts.cut(1)
-    time.sleep(12)  # both sides find the other gone and restart; node 1 waits for the master meanwhile
+    while "rejoining the master at" not in nodes[1].err:  # both sides found the other gone
+        assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), [n.err for n in nodes]
+        time.sleep(0.1)
+    time.sleep(2)  # node 1 retries the master that it cannot reach
     hosts.heal(1)
     codes = _wait_both(nodes, timeout=150)
     node0, node1 = nodes[0].err, nodes[1].err
@@ -216,7 +244,8 @@ def test_a_partition_that_heals_re_forms_the_job_and_ends_as_the_uninterrupted_r
     assert "node 1's launcher stopped answering" in node0 and "restarting every node's ranks (1 of 2)" in node0, node0
     assert "lost the master" in node1 and "rejoining the master at" in node1, node1
     assert not (tmp_path / "saves1").exists() or not any((tmp_path / "saves1").iterdir())  # no shared disk
-    assert "resumed at batch 0" not in nodes[0].out  # it resumed from a checkpoint
+    resumed = re.search(r"attempt [12] resumed at batch (\d+)ba", nodes[0].out)
+    assert resumed and int(resumed[1]) >= 8, nodes[0].out  # from a checkpoint that node 1 never had
     assert_bitwise(torch.load(tmp_path / "final0.pt", weights_only=True),
                    torch.load(tmp_path / "clean.pt", weights_only=True))
     _no_process_left(hosts)
@@ -244,3 +273,34 @@ def test_an_interface_the_user_names_is_kept() -> None:
     assert "GLOO_SOCKET_IFNAME=eth7 as set" in line
     assert interface_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"})[0] == {}
     assert route_to("no-such-host.invalid") is None
+
+
+def test_a_store_call_that_gets_no_answer_ends_at_its_deadline_and_the_client_stays_lost() -> None:
+    # a listener that accepts and never answers stands for a master behind a silent network
+    store_class = tcp_store()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        looks: list[float] = []
+        client = StoreClient(lambda: store_class("127.0.0.1", port, None, False, datetime.timedelta(seconds=60)),
+                             f"127.0.0.1:{port}", deadline=1.0)
+        start = time.monotonic()
+        with pytest.raises(StoreLost, match="no answer within 1 s"):
+            client.call("add", "k", 1, meanwhile=lambda s: (looks.append(s), time.sleep(s)))
+        assert time.monotonic() - start < 2.0
+        assert looks and max(looks) <= 0.1  # the main thread's other work was never left for long
+        start = time.monotonic()
+        with pytest.raises(StoreLost):
+            client.call("add", "k", 1)
+        assert time.monotonic() - start < 0.1
+
+        def stop(seconds: float) -> None:
+            raise Stopped(signal.SIGTERM)
+
+        other = StoreClient(lambda: store_class("127.0.0.1", port, None, False, datetime.timedelta(seconds=60)),
+                            f"127.0.0.1:{port}", deadline=30.0)
+        start = time.monotonic()
+        with pytest.raises(Stopped):
+            other.call("add", "k", 1, meanwhile=stop)
+        assert time.monotonic() - start < 1.0

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 BEAT_S = 0.25
 LOST_AFTER_S = 3.0
-CALL_S = 5.0
+CALL_S = 10.0
 """A store call not answered within this long: the store (the master) counts as lost."""
 _SLICE_S = 0.1  # the longest the main thread leaves output and signals alone while a call is out
 _SILENT_S = 10.0

@@ -154,12 +154,14 @@ class Supervisor:
     def _run_attempts(self, port: int, listener, wake_r: int, watchdog: Watchdog, pass_fd: bool) -> int:
         for attempt in range(self.plan.max_restarts + 1):
             if not self.plan.hosts_store and self._channel is None:
-                joined = self._join_job(port, None, wake_r) if self.plan.is_multinode else self._await_store(port, wake_r)
+                # multi-node: rejoin the master after it was lost (it may still be cut off)
+                joined = self._join_job(port, None, wake_r) if self.plan.is_multinode else \
+                    self._await_store(port, wake_r)
                 if isinstance(joined, int):
                     return joined
             channel = self._channel
             ranks: list[Rank] = []
-            self._ranks = ranks
+            self._ranks, self._stashed = ranks, ([], [])  # nothing of an earlier attempt carries over
             rank_port: int | None = port
             try:
                 if channel is not None:
@@ -190,8 +192,8 @@ class Supervisor:
                 self._teardown(self._ranks, wake_r, watchdog, None)
                 return signalled_code(self._ranks, e.signum)
             except StoreLost as e:
-                self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)
                 code = self._lost_master(port, str(e), attempt)
+                self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)
                 if code is not None:
                     return code
                 continue
@@ -201,22 +203,24 @@ class Supervisor:
         raise AssertionError("unreachable")
 
     def _lost_master(self, port: int, why: str, attempt: int) -> int | None:
-        """The store stopped answering: say since when; the exit code, or None to restart (rejoin)."""
+        """The store stopped answering: say so, and since when; the exit code, or None to rejoin the
+        master for the next attempt (its ranks are stopped by the caller either way)."""
         assert self._channel is not None
         since = self._channel.last_answer()
         self._channel.close()
         self._channel = None
+        where = f"{self.plan.master_addr}:{port}"
         if self.plan.hosts_store:
-            say(f"the job failed: this launcher's own rendezvous store at {self.plan.master_addr}:{port} "
-                f"stopped answering ({why})")
+            say(f"the job failed: this launcher's own rendezvous store at {where} stopped answering ({why})")
             return LOST_EXIT_CODE
-        say(f"the job failed: the rendezvous store at {self.plan.master_addr}:{port}, which node 0's launcher "
-            f"hosts, stopped answering ({why}): lost the master, silent since {time.strftime('%H:%M:%S', time.localtime(since))} "
-            f"({time.time() - since:.0f} s ago); node 0 counts as failed")
+        clock = time.strftime("%H:%M:%S", time.localtime(since))
+        say(f"the job failed: the rendezvous store at {where}, which node 0's launcher hosts, stopped "
+            f"answering ({why}): lost the master, silent since {clock} ({time.time() - since:.0f} s ago); "
+            f"node 0 counts as failed")
         if self._signals_seen or attempt >= self.plan.max_restarts:
             return 128 + self._signals_seen[0] if self._signals_seen else LOST_EXIT_CODE
-        say(f"restarting ({attempt + 1} of {self.plan.max_restarts}): rejoining the master at "
-            f"{self.plan.master_addr}:{port} for up to {self.plan.rdzv_timeout:g} s (--rdzv_timeout)")
+        say(f"restarting ({attempt + 1} of {self.plan.max_restarts}): stopping this node's ranks, then "
+            f"rejoining the master at {where} for up to {self.plan.rdzv_timeout:g} s (--rdzv_timeout)")
         return None
 
     def _settle_across_nodes(self, channel: JobChannel, attempt: int, ranks: list[Rank], wake_r: int,
