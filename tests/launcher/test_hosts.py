@@ -184,7 +184,7 @@ def test_sigterm_ends_a_node_cut_off_from_the_master_within_its_grace_period(hos
     took = time.monotonic() - signalled
     err = nodes[1].err
     assert code == 128 + signal.SIGTERM, err
-    assert took < GRACE + 2.5, (took, err, nodes[1].out)
+    assert took < GRACE + 4, (took, err, nodes[1].out)  # + the exit of a Python that loaded torch, on a busy CI
     assert "received SIGTERM, forwarding it to every rank" in err
     assert f"did not exit within the {GRACE} s grace period" in err, err
     assert nodes[0].wait(timeout=60) == 1
@@ -205,7 +205,7 @@ def test_sigterm_ends_a_node_that_retries_the_cut_off_master_for_a_restart(hosts
     took = time.monotonic() - signalled
     err = nodes[1].err
     assert code == 128 + signal.SIGTERM, err
-    assert took < GRACE + 2.5, (took, err)
+    assert took < GRACE + 4, (took, err)
     assert "received SIGTERM while waiting for the rendezvous store" in err, err
     nodes[0].proc.send_signal(signal.SIGTERM)  # it waits for node 1 to rejoin
     assert nodes[0].wait(timeout=30) == 128 + signal.SIGTERM, nodes[0].err
@@ -257,21 +257,25 @@ def test_ranks_use_the_interface_that_routes_to_the_master(multihomed: Hosts, tm
         multihomed.cut(h, network=0)
     script = tmp_path / "job.py"
     script.write_text(_JOB)
-    nodes = [Node(multihomed, n, tmp_path, [str(script), str(tmp_path)], ["-v"], {"STEPS": "5"}, master_network=1)
-             for n in (0, 1)]
+    # node 1 names Gloo's interface itself: only NCCL's is chosen for it
+    nodes = [Node(multihomed, n, tmp_path, [str(script), str(tmp_path)], ["-v"],
+                  {"STEPS": "5", **({"GLOO_SOCKET_IFNAME": "net1"} if n else {})}, master_network=1) for n in (0, 1)]
     assert [n.wait(90) for n in nodes] == [0, 0], [n.err for n in nodes]
     master = multihomed.address(0, 1)
+    chose = f"ranks use the interface net1 ({{}}), which routes to the master {master}, for "
+    assert chose.format(multihomed.address(0, 1)) + "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME\n" in nodes[0].err
+    assert chose.format(multihomed.address(1, 1)) + "NCCL_SOCKET_IFNAME; GLOO_SOCKET_IFNAME=net1 as set\n" \
+        in nodes[1].err, nodes[1].err
     for h, node in enumerate(nodes):
-        assert (f"ranks use the interface net1 ({multihomed.address(h, 1)}), which routes to the master {master}, "
-                f"for GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME") in node.err, node.err
         assert f"rank {h} GLOO_SOCKET_IFNAME=net1 NCCL_SOCKET_IFNAME=net1" in node.out, node.out
 
 
-def test_an_interface_the_user_names_is_kept() -> None:
-    added, line = interface_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth7"})
-    assert added == {"NCCL_SOCKET_IFNAME": "lo"}
-    assert "GLOO_SOCKET_IFNAME=eth7 as set" in line
-    assert interface_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"})[0] == {}
+def test_the_interface_is_left_alone_on_loopback_or_where_the_user_named_one() -> None:
+    assert route_to("127.0.0.1") is not None and route_to("127.0.0.1").interface == "lo"
+    added, line = interface_env("127.0.0.1", {})
+    assert added == {} and "loopback" in line
+    added, line = interface_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"})
+    assert added == {} and "GLOO_SOCKET_IFNAME=a, NCCL_SOCKET_IFNAME=b" in line
     assert route_to("no-such-host.invalid") is None
 
 

@@ -5,11 +5,13 @@ loopback address or the address of another network than the one the master is on
 host: a management network beside the cluster's). The launcher asks the kernel instead: a UDP
 socket "connected" to the master's address sends nothing, yet gets the source address the routing
 table chooses, and the interface that holds that address is the one to use. The ranks get it as
-``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` where the user set neither.
+``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` where the user left them unset. A master on
+the loopback address (every node on one host) leaves the ranks' own choice alone.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,6 +66,9 @@ def interface_env(master_addr: str, env: Mapping[str, str]) -> tuple[dict[str, s
     if route is None:
         return {}, (f"no interface of this host routes to the master {master_addr}: the ranks pick one "
                     f"themselves (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose)")
+    if ipaddress.ip_address(route.address).is_loopback:  # every node on this host: nothing to choose
+        return {}, (f"the master {master_addr} is on this host's loopback interface: the ranks pick an "
+                    f"interface themselves")
     also = f"; {preset} as set" if preset else ""
     return dict.fromkeys(unset, route.interface), (
         f"ranks use the interface {route.interface} ({route.address}), which routes to the master "

@@ -274,10 +274,9 @@ class JobChannel:
 
     def _stop_beating(self) -> None:
         if self._beater is not None:
+            # Not joined: a beat blocked by a partition may take until its deadline. The thread
+            # stops at its next look at its own event, and it only ever beats its own attempt's key.
             self._stop.set()
-            # A beat blocked by a partition may take until its deadline: not waited for (it
-            # stops at its next look at its own event, and its client is lost by then).
-            self._beater.join(timeout=2 * BEAT_S)
             self._beater = None
 
     def close(self) -> None:
