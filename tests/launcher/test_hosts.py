@@ -21,6 +21,8 @@ import torch
 
 from lockstep.launcher.interface import interface_env, route_to
 from lockstep.launcher.job import StoreClient, Stopped, StoreLost, tcp_store
+from lockstep.launcher.output import RankLogs
+from lockstep.launcher.ranks import Rank, Waiter
 from tests.checkpoint.test_faults import JOB as TRAIN_JOB
 from tests.checkpoint.test_faults import assert_bitwise
 from tests.launcher.conftest import launch
@@ -308,3 +310,25 @@ def test_a_store_call_that_gets_no_answer_ends_at_its_deadline_and_the_client_st
         with pytest.raises(Stopped):
             other.call("add", "k", 1, meanwhile=stop)
         assert time.monotonic() - start < 1.0
+
+
+def test_a_rank_exit_taken_while_a_store_call_was_out_does_not_wake_the_monitor_again_and_again() -> None:
+    # the supervisor's Waiter during a store call sees the exit; the monitor's Waiter must not spin on it
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    rank = Rank(None, proc, os.pidfd_open(proc.pid), RankLogs(None, None))  # type: ignore[arg-type]
+    wake_r, wake_w = os.pipe()
+    try:
+        with Waiter([rank], wake_r, ()) as monitor:
+            with Waiter([rank], wake_r, ()) as during_call:
+                deadline = time.monotonic() + 30
+                while not during_call.wait(0.1)[1]:
+                    assert time.monotonic() < deadline
+            assert rank.returncode == 0
+            monitor.wait(0)  # takes note that the rank is gone
+            start = time.monotonic()
+            assert monitor.wait(0.3) == ([], [])
+            assert time.monotonic() - start >= 0.25
+    finally:
+        rank.close()
+        os.close(wake_r)
+        os.close(wake_w)
