@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lockstep.launcher.interface import interface_env, route_to
-from lockstep.launcher.job import StoreClient, Stopped, StoreLost, tcp_store
+from lockstep.launcher.store import StoreClient, Stopped, StoreLost, tcp_store
 from lockstep.launcher.output import RankLogs
 from lockstep.launcher.ranks import Rank, Waiter
 from tests.checkpoint.test_faults import JOB as TRAIN_JOB

@@ -24,16 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.launcher.interface import interface_env
-from lockstep.launcher.job import (
-    BEAT_S,
-    LOST_EXIT_CODE,
-    SIGNALLED,
-    Failure,
-    JobChannel,
-    Stopped,
-    StoreLost,
-    tcp_store,
-)
+from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
 from lockstep.launcher.ranks import Rank, Waiter, spawn
@@ -48,6 +39,7 @@ from lockstep.launcher.report import (
 )
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
 from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose, stall_failures
+from lockstep.launcher.store import Stopped, StoreLost, tcp_store
 from lockstep.launcher.stopping import (
     HANDLED,
     PASSED_ON,
