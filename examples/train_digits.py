@@ -133,9 +133,9 @@ def main() -> None:
     )
     trainer.fit()
 
-    metrics = trainer.state.eval_metrics  # the last evaluation, already reduced over all ranks
+    metrics = trainer.state.eval_metrics["eval"]  # the last evaluation, already reduced over all ranks
     if dist.get_global_rank() == 0:
-        print(f"final eval: accuracy {metrics['accuracy']:.3f}, loss {metrics['loss']:.3f} "
+        print(f"final eval: accuracy {metrics['accuracy'].compute():.3f}, loss {metrics['loss'].compute():.3f} "
               f"({len(test_set)} test images, {dist.get_world_size()} rank(s), "
               f"{time.perf_counter() - start:.1f} s)", flush=True)
 

@@ -427,12 +427,12 @@ def main(argv: list[str] | None = None) -> lockstep.Trainer:
     trainer, model = build_trainer(args)
     rank0 = dist.get_global_rank() == 0
     if trainer.state.timestamp.batch == 0:
-        first = trainer.eval()["LanguageCrossEntropy"]
+        first = trainer.eval()["eval"]["LanguageCrossEntropy"]
         if rank0:
             print(f"step 0: validation cross entropy {first:.3f} nats/{model.codec.unit} "
                   f"(ln {model.vocab_size} = {math.log(model.vocab_size):.3f})", flush=True)
     trainer.fit()
-    final = trainer.state.eval_metrics
+    final = {name: float(metric.compute()) for name, metric in trainer.state.eval_metrics["eval"].items()}
     if rank0:
         entropy = final["LanguageCrossEntropy"]
         print(f"end ({trainer.state.timestamp.token:,} tokens, {time.perf_counter() - start:.0f} s): validation "

@@ -251,7 +251,9 @@ def _fit_and_evaluate() -> dict[str, Any]:
     with torch.no_grad():
         logits = module(x)
     logged = {name: [v for _, v in series] for name, series in logger.data.items() if name.startswith("metrics/")}
-    return {"eval_metrics": dict(trainer.state.eval_metrics), "logged": logged,
+    # state.eval_metrics is Composer's {label: {name: Metric}}: the values of the 'eval' evaluator's
+    return {"eval_metrics": {name: float(m.compute()) for name, m in trainer.state.eval_metrics["eval"].items()},
+            "logged": logged,
             "cross_entropy": float(F.cross_entropy(logits, y)),
             "accuracy": float((logits.argmax(dim=1) == y).double().mean()),
             "weights": [p.detach().clone() for p in module.parameters()]}

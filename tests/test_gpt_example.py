@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lockstep import Callback
+from lockstep.core.eval_metrics import values
 from lockstep.testing import run_distributed
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -47,7 +48,7 @@ def _crash_and_resume(parallel: str, folder: str) -> dict:
     gpt = _gpt()
     common = [*TINY, "--parallel", parallel]
     reference = gpt.main([*common, "--run_folder", f"{folder}/ref"])
-    out = {"reference": full_params(reference), "eval": dict(reference.state.eval_metrics)}
+    out = {"reference": full_params(reference), "eval": values(reference.state.eval_metrics)["eval"]}
     run = [*common, "--save_folder", f"{folder}/ckpt", "--save_interval", "2ba", "--autoresume", "--run_name", "gpt"]
     trainer, _ = gpt.build_trainer(gpt.parse_args(run))
     trainer.callbacks.append(Crash(at=7))  # the last checkpoint is at batch 6, mid-epoch
@@ -82,12 +83,12 @@ def _bpe(folder: str, stdlib: str) -> dict:
     args = [*TINY, "--parallel", "ddp", "--tokenizer", "bpe", "--vocab_size", "300", "--stdlib", stdlib,
             "--data_cache", f"{folder}/cache", "--run_folder", f"{folder}/run", "--max_duration", "5120tok"]
     trainer = gpt.build_trainer(gpt.parse_args(args))[0]
-    first = dict(trainer.eval())
+    first = trainer.eval()["eval"]
     trainer.fit()
     model = trainer.state.model
     model = getattr(model, "module", model)
     text = "def f(x):\n    return x  # é\n"
-    return {"first": first, "last": dict(trainer.state.eval_metrics), "vocab": model.vocab_size,
+    return {"first": first, "last": values(trainer.state.eval_metrics)["eval"], "vocab": model.vocab_size,
             "round trip": model.codec.decode(model.codec.encode(text)) == text,
             "tokens": len(model.codec.encode(text)), "chars": len(text), "params": full_params(trainer)}
 

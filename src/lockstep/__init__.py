@@ -22,6 +22,8 @@ _LAZY = {
     "Callback": "lockstep.core.callback",
     "Event": "lockstep.core.event",
     "Algorithm": "lockstep.core.algorithm",
+    "Evaluator": "lockstep.core.evaluator",
+    "DataSpec": "lockstep.core.data_spec",
     "Logger": "lockstep.loggers.logger",
     "ensure_time": "lockstep.time",
     "Time": "lockstep.time",

@@ -27,7 +27,16 @@ class State:
     """The loss scaler of ``amp_fp16`` (None otherwise, and under DeepSpeed, which scales itself)."""
     timestamp: Timestamp = field(default_factory=Timestamp)
     batches_per_epoch: int | None = None
-    eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Composer's ``{label: {name: Metric}}``: each evaluator's metrics (torchmetrics objects;
+    ``compute()`` gives the last evaluation's value), with lockstep's ``'loss'`` among them."""
+    evaluators: list[Any] = field(default_factory=list)
+    """The run's :class:`lockstep.core.Evaluator` objects, as Composer's ``state.evaluators``."""
+    dataloader: Any = None
+    """The dataloader being iterated: the training one during ``fit``, an evaluator's during its evaluation."""
+    dataloader_label: str | None = None
+    """The label of ``dataloader``: ``train_dataloader_label`` during ``fit``, the evaluator's label
+    during its evaluation."""
     strategy: Any = None
     """The backend (:class:`lockstep.parallel.strategy.Strategy`): gradient clipping goes through it."""
     run_folder: str | None = None

@@ -203,7 +203,13 @@ def test_version_and_help() -> None:
         # --standalone: one node with a port lockstep picks; rank variables in the env do not apply
         (["--standalone", "-n", "2"], {"WORLD_SIZE": "8", "NODE_RANK": "3", "MASTER_PORT": "1234",
                                         "MASTER_ADDR": "10.1.1.1"},
-         {"world_size": 2, "node_rank": 0, "master_port": None, "master_addr": "127.0.0.1"}),
+         {"world_size": 2, "node_rank": 0, "master_port": None, "master_addr": "localhost"}),
+        # HOST:0: a free port the launcher picks (on one node), whatever MASTER_PORT says
+        (["--rdzv-endpoint", "localhost:0"], {"MASTER_PORT": "1234"},
+         {"master_addr": "localhost", "master_port": None}),
+        # per-local-rank maps, as torchrun's Std.from_str reads them
+        (["-n", "3", "--tee", "0:3,2:1", "-r", "1:2"], {},
+         {"tee": {0: Stream.BOTH, 2: Stream.STDOUT}, "redirects": {1: Stream.STDERR}}),
     ],
 )
 def test_torchrun_flags(script, argv, env, expected) -> None:
@@ -238,14 +244,19 @@ def test_torchrun_nproc_words(script) -> None:
         (["--monitor_interval", "nan"], {}, "expected seconds >= 0, got 'nan'"),
         (["--standalone", "--nnodes", "2", "--node-rank", "1"], {}, "--standalone runs one node"),
         (["--rdzv-backend", "etcd"], {}, "--rdzv-backend etcd: not supported"),
-        (["--rdzv-endpoint", "h:99999"], {}, "port 1-65535"),
+        (["--rdzv-endpoint", "h:99999"], {}, "port 0-65535"),
+        (["--rdzv-endpoint", "h:0", "--nnodes", "2", "--node-rank", "1"], {},
+         "--rdzv-endpoint h:0: port 0 picks a free port, which works on one node only"),
+        (["--log-dir", "a", "--run_directory", "b"], {}, "--log-dir a and --run_directory b name two folders"),
         (["--rdzv-endpoint", "a:1", "--master_addr", "b"], {}, "disagrees with --master_addr"),
         (["--rdzv-conf", "read_timeout=3"], {}, "--rdzv-conf 'read_timeout' is not supported"),
         (["--rdzv-conf", "join_timeout=inf"], {}, "join_timeout: expected seconds > 0"),
         (["--nproc-per-node", "xpu"], {}, "counts CUDA devices only"),
         (["--nproc-per-node", "gpu"], {"CUDA_VISIBLE_DEVICES": ""}, "no CUDA device is visible"),
         (["--nproc-per-node", "many"], {}, "one of auto, cpu, gpu, xpu"),
-        (["--tee", "0:1,1:2"], {}, "per-rank values like '0:1,1:2' are not supported"),
+        (["--tee", "0:1,1:2"], {}, "--tee 0:1,1:2: local ranks are 0..0"),
+        (["--redirects", "0:1,1"], {}, "or one per local rank like 0:3,1:1, got '0:1,1'"),
+        (["--tee", "0:4"], {}, "got '0:4'"),
         (["--tee", "5"], {}, "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
         (["--redirects", "x"], {}, "--redirects: expected 0 (none)"),
         (["--local-ranks-filter", "0"], {}, "add --tee 3"),

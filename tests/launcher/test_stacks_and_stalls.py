@@ -184,7 +184,7 @@ def test_sigusr_reaches_every_rank_and_the_job_goes_on_sighup_stops_it(tmp_path:
     _, err = proc.communicate(timeout=60)
     shown = console.read_text()
     assert proc.returncode == 128 + signal.SIGHUP, err
-    assert "[rank 0] rank 0 got SIGUSR1" in shown and "[rank 1] rank 1 got SIGUSR1" in shown, shown
+    assert "[default0]:rank 0 got SIGUSR1" in shown and "[default1]:rank 1 got SIGUSR1" in shown, shown
     assert "received SIGUSR2, passing it to every rank; the job goes on" in err
     assert "received SIGHUP, forwarding it to every rank" in err
     assert "done" not in shown

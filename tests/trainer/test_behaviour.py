@@ -156,8 +156,10 @@ def test_subsets_of_the_train_and_eval_dataloaders() -> None:
     assert trainer.state.batches_per_epoch == 3
     first_batch = Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model), progress_bar=False,
                           eval_dataloader=DataLoader(Subset(dataset(), range(4)), batch_size=4)).eval()
-    assert trainer.state.eval_metrics == first_batch
-    assert trainer.eval(subset_num_batches=-1) != first_batch  # every batch
+    # state.eval_metrics is Composer's {label: {name: Metric}}; eval() returns their values
+    assert {name: float(m.compute()) for name, m in trainer.state.eval_metrics["eval"].items()} == first_batch["eval"]
+    assert trainer.eval(subset_num_batches=-1) == first_batch  # Composer: -1 is the evaluator's subset
+    assert trainer.eval(subset_num_batches=7) != first_batch  # every batch
 
 
 def test_fit_with_a_duration_continues_the_epoch_and_lists_saved_checkpoints(tmp_path: Path) -> None:
@@ -223,7 +225,7 @@ def _eval_and_refusal():
     ds = dataset(7)  # 7 samples over 2 ranks: the sampler repeats one to pad
     eval_dl = DataLoader(ds, batch_size=3, sampler=dist.get_sampler(ds, shuffle=False))
     trainer = Trainer(model=model, eval_dataloader=eval_dl, progress_bar=False)
-    results = trainer.eval()
+    results = trainer.eval()["eval"]  # {label: {name: value}}
     try:
         Trainer(model=model, train_dataloader=DataLoader(ds, batch_size=2), max_duration="1ep",
                 optimizers=sgd(model))
@@ -238,7 +240,7 @@ def _eval_and_refusal():
 def test_eval_over_padded_sampler_equals_one_process_and_sampler_refusal() -> None:
     model = MLP()
     expected = Trainer(model=model, eval_dataloader=DataLoader(dataset(7), batch_size=7),
-                       progress_bar=False).eval()
+                       progress_bar=False).eval()["eval"]
     for results, refusal in run_distributed(_eval_and_refusal, world_size=2, timeout=150):
         assert results.keys() == {"loss", "accuracy"}
         assert results["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-7)

@@ -86,7 +86,8 @@ def evaluate(deepspeed_config: dict | None) -> dict[str, float]:
                       progress_bar=False, deepspeed_config=deepspeed_config,
                       eval_dataloader=DataLoader(eval_set, batch_size=4, sampler=dist.get_sampler(eval_set, shuffle=True)))
     trainer.fit()
-    return trainer.state.eval_metrics
+    from lockstep.core.eval_metrics import values
+    return values(trainer.state.eval_metrics)["eval"]
 
 
 def _zero3_eval() -> dict[str, float]:
@@ -197,6 +198,12 @@ def test_precision_fills_the_half_sections(precision, sections) -> None:
     ({}, {"batch_size": 10, "microbatch_size": 4}, r"batch_size \(10\) must be a multiple of the microbatch size"),
     ({"fp16": True}, {}, "must be a dict such as"),
     ({"zero_optimisation": {"stage": 2}}, {}, r"unknown key\(s\) 'zero_optimisation'.*did you mean 'zero_optimization'"),
+    ({"zero_optimization": {"stage": 7}}, {}, r"\['zero_optimization'\]\['stage'\]=7: ZeRO's stages are 0 \(plain "
+                                               r"data parallel\), 1 \(optimizer state sharded\), 2 \(and gradients\) "
+                                               r"and 3 \(and parameters\)$"),
+    ({"zero_optimization": {"stage": "three"}}, {}, r"\['stage'\]='three': ZeRO's stages are 0"),
+    ({"zero_optimization": {"stage": -1}}, {}, r"\['stage'\]=-1: ZeRO's stages"),
+    ({"zero_optimization": 2}, {}, r"\['zero_optimization'\] must be a dict such as \{'stage': 2\}, got 2"),
 ])
 def test_config_conflicts_name_both_sides(config, kwargs, message) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
@@ -219,7 +226,17 @@ def test_config_errors_come_before_any_process_group() -> None:
     with pytest.raises(ValueError, match="conflicts with the global batch 4"):
         Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model),
                 deepspeed_config={"train_batch_size": 8})
+    with pytest.raises(ValueError, match=r"\['stage'\]=7: ZeRO's stages are 0") as info:
+        Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model),
+                deepspeed_config={"zero_optimization": {"stage": 7}})
+    assert "\n" not in str(info.value)  # one line, not DeepSpeed's validation dump
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "2", 2.0, True])
+def test_zero_stages_deepspeed_takes_are_kept(stage) -> None:
+    assert _fill({"zero_optimization": {"stage": stage}})["zero_optimization"] == {"stage": stage}
+    assert _fill({"zero_optimization": True})["zero_optimization"] is True  # DeepSpeed's old stage-1 switch
 
 
 def test_missing_deepspeed_says_how_to_install(monkeypatch) -> None:

@@ -4,8 +4,10 @@ The base class and the events are :class:`lockstep.core.Callback` and :class:`lo
 (whose docstring shows where each event fires); this package holds the built-in callbacks.
 """
 
+from lockstep.callbacks.checkpoint_saver import CheckpointSaver
 from lockstep.callbacks.early_stopper import EarlyStopper
 from lockstep.callbacks.free_outputs import FreeOutputs
+from lockstep.callbacks.load_checkpoint import LoadCheckpoint
 from lockstep.callbacks.memory_snapshot import MemorySnapshot
 from lockstep.callbacks.monitors import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
 from lockstep.callbacks.nan_monitor import NaNMonitor
@@ -16,6 +18,7 @@ from lockstep.callbacks.threshold_stopper import ThresholdStopper
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
 
-__all__ = ["Callback", "EarlyStopper", "Event", "FreeOutputs", "LRMonitor", "MemoryMonitor", "MemorySnapshot",
+__all__ = ["Callback", "CheckpointSaver", "EarlyStopper", "Event", "FreeOutputs", "LRMonitor", "LoadCheckpoint",
+           "MemoryMonitor", "MemorySnapshot",
            "NaNMonitor", "OOMObserver", "OptimizerMonitor", "RuntimeEstimator", "SpeedMonitor",
            "SystemMetricsMonitor", "ThresholdStopper"]

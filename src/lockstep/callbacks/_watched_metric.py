@@ -1,9 +1,8 @@
 """What the stopping callbacks share: reading the watched metric, and the comparison to apply to it.
 
-lockstep keeps evaluation results in ``state.eval_metrics`` as ``{name: value}`` for its one eval
-dataloader, labelled ``'eval'``; Composer's form ``{label: {name: Metric}}`` is read too. The
-training side (label ``'train'``) is the training loss, ``'loss'``, averaged over the ranks so that
-every rank takes the same decision.
+Evaluation results are in ``state.eval_metrics`` as Composer keeps them, ``{label: {name: Metric}}``
+(each evaluator's metrics and lockstep's ``'loss'``). The training side (label ``'train'``) is the
+training loss, ``'loss'``, averaged over the ranks so that every rank takes the same decision.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ def comparison(comp: str | Comparison | None, monitor: str, owner: str) -> Compa
 
 def evaluated_label(state: State) -> str:
     """The label of the dataloader whose evaluation just ended (at EVAL_END)."""
-    # lockstep's State has no dataloader_label yet: its one eval dataloader is 'eval'
     return getattr(state, "dataloader_label", None) or "eval"
 
 
@@ -52,11 +50,7 @@ def watched_value(state: State, monitor: str, dataloader_label: str, owner: str)
     """The current value of ``monitor`` for ``dataloader_label``, as a tensor (the same on every rank)."""
     if dataloader_label == "train":
         return _train_value(state, monitor, owner)
-    metrics: Any = state.eval_metrics
-    if metrics and all(isinstance(v, dict) for v in metrics.values()):  # Composer's {label: {name: metric}}
-        metrics = metrics.get(dataloader_label, {})
-    elif dataloader_label != "eval":
-        metrics = {}
+    metrics: Any = state.eval_metrics.get(dataloader_label, {})
     if monitor not in metrics:
         known = ", ".join(sorted(map(str, metrics))) or "none yet"
         raise ValueError(f"{owner}: no metric {monitor!r} for dataloader_label {dataloader_label!r} (there: {known}); "

@@ -15,6 +15,7 @@ import torch
 
 from lockstep import dist
 from lockstep.core.callback import Callback
+from lockstep.core.eval_metrics import value_of
 from lockstep.time import TIMESTAMP_FIELDS, Timestamp, fraction_done
 from lockstep.state import State
 
@@ -142,14 +143,22 @@ class _Buffered(Callback):
         self._flush()
 
 
-def eval_metric_names(results: dict[str, float]) -> dict[str, float]:
-    """The model's eval metrics under Composer's names, ``metrics/eval/<Name>``."""
-    return {f"metrics/eval/{name}": value for name, value in results.items() if name != "loss"}
+def evaluated(state: State) -> tuple[str, dict[str, float]]:
+    """At EVAL_END: the label of the evaluator that just ran, and its metrics' values."""
+    label = state.dataloader_label or "eval"
+    return label, {name: value_of(m) for name, m in state.eval_metrics.get(label, {}).items()}
+
+
+def eval_metric_names(label: str, results: dict[str, float]) -> dict[str, float]:
+    """An evaluator's metrics under Composer's names, ``metrics/<label>/<Name>`` (lockstep's eval
+    ``loss`` is not one of the model's metrics)."""
+    return {f"metrics/{label}/{name}": value for name, value in results.items() if name != "loss"}
 
 
 def format_metrics(state: State) -> str:
-    parts = [f"{name} {value:.4f}" for name, value in state.eval_metrics.items()]
-    return f"eval at ep {state.timestamp.epoch.value} ba {state.timestamp.batch.value}: " + ", ".join(parts)
+    label, results = evaluated(state)
+    parts = [f"{name} {value:.4f}" for name, value in results.items()]
+    return f"{label} at ep {state.timestamp.epoch.value} ba {state.timestamp.batch.value}: " + ", ".join(parts)
 
 
 class RankLog(_Buffered):
@@ -243,8 +252,9 @@ class MetricsJSONL(_Buffered):
     def eval_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:
             self._flush()
-            self._emit({"kind": "eval", "run_name": state.run_name, **_count_dict(state.timestamp),
-                        **state.eval_metrics, **eval_metric_names(state.eval_metrics)})
+            label, results = evaluated(state)
+            self._emit({"kind": "eval", "label": label, "run_name": state.run_name, **_count_dict(state.timestamp),
+                        **results, **eval_metric_names(label, results)})
             self._file.flush()
 
     def fit_end(self, state: State, logger: Logger) -> None:
@@ -283,7 +293,7 @@ class LossCurve(Callback):
         self.path = Path(folder) / "loss_curve.png"
         self._train: list[tuple[int, float]] = []
         self._pending = _Pending()  # losses still as tensors, read 1000 at a time
-        self._eval: list[tuple[int, dict[str, float]]] = []
+        self._eval: list[tuple[int, str, dict[str, float]]] = []
         self._rank_zero = False
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -295,7 +305,8 @@ class LossCurve(Callback):
                 self._train += self._pending.drain()
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        self._eval.append((state.timestamp.batch.value, dict(state.eval_metrics)))
+        label, results = evaluated(state)
+        self._eval.append((state.timestamp.batch.value, label, results))
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self._train += self._pending.drain()
@@ -308,9 +319,10 @@ class LossCurve(Callback):
 
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         ax.plot(*zip(*self._train), label="train loss", linewidth=1)
-        eval_losses = [(b, m["loss"]) for b, m in self._eval if "loss" in m]
-        if eval_losses:
-            ax.plot(*zip(*eval_losses), "o-", label="eval loss")
+        for label in dict.fromkeys(label for _, label, _ in self._eval):
+            losses = [(b, m["loss"]) for b, name, m in self._eval if name == label and "loss" in m]
+            if losses:
+                ax.plot(*zip(*losses), "o-", label=f"{label} loss")
         ax.set_xlabel("batch")
         ax.set_ylabel("loss")
         ax.set_title(f"{state.run_name}")

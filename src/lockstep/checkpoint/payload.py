@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep.checkpoint.files import CheckpointError
+from lockstep.core import eval_metrics
 from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, Layout
 from lockstep.time import Timestamp
 
@@ -45,7 +46,7 @@ def build(state: State, ranks: list[dict[str, Any]], history: list[str],
     """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position;
     ``model`` and ``optimizers`` come from ``layout.gather()``. With ``metrics``, also the
     metrics of the last evaluation (``save_metrics``)."""
-    extra = {"metrics": {k: float(v) for k, v in state.eval_metrics.items()}} if metrics else {}
+    extra = {"metrics": eval_metrics.values(state.eval_metrics)} if metrics else {}
     return {**extra,
         "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
                      "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
@@ -112,7 +113,7 @@ def apply(payload: dict[str, Any], state: State, path: Path, rank: int, world_si
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     if "metrics" in payload:
-        state.eval_metrics = dict(payload["metrics"])
+        eval_metrics.restore_values(state.eval_metrics, payload["metrics"])
     ranks = payload["ranks"]
     return ranks[rank] if len(ranks) == world_size else None
 

@@ -1,4 +1,5 @@
-"""``lockstep`` command line: argv + env -> LaunchPlan. Pure: no processes, no sockets, no torch."""
+"""``lockstep`` command line: argv + env -> LaunchPlan. Pure: no processes, no sockets, no torch (only SLURM's
+master host name goes through the system resolver)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import argparse
 import datetime
 import math
 import os
+import secrets
 import sys
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from lockstep import __version__
-from lockstep.launcher import inputs, limits, torchrun
+from lockstep.launcher import inputs, limits, slurm, torchrun
 from lockstep.launcher.plan import (
+    DEFAULT_LINE_PREFIX,
     DEFAULT_RDZV_TIMEOUT,
     FORMAT_FIELDS,
     LaunchError,
@@ -97,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "first (env LOCKSTEP_STALL_TIMEOUT). Default: 0, off.")
     p.add_argument("-t", "--tee", type=torchrun.stream_value, default=Stream.NONE,
                    help="Also show every rank's stdout (1), stderr (2) or both (3) on the console, "
-                        "each line prefixed [rank N], while its log files are still written. Default: 0.")
+                        "each line prefixed [default<local rank>]: as under torchrun (env "
+                        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE changes it), while its log files are still "
+                        "written; or one value per local rank, e.g. 0:3,1:1. Default: 0.")
     p.add_argument("training_script", help="Script (or module with -m, command with -c) to run.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER,
                    help="Arguments passed on to the training script.")
@@ -180,19 +186,24 @@ def _nproc(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return _from_env(env, "LOCAL_WORLD_SIZE", _positive_int, "-n") or max(1, cuda_devices)
 
 
-def _world(args: argparse.Namespace, env: Mapping[str, str], nproc: int) -> tuple[int, int | None]:
-    """(world_size, nnodes); torchrun's --nnodes N means world_size = N x nproc."""
+def _world(args: argparse.Namespace, env: Mapping[str, str], nproc: int, notes: list[str]) -> tuple[int, int | None]:
+    """(world_size, nnodes); torchrun's --nnodes N means world_size = N x nproc; else SLURM's nodes."""
     text = getattr(args, "nnodes", None)
     nnodes = torchrun.parse_nnodes(text) if text is not None else None
     if nnodes is None:
-        return args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size") or nproc, None
+        world_size = args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size")
+        if world_size is None and (step := slurm.step(env)) is not None:
+            notes.append(f"SLURM: {step.nnodes} node(s) x {nproc} ranks")
+            return step.nnodes * nproc, step.nnodes
+        return world_size or nproc, None
     if args.world_size is not None and args.world_size != nnodes * nproc:
         raise LaunchError(f"--world_size {args.world_size} is not --nnodes {nnodes} x nproc {nproc}: "
                           f"pass only one of them")
     return nnodes * nproc, nnodes
 
 
-def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_size: int) -> tuple[int, int]:
+def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_size: int,
+          notes: list[str]) -> tuple[int, int]:
     """(base_rank, node_rank) from flags, else env, checked against the world."""
     base_rank = args.base_rank
     if base_rank is None:
@@ -200,6 +211,9 @@ def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_si
     node_rank = args.node_rank
     if node_rank is None:
         node_rank = _from_env(env, "NODE_RANK", _non_negative_int, "--node_rank")
+    if base_rank is None and node_rank is None and world_size > nproc and (step := slurm.step(env)) is not None:
+        node_rank = step.node_rank
+        notes.append(f"SLURM: this is node {node_rank} (SLURM_NODEID)")
     if base_rank is None and node_rank is None and world_size > nproc and _torchrun_style(args):
         raise torchrun.missing_node_rank(args, math.ceil(world_size / nproc))
     return _resolve_ranks(nproc, world_size, base_rank, node_rank)
@@ -209,17 +223,30 @@ def _torchrun_style(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) is not None for name in ("nnodes", "rdzv_backend", "rdzv_endpoint"))
 
 
-def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool) -> tuple[str | None, int | None]:
+def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool,
+            notes: list[str]) -> tuple[str | None, int | None]:
     addr, port = args.master_addr, args.master_port
     endpoint = getattr(args, "rdzv_endpoint", None)
+    free_port = False  # --rdzv-endpoint HOST:0, which no variable overrides
     if endpoint is not None:
         host, endpoint_port = torchrun.parse_endpoint(endpoint)
-        if addr not in (None, host) or port not in (None, endpoint_port):
+        if addr not in (None, host) or port not in (None, endpoint_port or None):
             raise LaunchError(f"--rdzv-endpoint {endpoint} disagrees with --master_addr/--master_port: "
                               f"pass only one of them")
-        addr, port = host, endpoint_port
+        if endpoint_port == 0 and multinode:
+            raise LaunchError(f"--rdzv-endpoint {endpoint}: port 0 picks a free port, which works on one node "
+                              f"only; give every node the same port, e.g. {host}:29400")
+        addr, port, free_port = host, endpoint_port or None, endpoint_port == 0
     addr = addr or env.get("MASTER_ADDR") or None
-    port = port or _from_env(env, "MASTER_PORT", _port, "--master_port")
+    if not free_port:
+        port = port or _from_env(env, "MASTER_PORT", _port, "--master_port")
+    if multinode and (step := slurm.step(env)) is not None:
+        if addr is None:
+            addr = slurm.resolve(step.master_host, f"the first host of {step.hostlist_name}")
+            notes.append(f"SLURM: master {step.master_host} ({addr}), the first host of {step.hostlist_name}")
+        if port is None:
+            port = step.master_port
+            notes.append(f"SLURM: master port {port}, from SLURM_JOB_ID")
     if multinode and addr is None:
         raise LaunchError("multi-node run needs --master_addr (or env MASTER_ADDR): the address of the node with rank 0")
     if multinode and port is None:
@@ -231,8 +258,27 @@ def _standalone(args: argparse.Namespace, nproc: int, world_size: int) -> None:
     if world_size > nproc or (args.node_rank or 0) or (args.base_rank or 0):
         raise LaunchError(f"--standalone runs one node, but world_size {world_size} > nproc {nproc} or a "
                           f"node/base rank was given: drop --standalone for a multi-node run")
-    # As torchrun does, --standalone picks the store's address and port itself.
-    args.master_addr = args.master_port = args.rdzv_endpoint = None
+    # As torchrun does, --standalone picks the store's port itself, on localhost; and without
+    # --rdzv-id, a fresh run id.
+    args.master_addr, args.master_port, args.rdzv_endpoint = "localhost", None, None
+    if getattr(args, "rdzv_id", None) is None:
+        args.rdzv_id = str(uuid.uuid4())
+
+
+def _run_directory(args: argparse.Namespace, stamp: str) -> tuple[Path, Path | None]:
+    """The run directory, and torchrun's --log-dir when given (the same folder)."""
+    log_dir = getattr(args, "log_dir", None)
+    if log_dir is not None and args.run_directory is not None and Path(log_dir) != Path(args.run_directory):
+        raise LaunchError(f"--log-dir {log_dir} and --run_directory {args.run_directory} name two folders: "
+                          f"pass only one of them")
+    folder = args.run_directory or log_dir
+    return Path(folder or Path("runs") / stamp), Path(log_dir) if log_dir is not None else None
+
+
+def _token() -> str:
+    """8 random characters, as those of the folder torchrun makes for a run's logs (mkdtemp's)."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789_"
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def _rdzv_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
@@ -261,11 +307,12 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     if standalone:
         env = torchrun.standalone_env(env)
     nproc = _nproc(args, env)
-    world_size, nnodes = _world(args, env, nproc)
+    notes: list[str] = []
+    world_size, nnodes = _world(args, env, nproc, notes)
     if standalone:
         _standalone(args, nproc, world_size)
-    base_rank, node_rank = _node(args, env, nproc, world_size)
-    master_addr, master_port = _master(args, env, world_size > nproc)
+    base_rank, node_rank = _node(args, env, nproc, world_size, notes)
+    master_addr, master_port = _master(args, env, world_size > nproc, notes)
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = _from_env(env, "LOCKSTEP_MAX_RESTARTS", _non_negative_int, "--max_restarts") or 0
@@ -276,18 +323,24 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     inputs.check_target(mode, args.training_script)
 
     stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%dT%H-%M-%S-%f")
+    run_directory, torchrun_logs = _run_directory(args, stamp)
+    run_id = getattr(args, "rdzv_id", None)
+    tee, redirects = args.tee, getattr(args, "redirects", Stream.NONE)
+    torchrun.check_stream_map("--tee", tee, nproc)
+    torchrun.check_stream_map("--redirects", redirects, nproc)
     plan = LaunchPlan(
         nproc=nproc, world_size=world_size, base_rank=base_rank, node_rank=node_rank,
         master_addr=master_addr or "127.0.0.1", master_port=master_port,
-        run_directory=Path(args.run_directory or Path("runs") / stamp),
+        run_directory=run_directory,
         stdout_format=args.stdout, stderr_format=args.stderr,
         mode=mode, target=args.training_script, target_args=tuple(args.training_script_args),
         verbose=args.verbose, max_restarts=max_restarts, grace_period=args.grace_period,
-        rdzv_timeout=_rdzv_timeout(args, env), tee=args.tee,
-        redirects=getattr(args, "redirects", Stream.NONE),
+        rdzv_timeout=_rdzv_timeout(args, env), tee=tee, redirects=redirects,
         tee_ranks=torchrun.parse_local_ranks(getattr(args, "local_ranks_filter", None), nproc),
-        run_id=getattr(args, "rdzv_id", None), nnodes=nnodes, role=getattr(args, "role", "default"),
-        stall_timeout=_stall_timeout(args, env),
+        run_id=run_id, nnodes=nnodes, role=getattr(args, "role", "default"),
+        line_prefix=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_LINE_PREFIX,
+        torchrun_logs=torchrun_logs and torchrun_logs / f"{run_id or run_directory.name}_{_token()}",
+        stall_timeout=_stall_timeout(args, env), notes=tuple(notes),
     )
     limits.check_open_files(plan)  # first: the paths' check goes through every rank
     inputs.check_paths(plan)
@@ -301,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as e:
         print(f"lockstep: error: {e}", file=sys.stderr)
         return 2
+    if plan.verbose:
+        for note in plan.notes:
+            print(f"lockstep: {note}", file=sys.stderr, flush=True)
     from lockstep.launcher.supervisor import Supervisor
 
     return Supervisor(plan).run()

@@ -22,6 +22,9 @@ every restart) and every launcher talks to it under ``lockstep/attempt{N}/``:
   new port (torch's env:// rendezvous keeps no per-attempt prefix, so the old keys would mislead
   them); attempt 0's ranks use the store on ``--master_port`` itself.
 
+Every store call has a deadline (:class:`~lockstep.launcher.store.StoreClient`); while one is out,
+the launcher's main thread does its other work through the ``meanwhile`` hook the supervisor sets.
+
 Deciding waits until every other node has reported, left, finished or is lost, then picks the
 earliest failure: the rank that failed first, not a victim whose collective broke because of it.
 On a stall, every node first prints its own ranks' stacks and records what it found: a rank that
@@ -32,16 +35,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+from lockstep.launcher.store import CALL_S, Meanwhile, Stopped, StoreClient, StoreLost, idle, tcp_store
+
+__all__ = ["CALL_S", "Failure", "JobChannel", "Stopped", "StoreClient", "StoreLost", "root_cause", "tcp_store"]
 
 BEAT_S = 0.25
 LOST_AFTER_S = 3.0
@@ -65,32 +67,6 @@ STOPPED = "stopped"
 WAITING = "waiting"
 """A stall: the rank waits in a collective, and its node found no rank stopped outside one."""
 STALLS = (STOPPED, WAITING)
-
-
-class StoreLost(RuntimeError):
-    """The store (the master's launcher) stopped answering."""
-
-
-_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
-
-
-def tcp_store() -> type[TCPStore]:
-    """torch's TCPStore class, for the launcher's own use.
-
-    The launcher reports a store that fails in one line (StoreLost); c10d would first log each
-    failed call as a C++ warning with a backtrace, from every thread that had one in flight. c10
-    reads TORCH_CPP_LOG_LEVEL once, when torch loads: unless the user set it, the launcher loads
-    torch with ERROR and removes the variable again, so that the ranks it starts later keep theirs.
-    """
-    if "torch" not in sys.modules and _CPP_LOG_LEVEL not in os.environ:
-        os.environ[_CPP_LOG_LEVEL] = "ERROR"
-        try:
-            import torch.distributed  # noqa: F401
-        finally:
-            del os.environ[_CPP_LOG_LEVEL]
-    from torch.distributed import TCPStore as store_class
-
-    return store_class
 
 
 @dataclass
@@ -123,8 +99,10 @@ def root_cause(failures: list[Failure]) -> Failure:
 class JobChannel:
     """This launcher's side of the agreement."""
 
-    def __init__(self, store: Any, beat_store: Any, node: int, nnodes: int) -> None:
+    def __init__(self, store: StoreClient, beat_store: StoreClient, node: int, nnodes: int) -> None:
         self._store, self._beat_store = store, beat_store
+        self.meanwhile: Meanwhile = idle
+        """What the main thread does while it waits for the store (the supervisor sets it)."""
         self.node, self.nnodes = node, nnodes
         self.host = socket.gethostname()
         self._prefix = "lockstep/attempt0/"
@@ -132,7 +110,7 @@ class JobChannel:
         self._last_alive: dict[int, float] = {}
         """Wall-clock time each node was last seen beating: a lost node failed then, before the
         ranks that broke because of it."""
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # each beat thread has its own
         self._beater: threading.Thread | None = None
 
     @classmethod
@@ -140,9 +118,16 @@ class JobChannel:
         """Clients of the store at host:port (``server``: the store object this launcher hosts)."""
         store_class = tcp_store()
 
-        timeout = datetime.timedelta(seconds=10)
-        store = server or store_class(host, port, None, False, timeout)
-        return cls(store, store_class(host, port, None, False, timeout), node, nnodes)
+        def client() -> Any:
+            return store_class(host, port, None, False, datetime.timedelta(seconds=CALL_S))
+
+        where = f"{host}:{port}"
+        return cls(StoreClient((lambda: server) if server is not None else client, where),
+                   StoreClient(client, where), node, nnodes)
+
+    def last_answer(self) -> float:
+        """Wall-clock time the store last answered this launcher."""
+        return max(self._store.last_answer, self._beat_store.last_answer)
 
     # -- attempts -----------------------------------------------------------------------------
 
@@ -152,33 +137,34 @@ class JobChannel:
         self._prefix = f"lockstep/attempt{attempt}/"
         self._seen.clear()
         self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
-        self._call(self._store.set, self._key(f"joined{self.node}"), "1")
-        self._call(self._store.set, self._key(f"stage{self.node}"), str(_RUNNING))
-        self._call(self._store.add, self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
-        self._call(self._store.add, self._key("joined"), 1)
+        self._call("set", self._key(f"joined{self.node}"), "1")
+        self._call("set", self._key(f"stage{self.node}"), str(_RUNNING))
+        self._call("add", self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
+        self._call("add", self._key("joined"), 1)
         deadline = time.monotonic() + timeout
-        while self._call(self._store.add, self._key("joined"), 0) < self.nnodes:
+        while self._call("add", self._key("joined"), 0) < self.nnodes:
             if time.monotonic() > deadline:
-                return [n for n in range(self.nnodes) if not self._call(self._store.check, [self._key(f"joined{n}")])]
-            time.sleep(BEAT_S)
-        self._beater = threading.Thread(target=self._beat, name="lockstep-beat", daemon=True)
+                return [n for n in range(self.nnodes) if not self._call("check", [self._key(f"joined{n}")])]
+            self._pause(BEAT_S)
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, args=(self._stop,), name="lockstep-beat", daemon=True)
         self._beater.start()
         return []
 
-    def _beat(self) -> None:
+    def _beat(self, stop: threading.Event) -> None:
         key = self._key(f"alive{self.node}")
-        while not self._stop.is_set():
+        while not stop.is_set():
             try:
-                self._beat_store.add(key, 1)
-            except Exception:  # noqa: BLE001 - the store is gone: the main thread will see it too
+                self._beat_store.call("add", key, 1)
+            except StoreLost:  # the main thread will see it too
                 return
-            self._stop.wait(BEAT_S)
+            stop.wait(BEAT_S)
 
     def _stop_beating(self) -> None:
         if self._beater is not None:
+            # Not joined: a beat blocked by a partition may take until its deadline. The thread
+            # stops at its next look at its own event, and it only ever beats its own attempt's key.
             self._stop.set()
-            self._beater.join()
-            self._stop.clear()
             self._beater = None
 
     def close(self) -> None:
@@ -186,28 +172,28 @@ class JobChannel:
 
     def publish_port(self, attempt: int, port: int) -> None:
         """The master's: where the ranks of ``attempt`` find their store (before :meth:`begin`)."""
-        self._call(self._store.set, f"lockstep/attempt{attempt}/port", str(port))
+        self._call("set", f"lockstep/attempt{attempt}/port", str(port))
 
     def port(self, attempt: int) -> int:
         """The ranks' store port of ``attempt`` (after :meth:`begin`: the master set it before joining)."""
-        return int(self._call(self._store.get, f"lockstep/attempt{attempt}/port"))
+        return int(self._call("get", f"lockstep/attempt{attempt}/port"))
 
     # -- failures -----------------------------------------------------------------------------
 
     def report(self, failure: Failure) -> None:
-        self._call(self._store.append, self._key("failures"), failure.to_json() + "\n")
-        self._call(self._store.add, self._key("failed"), 1)
+        self._call("append", self._key("failures"), failure.to_json() + "\n")
+        self._call("add", self._key("failed"), 1)
 
     def done_reporting(self) -> None:
         """This node has recorded every failure it will: deciders need not wait for it."""
-        self._call(self._store.set, self._key(f"stage{self.node}"), str(_REPORTED))
+        self._call("set", self._key(f"stage{self.node}"), str(_REPORTED))
 
     def leave(self) -> None:
         """This node is done with the store (it will not restart)."""
-        self._call(self._store.set, self._key(f"stage{self.node}"), str(_LEFT))
+        self._call("set", self._key(f"stage{self.node}"), str(_LEFT))
 
     def any_failed(self) -> bool:
-        return self._call(self._store.add, self._key("failed"), 0) > 0
+        return self._call("add", self._key("failed"), 0) > 0
 
     def stall_reported(self) -> bool:
         """Whether a node recorded a stall."""
@@ -216,7 +202,7 @@ class JobChannel:
     def _counts(self) -> tuple[list[int], list[int]]:
         """Every node's ``alive`` counter and stage, in one round trip (each exists once all joined)."""
         keys = [self._key(f"{name}{n}") for name in ("alive", "stage") for n in range(self.nnodes)]
-        values = [int(v) for v in self._call(self._store.multi_get, keys)]
+        values = [int(v) for v in self._call("multi_get", keys)]
         return values[:self.nnodes], values[self.nnodes:]
 
     def lost_nodes(self, counts: tuple[list[int], list[int]] | None = None) -> list[Failure]:
@@ -250,7 +236,7 @@ class JobChannel:
         verdict = self._verdict()
         if verdict is None:
             first = root_cause(self._failures() + lost)
-            verdict = Failure.from_json(self._call(self._store.compare_set, self._key("verdict"), "",
+            verdict = Failure.from_json(self._call("compare_set", self._key("verdict"), "",
                                                    first.to_json()).decode())
         return verdict
 
@@ -261,7 +247,7 @@ class JobChannel:
         pending = {n: (alive[n], start) for n in range(self.nnodes) if n != self.node}  # last beat seen
         lost: list[Failure] = []
         while pending and self._verdict() is None:
-            time.sleep(BEAT_S)
+            self._pause(BEAT_S)
             now = time.monotonic()
             alive, stage = self._counts()
             for n, (count, since) in list(pending.items()):
@@ -276,20 +262,20 @@ class JobChannel:
         return lost
 
     def _verdict(self) -> Failure | None:
-        if self._call(self._store.check, [self._key("verdict")]):
-            return Failure.from_json(self._call(self._store.get, self._key("verdict")).decode())
+        if self._call("check", [self._key("verdict")]):
+            return Failure.from_json(self._call("get", self._key("verdict")).decode())
         return None
 
     def _failures(self) -> list[Failure]:
-        if not self._call(self._store.check, [self._key("failures")]):
+        if not self._call("check", [self._key("failures")]):
             return []
-        text = self._call(self._store.get, self._key("failures")).decode()
+        text = self._call("get", self._key("failures")).decode()
         return [Failure.from_json(line) for line in text.splitlines() if line.strip()]
 
     # -- success ------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        self._call(self._store.add, self._key(f"alive{self.node}"), DONE)
+        self._call("add", self._key(f"alive{self.node}"), DONE)
 
     def all_done(self) -> bool:
         return all(count >= DONE for count in self._counts()[0])
@@ -297,9 +283,11 @@ class JobChannel:
     def _key(self, name: str) -> str:
         return self._prefix + name
 
-    @staticmethod
-    def _call(method: Any, *args: Any) -> Any:
-        try:
-            return method(*args)
-        except Exception as e:  # noqa: BLE001 - torch raises several kinds for a lost connection
-            raise StoreLost(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    def _call(self, name: str, *args: Any) -> Any:
+        return self._store.call(name, *args, meanwhile=self.meanwhile)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait between polls of the store, doing the main thread's other work meanwhile."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            self.meanwhile(remaining)

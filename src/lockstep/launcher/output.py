@@ -3,7 +3,7 @@
 A stream that is not teed is handed to the rank as a file descriptor (the console's or a log
 file's), so the launcher never copies it. A teed stream goes through a pipe that the supervisor
 drains with :class:`LinePump`, which appends the bytes to the rank's log file as they come and
-writes each complete line to the launcher's console behind a ``[rank N]`` prefix.
+writes each complete line to the launcher's console behind torchrun's prefix (``[default0]:``).
 
 On several nodes, local rank 0's console streams also go through a pipe, drained by
 :class:`ConsolePump`: it passes the bytes to the console unchanged and keeps the last ones, so
@@ -14,6 +14,7 @@ is left alone: behind a pipe, the rank would stop writing colours and redrawing 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -39,15 +40,23 @@ class RankLogs:
             f.close()
 
 
-def prepare_run_directory(plan: LaunchPlan) -> None:
-    """Create the run directory and remove error files an earlier attempt left there."""
+def prepare_run_directory(plan: LaunchPlan, attempt: int = 0) -> list[RankSpec]:
+    """Create the run directory (with --log-dir, torchrun's folders of this attempt, emptied as
+    torchrun does), remove error files an earlier attempt left, and return the attempt's ranks."""
+    specs = plan.rank_specs(attempt)
     try:
         plan.run_directory.mkdir(parents=True, exist_ok=True)
-        for spec in plan.ranks:
+        if plan.torchrun_logs is not None:
+            attempt_dir = plan.torchrun_logs / f"attempt_{attempt}"
+            shutil.rmtree(attempt_dir, ignore_errors=True)
+            for spec in specs:
+                spec.error_file.parent.mkdir(parents=True)
+        for spec in specs:
             spec.error_file.unlink(missing_ok=True)
     except OSError as e:
         raise LaunchError(f"--run_directory {str(plan.run_directory)!r} cannot be used "
                           f"({e.strerror}): pass a folder you can write to") from None
+    return specs
 
 
 def open_logs(spec: RankSpec) -> RankLogs:
@@ -68,7 +77,25 @@ def open_logs(spec: RankSpec) -> RankLogs:
                 raise LaunchError(f"{flag}: cannot write rank {spec.rank}'s log {str(path)!r} "
                                   f"({e.strerror}): pass a writable path") from None
         opened.append(files[path])
+    try:
+        for name, target in spec.links:
+            _link(name, target)
+    except OSError as e:
+        for f in files.values():
+            f.close()
+        raise LaunchError(f"cannot name rank {spec.rank}'s log {str(name)!r} ({e.strerror}): "
+                          f"pass writable --stdout/--stderr paths") from None
     return RankLogs(*opened)
+
+
+def _link(name: Path, target: Path) -> None:
+    """``name`` becomes another name of ``target`` (a hard link; across file systems a symbolic one)."""
+    name.parent.mkdir(parents=True, exist_ok=True)
+    name.unlink(missing_ok=True)
+    try:
+        os.link(target, name)
+    except OSError:
+        os.symlink(os.path.abspath(target), name)
 
 
 def console_streams(spec: RankSpec) -> Stream:
@@ -198,7 +225,7 @@ def start_pumps(spec: RankSpec, logs: RankLogs, stdout: IO[bytes] | None,
                 stderr: IO[bytes] | None) -> list[Pump]:
     """Pumps for the piped streams of a just started rank (Popen's stdout/stderr pipes): a teed
     stream has a log file, a kept one (:func:`kept_streams`) has none."""
-    prefix = f"[rank {spec.rank}] ".encode()
+    prefix = spec.prefix.encode()
     pumps: list[Pump] = []
     for stream, pipe, log, console in ((Stream.STDOUT, stdout, logs.stdout, sys.stdout.buffer),
                                        (Stream.STDERR, stderr, logs.stderr, sys.stderr.buffer)):

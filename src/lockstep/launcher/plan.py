@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import os
+import string
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum, IntFlag
 from pathlib import Path
@@ -17,6 +19,11 @@ DEFAULT_STDOUT = "rank{rank}.stdout.log"
 DEFAULT_STDERR = "rank{rank}.stderr.log"
 ERROR_FILE = "rank{rank}.error.json"
 DEFAULT_RDZV_TIMEOUT = 300.0
+DEFAULT_LINE_PREFIX = "[${role_name}${local_rank}]:"
+"""torchrun's prefix of a teed line (no space after it); TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
+replaces it, with ${role_name}, ${rank} and ${local_rank}."""
+# torchrun sets it in its ranks' environment: the signals its agent handles (lockstep's too).
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 class LaunchError(ValueError):
@@ -51,6 +58,19 @@ class RankSpec:
     """Where torch's ``@record`` writes the rank's exception (TORCHELASTIC_ERROR_FILE)."""
     tee: Stream = Stream.NONE
     """Streams that go to their file and, each line prefixed with the rank, to the console."""
+    prefix: str = ""
+    """What each teed line starts with on the console, ``[default0]:`` as under torchrun."""
+    links: tuple[tuple[Path, Path], ...] = ()
+    """(name, file): with --log-dir, lockstep's names of the files torchrun's layout holds."""
+
+
+PerRank = Stream | Mapping[int, Stream]
+"""One value for every local rank, or torchrun's per-local-rank map (``0:3,1:1``; others: none)."""
+
+
+def for_rank(value: PerRank, local_rank: int) -> Stream:
+    """The streams ``value`` names for ``local_rank``."""
+    return value if isinstance(value, Stream) else value.get(local_rank, Stream.NONE)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,8 +95,8 @@ class LaunchPlan:
     grace_period: float = 5.0
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     """Seconds a node without rank 0 waits for the master's store before giving up."""
-    tee: Stream = Stream.NONE
-    redirects: Stream = Stream.NONE
+    tee: PerRank = Stream.NONE
+    redirects: PerRank = Stream.NONE
     """Streams of local rank 0 that go to its files instead of the console."""
     tee_ranks: frozenset[int] | None = None
     """Local ranks whose teed lines reach the console (None: all); the others' go to files only."""
@@ -85,8 +105,15 @@ class LaunchPlan:
     nnodes: int | None = None
     """Number of nodes when given (torchrun's --nnodes); else derived from world_size / nproc."""
     role: str = "default"
+    line_prefix: str = DEFAULT_LINE_PREFIX
+    """The template of a teed line's prefix (string.Template with role_name, rank, local_rank)."""
+    torchrun_logs: Path | None = None
+    """With --log-dir: ``<log dir>/<run_id>_<x>``, under which each attempt keeps torchrun's layout
+    ``attempt_<n>/<local_rank>/{stdout.log,stderr.log,error.json}``."""
     stall_timeout: float = 0.0
     """Seconds without progress from a reporting rank that end the job as a stall; 0: never."""
+    notes: tuple[str, ...] = ()
+    """Where settings came from that no flag gave (SLURM's variables); -v prints them."""
     python: str = field(default=sys.executable)
 
     @property
@@ -100,28 +127,53 @@ class LaunchPlan:
 
     @property
     def ranks(self) -> list[RankSpec]:
-        return [self._rank_spec(local_rank) for local_rank in range(self.nproc)]
+        """This node's ranks as the first attempt starts them."""
+        return self.rank_specs(0)
+
+    def rank_specs(self, attempt: int) -> list[RankSpec]:
+        """This node's ranks in ``attempt`` (0 first; with --log-dir each has its own files)."""
+        return [self._rank_spec(local_rank, attempt) for local_rank in range(self.nproc)]
 
     @property
     def group_world_size(self) -> int:
         """Number of nodes (torchrun's GROUP_WORLD_SIZE); nodes of unequal size need --nnodes."""
         return self.nnodes or math.ceil(self.world_size / self.nproc)
 
-    def _rank_spec(self, local_rank: int) -> RankSpec:
+    def _rank_spec(self, local_rank: int, attempt: int = 0) -> RankSpec:
         rank = self.base_rank + local_rank
         fields = self.format_fields(local_rank)
-        to_file = Stream.BOTH if local_rank else self.redirects | self.tee
+        tee = for_rank(self.tee, local_rank)
+        to_file = Stream.BOTH if local_rank else for_rank(self.redirects, 0) | tee
         stdout = stderr = None
         if to_file & Stream.STDOUT:
             stdout = Path((self.stdout_format or str(self.run_directory / DEFAULT_STDOUT)).format(**fields))
         if to_file & Stream.STDERR:
             stderr = Path((self.stderr_format or str(self.run_directory / DEFAULT_STDERR)).format(**fields))
+        error_file = self.error_file(rank, attempt)
+        links: tuple[tuple[Path, Path], ...] = ()
+        if self.torchrun_logs is not None:  # torchrun's files are the rank's; lockstep's names link to them
+            folder = error_file.parent
+            ours: dict[Path, Path] = {}
+            if stdout is not None:
+                ours[stdout] = folder / "stdout.log"
+                stdout = folder / "stdout.log"
+            if stderr is not None:
+                ours.setdefault(stderr, folder / "stderr.log")  # one name for both streams: stdout's
+                stderr = folder / "stderr.log"
+            links = tuple(ours.items())
         shown = self.tee_ranks is None or local_rank in self.tee_ranks
-        return RankSpec(rank, local_rank, stdout, stderr, self.error_file(rank), self.tee if shown else Stream.NONE)
+        prefix = string.Template(self.line_prefix).safe_substitute(
+            role_name=self.role, rank=rank, local_rank=local_rank)
+        return RankSpec(rank, local_rank, stdout, stderr, error_file, tee if shown else Stream.NONE, prefix, links)
 
-    def error_file(self, rank: int) -> Path:
+    def error_file(self, rank: int, attempt: int = 0) -> Path:
+        """TORCHELASTIC_ERROR_FILE of a rank: in the run directory, or torchrun's layout with --log-dir."""
+        if self.torchrun_logs is not None:
+            path = self.torchrun_logs / f"attempt_{attempt}" / str(rank - self.base_rank) / "error.json"
+        else:
+            path = self.run_directory / ERROR_FILE.format(rank=rank)
         # Absolute: a script may change its working directory before it fails.
-        return Path(os.path.abspath(self.run_directory / ERROR_FILE.format(rank=rank)))
+        return Path(os.path.abspath(path))
 
     def format_fields(self, local_rank: int) -> dict[str, int]:
         return {
@@ -163,7 +215,8 @@ class LaunchPlan:
             TORCHELASTIC_RUN_ID=self.run_id or self.run_directory.name,
             TORCHELASTIC_RESTART_COUNT=str(restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
-            TORCHELASTIC_ERROR_FILE=str(self.error_file(rank)),
+            TORCHELASTIC_ERROR_FILE=str(self.error_file(rank, restart_count)),
+            TORCHELASTIC_SIGNALS_TO_HANDLE=SIGNALS_TO_HANDLE,
             # Every rank connects to the store the launcher's node hosts, instead of rank 0
             # binding MASTER_PORT itself (which races with anything else that grabs the port).
             TORCHELASTIC_USE_AGENT_STORE="True",

@@ -129,12 +129,15 @@ class Waiter:
                 except BlockingIOError:
                     pass
         exited = []
+        registered = self._selector.get_map()
         for r in self._ranks:
             if r.returncode is None and r.proc.poll() is not None:
                 r.returncode = r.proc.returncode
-                if r.pidfd is not None:
-                    self._selector.unregister(r.pidfd)
                 for pump in r.pumps:
                     pump.pump()  # what it printed last appears before the launcher's report
                 exited.append(r)
+            # also a rank whose exit another Waiter took (the supervisor's, during a store call):
+            # its pidfd stays readable and would wake this one at once, again and again
+            if r.returncode is not None and r.pidfd is not None and r.pidfd in registered:
+                self._selector.unregister(r.pidfd)
         return signals, exited

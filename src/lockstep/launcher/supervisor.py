@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel, StoreLost, tcp_store
+from lockstep.launcher.interface import interface_env
+from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
 from lockstep.launcher.ranks import Rank, Waiter, spawn
@@ -38,7 +39,17 @@ from lockstep.launcher.report import (
 )
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
 from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose, stall_failures
-from lockstep.launcher.stopping import HANDLED, STOPPING, caught_signals, forward, pass_on, signalled_code, teardown
+from lockstep.launcher.store import Stopped, StoreLost, tcp_store
+from lockstep.launcher.stopping import (
+    HANDLED,
+    PASSED_ON,
+    STOPPING,
+    caught_signals,
+    forward,
+    pass_on,
+    signalled_code,
+    teardown,
+)
 from lockstep.launcher.watchdog import Watchdog
 from lockstep.progress import CONTROL_DIR_ENV
 
@@ -75,6 +86,13 @@ class Supervisor:
         self._board: ProgressBoard | None = None
         self._next_liveness_check = 0.0
         self._attempt_store: Any = None
+        self._interface: dict[str, str] = {}
+        self._wake_r = -1
+        self._ranks: list[Rank] = []
+        """This attempt's ranks, for :meth:`_meanwhile`."""
+        self._stashed: tuple[list[int], list[Rank]] = ([], [])
+        """Signals and rank exits :meth:`_meanwhile` saw, for the monitor to act on."""
+        self._channel: JobChannel | None = None
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -83,27 +101,29 @@ class Supervisor:
         port = listener.getsockname()[1] if listener else self.plan.master_port
         watchdog = Watchdog()  # forked first, so it inherits no handlers and no wakeup pipe
         with caught_signals() as wake_r:
+            self._wake_r = wake_r
             launcher_store = None
             shm = Path("/dev/shm")
             self._control_dir = Path(tempfile.mkdtemp(
                 prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
-            channel = None
             try:
                 # On several nodes the store must outlive ranks and restarts: this launcher hosts it.
                 if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
                     launcher_store = _store_server(self.plan, listener)
                 if self.plan.is_multinode:
+                    self._interface, line = interface_env(self.plan.master_addr, os.environ)
+                    if self.plan.verbose:
+                        say(line)
                     joined = self._join_job(port, launcher_store, wake_r)
                     if isinstance(joined, int):
                         return joined
-                    channel = joined
-                return self._run_attempts(port, listener, wake_r, watchdog, launcher_store is None, channel)
+                return self._run_attempts(port, listener, wake_r, watchdog, launcher_store is None)
             except LaunchError as e:
                 say(f"error: {e}")
                 return 2
             finally:
-                if channel is not None:
-                    channel.close()
+                if self._channel is not None:
+                    self._channel.close()
                 if self._board is not None:
                     self._board.close()
                 shutil.rmtree(self._control_dir, ignore_errors=True)
@@ -117,21 +137,23 @@ class Supervisor:
             code = self._await_store(port, wake_r)
             if code is not None:
                 return code
-        try:
-            return JobChannel.connect(self.plan.master_addr, port, self.plan.node_rank,
-                                      self.plan.group_world_size, server=launcher_store)
-        except StoreLost as e:
-            say(f"error: cannot use the rendezvous store at {self.plan.master_addr}:{port} ({e})")
-            return LOST_EXIT_CODE
+        channel = JobChannel.connect(self.plan.master_addr, port, self.plan.node_rank,
+                                     self.plan.group_world_size, server=launcher_store)
+        channel.meanwhile = self._meanwhile
+        self._channel = channel
+        return channel
 
-    def _run_attempts(self, port: int, listener, wake_r: int, watchdog: Watchdog, pass_fd: bool,
-                      channel: JobChannel | None) -> int:
+    def _run_attempts(self, port: int, listener, wake_r: int, watchdog: Watchdog, pass_fd: bool) -> int:
         for attempt in range(self.plan.max_restarts + 1):
-            if not self.plan.hosts_store and channel is None:
-                code = self._await_store(port, wake_r)
-                if code is not None:
-                    return code
+            if not self.plan.hosts_store and self._channel is None:
+                # multi-node: rejoin the master after it was lost (it may still be cut off)
+                joined = self._join_job(port, None, wake_r) if self.plan.is_multinode else \
+                    self._await_store(port, wake_r)
+                if isinstance(joined, int):
+                    return joined
+            channel = self._channel
             ranks: list[Rank] = []
+            self._ranks, self._stashed = ranks, ([], [])  # nothing of an earlier attempt carries over
             rank_port: int | None = port
             try:
                 if channel is not None:
@@ -140,6 +162,7 @@ class Supervisor:
                         return LOST_EXIT_CODE
                 store_fd = listener.fileno() if (listener and pass_fd) else None
                 ranks = self._spawn_all(rank_port, attempt, store_fd, watchdog)
+                self._ranks = ranks
                 outcome = self._monitor(ranks, wake_r, channel)
                 if outcome is None and channel is not None:
                     outcome = self._finish_job(ranks, wake_r, channel)
@@ -157,16 +180,40 @@ class Supervisor:
                     if code is None:
                         continue
                     return code
+            except Stopped as e:  # while waiting for the store: the signal went on to the ranks already
+                self._teardown(self._ranks, wake_r, watchdog, None)
+                return signalled_code(self._ranks, e.signum)
             except StoreLost as e:
-                if ranks:
-                    self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
-                say(f"the job failed: the rendezvous store at {self.plan.master_addr}:{port}, which node 0's "
-                    f"launcher hosts, stopped answering ({e}): node 0 counts as failed")
-                return LOST_EXIT_CODE
+                code = self._lost_master(port, str(e), attempt)
+                self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)
+                if code is not None:
+                    return code
+                continue
             code = self._settle_here(outcome, attempt, ranks, wake_r, watchdog)
             if code is not None:
                 return code
         raise AssertionError("unreachable")
+
+    def _lost_master(self, port: int, why: str, attempt: int) -> int | None:
+        """The store stopped answering: say so, and since when; the exit code, or None to rejoin the
+        master for the next attempt (its ranks are stopped by the caller either way)."""
+        assert self._channel is not None
+        since = self._channel.last_answer()
+        self._channel.close()
+        self._channel = None
+        where = f"{self.plan.master_addr}:{port}"
+        if self.plan.hosts_store:
+            say(f"the job failed: this launcher's own rendezvous store at {where} stopped answering ({why})")
+            return LOST_EXIT_CODE
+        clock = time.strftime("%H:%M:%S", time.localtime(since))
+        say(f"the job failed: the rendezvous store at {where}, which node 0's launcher hosts, stopped "
+            f"answering ({why}): lost the master, silent since {clock} ({time.time() - since:.0f} s ago); "
+            f"node 0 counts as failed")
+        if self._signals_seen or attempt >= self.plan.max_restarts:
+            return 128 + self._signals_seen[0] if self._signals_seen else LOST_EXIT_CODE
+        say(f"restarting ({attempt + 1} of {self.plan.max_restarts}): stopping this node's ranks, then "
+            f"rejoining the master at {where} for up to {self.plan.rdzv_timeout:g} s (--rdzv_timeout)")
+        return None
 
     def _settle_across_nodes(self, channel: JobChannel, attempt: int, ranks: list[Rank], wake_r: int,
                              watchdog: Watchdog) -> int | None:
@@ -221,8 +268,8 @@ class Supervisor:
                     signals, _ = waiter.wait(BEAT_S)
                     if any(s in STOPPING for s in signals):
                         return
-        except StoreLost:
-            pass  # no one left to tell
+        except (StoreLost, Stopped):
+            pass  # no one left to tell, or a second signal cut it short
 
     def _after_failure(self, attempt: int, code: int, whose: str) -> int | None:
         """The launcher's exit code after a failure, or None to restart (a signal stops restarts)."""
@@ -276,8 +323,7 @@ class Supervisor:
         return 1
 
     def _spawn_all(self, port: int, attempt: int, store_fd: int | None, watchdog: Watchdog) -> list[Rank]:
-        prepare_run_directory(self.plan)
-        specs = self.plan.ranks
+        specs = prepare_run_directory(self.plan, attempt)
         logs = []
         try:
             for spec in specs:  # every file opens before any rank starts
@@ -288,6 +334,7 @@ class Supervisor:
             raise
         base_env = {k: v for k, v in os.environ.items() if k != "LOCKSTEP_STORE_FD"}
         base_env[CONTROL_DIR_ENV] = str(self._control_dir)
+        base_env.update(self._interface)
         for spec in specs:
             stacks_path(self._control_dir, spec.rank).unlink(missing_ok=True)
         if self._board is not None:
@@ -309,6 +356,30 @@ class Supervisor:
 
     # -- watching -------------------------------------------------------------------------
 
+    def _meanwhile(self, seconds: float) -> None:
+        """While the main thread waits for the store: drain the ranks' output and catch signals,
+        for up to ``seconds``. Rank exits and SIGQUIT are kept for the monitor; a stopping signal
+        goes on to the ranks at once and abandons the wait (Stopped)."""
+        with Waiter(self._ranks, self._wake_r, HANDLED) as waiter:
+            signals, exited = waiter.wait(seconds)
+        self._stashed[1].extend(exited)
+        for signum in signals:
+            if signum in STOPPING:
+                if not self._signals_seen:
+                    self._signals_seen.append(signum)
+                    forward(self._ranks, signum)
+                raise Stopped(signum)
+            if signum in PASSED_ON:
+                pass_on(self._ranks, signum)
+            else:
+                self._stashed[0].append(signum)
+
+    def _unstash(self, signals: list[int], exited: list[Rank]) -> tuple[list[int], list[Rank]]:
+        """What a wait returned, after what :meth:`_meanwhile` kept."""
+        kept_signals, kept_exits = self._stashed
+        self._stashed = ([], [])
+        return kept_signals + signals, kept_exits + exited
+
     def _monitor(self, ranks: list[Rank], wake_r: int,
                  channel: JobChannel | None = None) -> _Failure | _Stall | _Elsewhere | int | None:
         """Wait until every rank exited 0 (None), one failed (_Failure), the job stalled (_Stall),
@@ -316,8 +387,8 @@ class Supervisor:
         stall_timeout = self.plan.stall_timeout
         poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
         with Waiter(ranks, wake_r, HANDLED) as waiter:
-            while any(r.returncode is None for r in ranks):
-                signals, exited = waiter.wait(poll)
+            while any(r.returncode is None for r in ranks) or self._stashed[1]:
+                signals, exited = self._unstash(*waiter.wait(0 if any(self._stashed) else poll))
                 for signum in signals:
                     if signum in STOPPING:
                         self._stop(ranks, signum, channel)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 from lockstep.launcher.plan import LaunchError, Stream
@@ -18,6 +19,7 @@ NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 RDZV_BACKENDS = ("c10d", "static")
 _DEFAULT_RDZV_PORT = 29400  # torchrun's port for an endpoint given without one
 _RANK_ENV = ("WORLD_SIZE", "NODE_RANK", "BASE_RANK", "MASTER_ADDR", "MASTER_PORT")
+_STREAM_MAP = re.compile(r"(\d+:[0-3],)*\d+:[0-3]")
 
 _REFUSED: dict[tuple[str, ...], tuple[int, str]] = {
     ("--run-path", "--run_path"): (
@@ -59,15 +61,23 @@ def nproc_value(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"expected a positive integer or one of {', '.join(NPROC_WORDS)}, got {text!r}")
 
 
-def stream_value(text: str) -> Stream:
-    """torchrun's --tee / --redirects: 0 none, 1 stdout, 2 stderr, 3 both."""
+def stream_value(text: str) -> Stream | dict[int, Stream]:
+    """torchrun's --tee / --redirects: 0 none, 1 stdout, 2 stderr, 3 both, or a value per local
+    rank such as ``0:3,1:1`` (local ranks it does not name: 0)."""
     if text in ("0", "1", "2", "3"):
         return Stream(int(text))
-    if ":" in text:
-        raise argparse.ArgumentTypeError(
-            f"per-rank values like {text!r} are not supported; give one value for every rank: "
-            f"0 none, 1 stdout, 2 stderr, 3 both")
-    raise argparse.ArgumentTypeError(f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), got {text!r}")
+    if _STREAM_MAP.fullmatch(text):
+        pairs = [item.split(":") for item in text.split(",")]
+        return {int(rank): Stream(int(value)) for rank, value in pairs}
+    raise argparse.ArgumentTypeError(
+        f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or one per local rank like 0:3,1:1, got {text!r}")
+
+
+def check_stream_map(flag: str, value: Stream | Mapping[int, Stream], nproc: int) -> None:
+    """A per-rank --tee / --redirects map names local ranks of this node only."""
+    if not isinstance(value, Stream) and any(not 0 <= r < nproc for r in value):
+        raise LaunchError(f"{flag} {','.join(f'{r}:{int(v)}' for r, v in value.items())}: "
+                          f"local ranks are 0..{nproc - 1}")
 
 
 def _positive_seconds(text: str) -> float:
@@ -105,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclu
     alias("--master-addr", dest="master_addr", help="= --master_addr")
     alias("--master-port", dest="master_port", type=types["master_port"], help="= --master_port")
     alias("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
-          help="HOST[:PORT] = --master_addr HOST --master_port PORT (default port 29400)")
+          help="HOST[:PORT] = --master_addr HOST --master_port PORT (default port 29400; one node: "
+               "port 0 picks a free one)")
     alias("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
           help="c10d or static: either is lockstep's static store on the master; give --node-rank on each node")
     alias("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="TORCHELASTIC_RUN_ID (default: the run directory's name)")
@@ -114,11 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclu
     alias("--max-restarts", dest="max_restarts", type=types["max_restarts"], help="= --max_restarts")
     alias("--shutdown-timeout", "--shutdown_timeout", dest="grace_period", type=types["grace_period"],
           help="= --grace_period")
-    alias("--log-dir", "--log_dir", dest="run_directory", help="= --run_directory")
+    alias("--log-dir", "--log_dir", dest="log_dir",
+          help="= --run_directory, which also keeps torchrun's layout of the ranks' files: "
+               "LOG_DIR/<run_id>_<x>/attempt_<n>/<local_rank>/{stdout.log,stderr.log,error.json}")
     alias("--module", dest="module_mode", action="store_true", help="torchrun's name for -m")
     alias("--no-python", "--no_python", dest="command_mode", action="store_true", help="torchrun's name for -c")
     alias("-r", "--redirects", dest="redirects", type=stream_value,
-          help="0-3: local rank 0's stdout (1), stderr (2) or both (3) go to its log files only")
+          help="0-3: local rank 0's stdout (1), stderr (2) or both (3) go to its log files only "
+               "(or per local rank: 0:3,1:0)")
     alias("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter",
           help="with --tee: the local ranks (e.g. 0,1) whose lines are shown")
     alias("--role", dest="role", help="ROLE_NAME of every rank (default: default)")
@@ -187,7 +201,7 @@ def parse_nnodes(text: str) -> int:
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
-    """HOST[:PORT] or [IPv6]:PORT of --rdzv-endpoint."""
+    """HOST[:PORT] or [IPv6]:PORT of --rdzv-endpoint; port 0: any free port."""
     host, port = text, _DEFAULT_RDZV_PORT
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
@@ -202,9 +216,9 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 def _endpoint_port(text: str, port: str) -> int:
-    if port.isdigit() and 1 <= int(port) <= 65535:
+    if port.isdigit() and 0 <= int(port) <= 65535:
         return int(port)
-    raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT with a port 1-65535, got {text!r}")
+    raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT with a port 0-65535, got {text!r}")
 
 
 def parse_rdzv_conf(text: str) -> float | None:
@@ -265,5 +279,5 @@ def parse_local_ranks(text: str | None, nproc: int) -> frozenset[int] | None:
 
 
 def standalone_env(env: Mapping[str, str]) -> dict[str, str]:
-    """--standalone is one node on its own: rank variables in the launcher's env do not apply."""
-    return {k: v for k, v in env.items() if k not in _RANK_ENV}
+    """--standalone is one node on its own: rank variables in the launcher's env (SLURM's too) do not apply."""
+    return {k: v for k, v in env.items() if k not in _RANK_ENV and not k.startswith("SLURM_")}

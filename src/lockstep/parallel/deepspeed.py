@@ -102,12 +102,28 @@ def fill_config(config: Mapping[str, Any], *, batch_size: int | None, microbatch
     if optimizers > 1:
         raise ValueError(f"DeepSpeed trains with one optimizer, but {optimizers} were given: combine them "
                          f"into one with parameter groups")
+    _check_zero(config.get("zero_optimization"))
     _fill_batch(config, batch_size, microbatch_size, grad_accum, world_size)
     _fill_precision(config, precision)
     config.setdefault("gradient_clipping", 0.0)
     config.setdefault("zero_allow_untested_optimizer", True)
     config.setdefault("steps_per_print", 2**31 - 1)
     return config
+
+
+def _check_zero(zero: Any) -> None:
+    """A ZeRO stage DeepSpeed would refuse (in a 30-line validation dump, after the rendezvous) is
+    one line here. DeepSpeed also takes ``"zero_optimization": true``, its old spelling of stage 1."""
+    if zero is None or isinstance(zero, bool):
+        return
+    if not isinstance(zero, Mapping):
+        raise TypeError(f"deepspeed_config['zero_optimization'] must be a dict such as {{'stage': 2}}, got {zero!r}")
+    stage = zero.get("stage", 0)
+    valid = (isinstance(stage, (int, float)) and stage in (0, 1, 2, 3)) or \
+        (isinstance(stage, str) and stage.strip() in ("0", "1", "2", "3"))
+    if not valid:
+        raise ValueError(f"deepspeed_config['zero_optimization']['stage']={stage!r}: ZeRO's stages are 0 (plain "
+                         f"data parallel), 1 (optimizer state sharded), 2 (and gradients) and 3 (and parameters)")
 
 
 def _fill_batch(config: dict[str, Any], batch_size: int | None, microbatch_size: int | None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,8 @@ from lockstep import dist, progress
 from lockstep.checkpoint import loader
 from lockstep.checkpoint.files import DamagedCheckpoint, point_latest, remove
 from lockstep.checkpoint.config import CheckpointConfig
+from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
+from lockstep.callbacks.load_checkpoint import LoadCheckpoint
 from lockstep.checkpoint.saver import CheckpointSaver
 from lockstep.checkpoint.layout import LOCAL, SINGLE, Layout
 from lockstep.core.event import Event
@@ -24,6 +27,42 @@ DAMAGED = ".damaged"
 
 if TYPE_CHECKING:
     from lockstep.state import State
+
+
+def saving_arguments(callbacks: Sequence[Any], arguments: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's ``save_*`` ``arguments``, or those a ``CheckpointSaver`` callback among
+    ``callbacks`` says instead (the Trainer's one saver writes its checkpoints)."""
+    savers = [c for c in callbacks if isinstance(c, SaverCallback)]
+    if not savers:
+        return arguments
+    if len(savers) > 1:
+        raise ValueError(f"callbacks has {len(savers)} CheckpointSaver callbacks: lockstep runs one checkpoint "
+                         f"saver per Trainer; keep one")
+    if arguments["save_folder"] is not None:
+        raise ValueError("give either save_folder=... or a CheckpointSaver callback, not both: lockstep runs one "
+                         "checkpoint saver per Trainer")
+    return savers[0].trainer_arguments()
+
+
+def bind_callbacks(callbacks: Sequence[Any], layout: Layout, saved: list[str]) -> None:
+    """Give the checkpoint callbacks what they need of the Trainer: ``CheckpointSaver`` the list of
+    checkpoints saved, ``LoadCheckpoint`` the backend's checkpoint layout."""
+    for callback in callbacks:
+        if isinstance(callback, SaverCallback):
+            callback.saved_checkpoints = saved
+        elif isinstance(callback, LoadCheckpoint):
+            callback.bind(layout)
+
+
+def entry_of_callbacks(callbacks: Sequence[Any]) -> dict[str, Any] | None:
+    """This rank's RNG and data entry of the training state a ``LoadCheckpoint`` callback loaded
+    while the Trainer was built (the newest such load), for ``fit`` to apply; None if none did."""
+    entry = None
+    for callback in callbacks:
+        loaded = getattr(callback, "loaded", None) if isinstance(callback, LoadCheckpoint) else None
+        if loaded is not None and not loaded.weights_only:
+            entry = loaded.rank_entry or {}
+    return entry
 
 
 def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | None, layout: Layout,

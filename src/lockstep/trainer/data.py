@@ -152,7 +152,8 @@ def resume_caveat(loader: Any, epoch: int) -> str | None:
 
 def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, sum_tokens: bool = False,
                   track: DataPosition | None = None, resume: DataPosition | None = None,
-                  limit: int | None = None) -> Iterator[tuple[Any, int, SupportsInt, bool]]:
+                  limit: int | None = None,
+                  transform: Callable[[Any], Any] | None = None) -> Iterator[tuple[Any, int, SupportsInt, bool]]:
     """Yield ``(batch, global_samples, global_tokens, is_last)`` for one epoch.
 
     When every rank is known to get ``len(loader)`` equal batches, the last batch is known by
@@ -165,6 +166,7 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, 
     ``count(batch) -> (samples, tokens)`` counts one rank's batch. With ``track``, the RNG states
     a checkpoint needs are recorded in it; ``resume`` puts the stream back where one was saved.
     ``limit`` ends the epoch after that many batches (``train_subset_num_batches``).
+    ``transform`` (a DataSpec's ``batch_transforms``) changes each batch before it is counted.
     """
     length = len(loader) if not sync and equal_batches_guaranteed(loader) else None
     if length is not None and limit is not None:
@@ -189,6 +191,8 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, 
                                  f"this epoch had already trained on")
         if limit is not None:
             it = itertools.islice(it, max(limit - done, 0))
+        if transform is not None:
+            it = map(transform, it)
         if length is not None:
             yield from _counted(it, length, done, count, track, state_of, resume, sum_tokens)
         else:

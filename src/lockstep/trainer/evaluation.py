@@ -1,5 +1,6 @@
-"""Evaluation during and outside ``fit``: when ``eval_interval`` asks for it, and the loop over
-``eval_dataloader`` whose metrics equal one process's over the whole dataset."""
+"""Evaluation during and outside ``fit``: the evaluators (Composer's ``Evaluator``) built from
+``eval_dataloader``, when each one's interval asks for it, and the loop over one evaluator's
+dataloader whose metrics equal one process's over the whole dataset."""
 
 from __future__ import annotations
 
@@ -11,13 +12,48 @@ import torch
 
 from lockstep import dist, progress
 from lockstep.batch import take
-from lockstep.callbacks.loggers import eval_metric_names
+from lockstep.core.data_spec import DataSpec
+from lockstep.core.eval_metrics import LOSS, EvalLoss, value_of
+from lockstep.core.evaluator import Evaluator, ensure_evaluator, select_metrics
 from lockstep.core.event import Event
 from lockstep.loggers.logger import Logger
+from lockstep.model import Model
 from lockstep.parallel.strategy import Strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, is_interval_due
 from lockstep.trainer import data
+
+
+def build_evaluators(eval_dataloader: Any, model: Model, device: torch.device, eval_interval: Any,
+                     subset_num_batches: int | None) -> tuple[list[Evaluator], dict[str, dict[str, Any]]]:
+    """The evaluators of ``eval_dataloader`` (a dataloader, a DataSpec, an Evaluator, or a list of
+    Evaluators) and their metrics, ``{label: {name: Metric}}``: each evaluator's own copies of the
+    model's eval metrics it names, and ``'loss'``. An evaluator without its own interval or subset
+    takes the Trainer's."""
+    if eval_dataloader is None:
+        return [], {}
+    given = list(eval_dataloader) if isinstance(eval_dataloader, (list, tuple)) else [eval_dataloader]
+    if len(given) > 1 and not all(isinstance(e, Evaluator) for e in given):
+        raise ValueError("eval_dataloader: a list must hold only Evaluators (give each dataloader a label with "
+                         "lockstep.Evaluator(label=..., dataloader=...))")
+    evaluators = [ensure_evaluator(e) for e in given]
+    labels = [e.label for e in evaluators]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"eval_dataloader: the Evaluators' labels {labels} repeat; give each a different label")
+    model_metrics = model.get_metrics(is_train=False)
+    metrics = {}
+    for evaluator in evaluators:
+        data.check_distributed_sampler(evaluator.dataloader.dataloader, f"eval_dataloader {evaluator.label!r}")
+        data.shielded(evaluator.dataloader.dataloader)
+        if evaluator.eval_interval is None:
+            evaluator.eval_interval = eval_interval
+        if evaluator.subset_num_batches is None:
+            evaluator.subset_num_batches = -1 if subset_num_batches is None else subset_num_batches
+        chosen = select_metrics(model_metrics, evaluator.metric_names)
+        if LOSS not in chosen:
+            chosen[LOSS] = EvalLoss()
+        metrics[evaluator.label] = {name: m.to(device) for name, m in chosen.items()}
+    return evaluators, metrics
 
 
 def is_due(interval: Time | Callable[[State, Event], bool], state: State, before: Timestamp, event: Event) -> bool:
@@ -25,42 +61,55 @@ def is_due(interval: Time | Callable[[State, Event], bool], state: State, before
     being the timestamp before the batch or the epoch end that just passed."""
     if callable(interval):  # Composer's form: asked at BATCH_END, and at EPOCH_END
         return bool(interval(state, event))
+    if interval.value == 0:  # Composer's eval_interval=0: never during fit
+        return False
     return is_interval_due(before, state.timestamp, interval, state.max_duration)
 
 
+def batch_limit(subset_num_batches: int | None) -> int | None:
+    """A subset count as ``itertools.islice`` takes it (None: every batch)."""
+    return None if subset_num_batches is None or subset_num_batches == -1 else subset_num_batches
+
+
 @torch.no_grad()
-def evaluate(state: State, strategy: Strategy, dataloader: Any, metrics: dict[str, Any], limit: int | None,
+def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: dict[str, Any], limit: int | None,
              run_event: Callable[[Event], None], logger: Logger) -> dict[str, float]:
-    """Evaluate on this rank's batches of ``dataloader`` (at most ``limit``) and reduce over the
-    ranks; the results (``loss`` and each metric) go to ``state.eval_metrics`` and the logger.
+    """Evaluate on this rank's batches of ``evaluator``'s dataloader (at most ``limit``); its
+    ``metrics`` (``state.eval_metrics[label]``) are computed over all ranks and logged as
+    ``metrics/<label>/<Name>``. Returns their values.
 
     Samples a DistributedSampler repeats to pad the ranks' shares are left out."""
     was_training, training_batch = state.model.training, state.batch
+    outer = state.dataloader, state.dataloader_label
+    spec = evaluator.dataloader
+    state.dataloader, state.dataloader_label = spec.dataloader, evaluator.label
     state.model.eval()
     run_event(Event.EVAL_START)
     for metric in metrics.values():
         metric.reset()
-    totals = torch.zeros(2, dtype=torch.float64, device=state.device)  # loss sum, samples
-    for batch, n in _real_batches(state, strategy, dataloader, limit):
-        _evaluate_batch(state, strategy, batch, n, metrics, totals, run_event)
-    dist.all_reduce(totals, "SUM")
-    results = {"loss": float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")}
-    results.update({name: float(m.compute()) for name, m in metrics.items()})
-    state.eval_metrics = results
-    logger.log_metrics(eval_metric_names(results))
+    for batch, n in _real_batches(state, strategy, spec, limit):
+        _evaluate_batch(state, strategy, evaluator, batch, n, metrics, run_event)
+    results = {name: value_of(m) for name, m in metrics.items()}  # every rank: compute() gathers
+    logger.log_metrics({f"metrics/{evaluator.label}/{name}": value for name, value in results.items()
+                        if name != LOSS or not isinstance(metrics[name], EvalLoss)})
     run_event(Event.EVAL_END)
     state.model.train(was_training)
     state.batch, state.outputs = training_batch, None
+    state.dataloader, state.dataloader_label = outer
     return results
 
 
-def _real_batches(state: State, strategy: Strategy, dataloader: Any, limit: int | None) -> Any:
+def _real_batches(state: State, strategy: Strategy, spec: DataSpec, limit: int | None) -> Any:
     """This rank's prepared batches and their sample counts, cut where the sampler's padding starts."""
+    dataloader = spec.dataloader
     remaining = data.real_eval_samples(dataloader)
     module = strategy.eval_module
+    count = spec.get_num_samples_in_batch or state.model.num_samples
     for batch in itertools.islice(dataloader, limit):
+        if spec.batch_transforms is not None:
+            batch = spec.batch_transforms(batch)
         batch = strategy.prepare_batch(batch)
-        n = state.model.num_samples(batch)
+        n = count(batch)
         if remaining is not None:
             if remaining <= 0:
                 if strategy.gathers_in_forward:  # every rank must take part in each gather
@@ -72,20 +121,32 @@ def _real_batches(state: State, strategy: Strategy, dataloader: Any, limit: int 
         yield batch, n
 
 
-def _evaluate_batch(state: State, strategy: Strategy, batch: Any, n: int, metrics: dict[str, Any],
-                    totals: torch.Tensor, run_event: Callable[[Event], None]) -> None:
+def _evaluate_batch(state: State, strategy: Strategy, evaluator: Evaluator, batch: Any, n: int,
+                    metrics: dict[str, Any], run_event: Callable[[Event], None]) -> None:
     model = state.model
     module = strategy.eval_module  # the bare module: no DDP hooks, nothing to hang on
+    spec = evaluator.dataloader
     state.batch = batch
     run_event(Event.EVAL_BATCH_START)
-    with strategy.autocast():
-        run_event(Event.EVAL_BEFORE_FORWARD)
-        state.outputs = outputs = module(state.batch)
-        run_event(Event.EVAL_AFTER_FORWARD)
-        totals[0] += model.loss(outputs, batch).double() * n
-        totals[1] += n
-        eval_outputs = model.eval_forward(batch, outputs)
-    for metric in metrics.values():
-        model.update_metric(batch, eval_outputs, metric)
+    size = evaluator.device_eval_microbatch_size
+    pieces = [(batch, n)]
+    if size is not None and n > size:
+        count = spec.get_num_samples_in_batch or model.num_samples
+        pieces = [(piece, count(piece)) for piece in (spec.split_batch or model.split_batch)(batch, size)]
+    loss_metric = metrics.get(LOSS) if isinstance(metrics.get(LOSS), EvalLoss) else None
+    for piece, samples in pieces:
+        if spec.microbatch_transforms is not None:
+            piece = spec.microbatch_transforms(piece)
+        state.batch = piece
+        with strategy.autocast():
+            run_event(Event.EVAL_BEFORE_FORWARD)
+            state.outputs = outputs = module(state.batch)
+            run_event(Event.EVAL_AFTER_FORWARD)
+            if loss_metric is not None:
+                loss_metric.update(model.loss(outputs, state.batch), samples)
+            eval_outputs = model.eval_forward(state.batch, outputs)
+        for name, metric in metrics.items():
+            if metric is not loss_metric:
+                model.update_metric(state.batch, eval_outputs, metric)
     run_event(Event.EVAL_BATCH_END)
     progress.heartbeat(state.timestamp.batch.value)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from lockstep import dist
+from lockstep.core.data_spec import DataSpec
 from lockstep.core.event import Event
 from lockstep.parallel.strategy import Strategy
 from lockstep.state import State
@@ -69,7 +70,8 @@ class AutoMicrobatch:
             torch.cuda.empty_cache()
         return self.size
 
-    def retrying(self, attempt: Callable[[], T], state: State, batch: Any, abandon: Callable[[], None]) -> T:
+    def retrying(self, attempt: Callable[[], T], state: State, batch: Any, abandon: Callable[[], None],
+                 num_samples: Callable[[Any], int]) -> T:
         """``attempt()`` (the batch's forwards and backwards), again in halved microbatches for as
         long as any rank runs out of memory; ``abandon`` drops the backward a failed attempt began."""
         while True:
@@ -90,7 +92,7 @@ class AutoMicrobatch:
                 optimizer.zero_grad(set_to_none=True)
             state.outputs = state.loss_tensor = None
             abandon()
-            state.device_train_microbatch_size = self.shrink(state.model.num_samples(batch))
+            state.device_train_microbatch_size = self.shrink(num_samples(batch))
             if dist.get_global_rank() == 0:
                 print(f"lockstep: out of memory on a rank; training this batch again in microbatches of "
                       f"{state.device_train_microbatch_size} samples", file=sys.stderr, flush=True)
@@ -105,6 +107,9 @@ class Microbatches:
         self.count = count
         """What a microbatch's loss is weighted by (``accumulate_train_batch_on_tokens``: its
         tokens); None: its samples."""
+        self.spec: DataSpec | None = None
+        """The training data's DataSpec: its ``split_batch``, ``get_num_samples_in_batch`` and
+        ``microbatch_transforms``, where given, replace the model's rules."""
 
     def forward_backward(self, batch: Any, share: float, loud: bool) -> torch.Tensor:
         """Accumulate the gradients of ``batch`` (each sample weighted by ``share``); the batch's mean
@@ -113,7 +118,7 @@ class Microbatches:
             losses, counts = self._each(batch, share, loud)
         else:
             losses, counts = self.auto.retrying(lambda: self._each(batch, share, loud), self.state, batch,
-                                                self.strategy.abandon_backward)
+                                                self.strategy.abandon_backward, self._num_samples)
         return mean_loss(losses, counts)
 
     def _each(self, batch: Any, share: float, loud: bool) -> tuple[list[torch.Tensor], list[int]]:
@@ -121,9 +126,11 @@ class Microbatches:
         s, strategy, run, auto, count = self.state, self.strategy, self.run_event, self.auto, self.count
         microbatches = self.split(batch)
         losses, counts, last = [], [], len(microbatches) - 1
+        spec = self.spec
+        transform = spec.microbatch_transforms if spec is not None else None
         for i, micro in enumerate(microbatches):
-            n = s.model.num_samples(micro) if count is None else count(micro)
-            s.batch = micro
+            n = self._num_samples(micro) if count is None else count(micro)
+            s.batch = micro if transform is None else transform(micro)
             with strategy.sync_context(i == last):
                 with strategy.autocast():
                     if loud:
@@ -149,14 +156,21 @@ class Microbatches:
         return losses, counts
 
     def split(self, batch: Any) -> list[Any]:
-        model, loop, auto = self.state.model, self.loop, self.auto
+        loop, auto = self.loop, self.auto
+        split = self.spec.split_batch if self.spec is not None and self.spec.split_batch else self.state.model.split_batch
         if auto is not None:
-            return [batch] if auto.size is None else model.split_batch(batch, auto.size)
+            return [batch] if auto.size is None else list(split(batch, auto.size))
         if loop.device_train_microbatch_size is not None:
-            return model.split_batch(batch, loop.device_train_microbatch_size)
+            return list(split(batch, loop.device_train_microbatch_size))
         if loop.grad_accum is not None:
-            return model.split_batch(batch, math.ceil(model.num_samples(batch) / loop.grad_accum))
+            return list(split(batch, math.ceil(self._num_samples(batch) / loop.grad_accum)))
         return [batch]
+
+    def _num_samples(self, batch: Any) -> int:
+        spec = self.spec
+        if spec is not None and spec.get_num_samples_in_batch is not None:
+            return spec.get_num_samples_in_batch(batch)
+        return self.state.model.num_samples(batch)
 
 
 def mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:

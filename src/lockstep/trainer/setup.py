@@ -80,7 +80,7 @@ def check_optimizers(model: nn.Module, optimizers: list[torch.optim.Optimizer]) 
                 f"build it from this model, e.g. torch.optim.AdamW(model.parameters())")
 
 
-def counts_tokens(model: Model) -> bool:
+def model_counts_tokens(model: Model) -> bool:
     return type(model).num_tokens is not Model.num_tokens
 
 
@@ -155,16 +155,17 @@ def check_algorithms(algorithms: Any) -> list[Any]:
                     "(e.g. GradientClipping(clipping_type='norm', clipping_threshold=1.0))")
 
 
-def step_agreement(train_dataloader: Any, model: Model) -> tuple[bool, bool]:
+def step_agreement(train_dataloader: Any, model: Model, *, counts_tokens: bool = False) -> tuple[bool, bool]:
     """``(sync, sum_tokens)``: whether the ranks must agree, each step and before it, on the global
     batch size and on whether every rank still has a batch (not when the sampler guarantees equal
     batches); and, when it does, whether the tokens, which only each rank knows, are summed
-    alongside the step."""
+    alongside the step. ``counts_tokens``: a DataSpec gives ``get_num_tokens_in_batch``."""
     if dist.get_world_size() == 1:
         return False, False
     if not data.equal_batches_guaranteed(train_dataloader):
         return True, False
-    return False, callable(getattr(train_dataloader, "get_num_tokens_in_batch", None)) or counts_tokens(model)
+    return False, (counts_tokens or callable(getattr(train_dataloader, "get_num_tokens_in_batch", None))
+                   or model_counts_tokens(model))
 
 
 def set_python_log_level(level: str | None) -> None:

@@ -14,6 +14,7 @@ from lockstep import dist, progress, rng
 from lockstep.core.algorithm import Algorithm
 from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.core.callback import Callback
+from lockstep.core.data_spec import DataSpec, ensure_data_spec
 from lockstep.core.event import Event
 from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
 from lockstep.loggers.console import ConsoleLogger
@@ -131,19 +132,23 @@ class Trainer:
                                scale_schedule_ratio=scale_schedule_ratio,
                                train_subset_num_batches=train_subset_num_batches,
                                eval_subset_num_batches=eval_subset_num_batches)
-        self.checkpoints = CheckpointConfig(
+        saving = checkpointing.saving_arguments(callbacks, dict(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
-            save_overwrite=save_overwrite, save_weights_only=save_weights_only, save_metrics=save_metrics,
-            load_path=load_path, load_weights_only=load_weights_only,
+            save_overwrite=save_overwrite, save_weights_only=save_weights_only))
+        self.checkpoints = CheckpointConfig(
+            **saving, save_metrics=save_metrics, load_path=load_path, load_weights_only=load_weights_only,
             load_ignore_keys=load_ignore_keys,
             load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
         deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
         self.parallel = parallel = ParallelConfig(
             ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters, fsdp_config=fsdp_config,
             deepspeed_config=deepspeed_config, compile_config=compile_config)
-        optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, eval_dataloader)
-        self.train_dataloader, self.eval_dataloader = data.shielded(train_dataloader), data.shielded(eval_dataloader)
+        self._train_spec = None if train_dataloader is None else ensure_data_spec(train_dataloader)
+        train_dataloader = None if self._train_spec is None else self._train_spec.dataloader
+        optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, None)
+        self.train_dataloader = data.shielded(train_dataloader)
+        self._eval_dataloader = eval_dataloader  # made into evaluators once the device is known
         self.strategy = build_strategy(
             parallel, device=self.loop.device, precision=self.loop.precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
             microbatch_size=self.loop.fixed_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
@@ -152,13 +157,15 @@ class Trainer:
         self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
             self.state.schedulers, step_schedulers_every_batch)
         self._set_up_checkpoints()
-        self._follow_loader(train_dataloader)
+        checkpointing.bind_callbacks(callbacks, self.layout, self.saved_checkpoints)
+        self._follow_loader(self._train_spec)
         console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
         self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
         on_tokens = self.options.accumulate_train_batch_on_tokens
         self._microbatches = microbatch.Microbatches(
             self.state, self.strategy, self._run_event, self.loop, setup.auto_microbatching(self.loop, self.parallel),
             count=(lambda micro: self._num_tokens(micro)) if on_tokens else None)
+        self._microbatches.spec = self._train_spec
         self._logging, self._closed, self._fitting = False, False, False
         self._events.index()
         if auto_log_hparams:
@@ -168,6 +175,8 @@ class Trainer:
         self._resume_entry = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
                                                          self.train_dataloader, run_name_given=run_name is not None)
         self._run_event(Event.AFTER_LOAD)
+        if self._resume_entry is None:  # a LoadCheckpoint callback may have loaded the training state
+            self._resume_entry = checkpointing.entry_of_callbacks(callbacks)
 
     def _set_up_checkpoints(self) -> None:
         self.layout = self.strategy.layout()
@@ -209,11 +218,17 @@ class Trainer:
     def callbacks(self, callbacks: Sequence[Callback]) -> None:
         self._events.set_callbacks(callbacks)
 
-    def _follow_loader(self, loader: Any) -> None:
-        """What the loop needs to know of the training dataloader: whether ranks must agree on each
-        batch, and how to count its tokens."""
-        self._step_sync, self._sum_tokens = setup.step_agreement(loader, self.state.model)
-        self._num_tokens = getattr(loader, "get_num_tokens_in_batch", None) or self.state.model.num_tokens
+    def _follow_loader(self, spec: DataSpec | None) -> None:
+        """What the loop needs to know of the training data: whether ranks must agree on each
+        batch, and how to count its samples and tokens (the DataSpec's rules, else the model's)."""
+        loader = None if spec is None else spec.dataloader
+        model = self.state.model
+        self._num_tokens = ((spec.get_num_tokens_in_batch if spec is not None else None)
+                            or getattr(loader, "get_num_tokens_in_batch", None) or model.num_tokens)
+        self._num_samples = (spec.get_num_samples_in_batch if spec is not None else None) or model.num_samples
+        self._batch_transforms = None if spec is None else spec.batch_transforms
+        self._step_sync, self._sum_tokens = setup.step_agreement(
+            loader, model, counts_tokens=spec is not None and spec.get_num_tokens_in_batch is not None)
 
     def _start_distributed(self, model: Model, optimizers: list[torch.optim.Optimizer], schedulers: Any,
                            run_name: str | None, dist_timeout: float) -> State:
@@ -225,12 +240,14 @@ class Trainer:
         self.strategy.setup(model, optimizers)
         if self.parallel.compile_config is not None:
             self.strategy.compile(self.parallel.compile_config)
-        self.eval_metrics = {k: m.to(loop.device) for k, m in model.get_metrics(is_train=False).items()}
+        self.evaluators, eval_metrics = evaluation.build_evaluators(
+            self._eval_dataloader, model, loop.device, loop.eval_interval, loop.eval_subset_num_batches)
         state = State(model=model, optimizers=optimizers, schedulers=[],
                       max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
                       device=loop.device, precision=loop.precision, scaler=self.strategy.scaler,  # type: ignore[arg-type]
                       strategy=self.strategy,
-                      batches_per_epoch=setup.epoch_length(self.train_dataloader, loop.train_subset_num_batches))
+                      batches_per_epoch=setup.epoch_length(self.train_dataloader, loop.train_subset_num_batches),
+                      eval_metrics=eval_metrics, evaluators=self.evaluators)
         state.schedulers = compile_schedulers(setup.as_list(schedulers), state, loop.scale_schedule_ratio)
         if state.max_duration is not None:
             self._follow_schedules(state)
@@ -288,6 +305,7 @@ class Trainer:
         if self._logging:
             self.logger.log_hyperparameters(setup.hyperparameters(self))
         self._clock = time.perf_counter()  # wall clock of the batches: Timestamp.total_wct, batch_wct
+        s.dataloader, s.dataloader_label = self.train_dataloader, self.options.train_dataloader_label
         self._run_event(Event.FIT_START)
         with StopSignal() if self.saver else contextlib.nullcontext() as stop:
             while not is_reached(s.timestamp, s.max_duration):
@@ -299,7 +317,7 @@ class Trainer:
                 batches = data.epoch_batches(
                     self.train_dataloader, self._count, self._step_sync, s.device, sum_tokens=self._sum_tokens,
                     track=self._position if self.saver else None, resume=resume,
-                    limit=self.loop.train_subset_num_batches)
+                    limit=self.loop.train_subset_num_batches, transform=self._batch_transforms)
                 try:
                     if not self._train_epoch(batches, stop) and resume is None:
                         raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
@@ -352,8 +370,8 @@ class Trainer:
         if self._logging:
             self._log_batch()
         self._run_event(Event.BATCH_END)
-        if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, before, Event.BATCH_END):
-            self._evaluate()
+        if self.evaluators:
+            self._evaluate_due(before, Event.BATCH_END)
         # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
         if self._saves and not is_last:
             self._saves.after_batch(before, after)
@@ -373,8 +391,8 @@ class Trainer:
         for scheduler in self._epoch_schedulers:
             scheduler.step()
         self._run_event(Event.EPOCH_END)
-        if self.eval_dataloader is not None and evaluation.is_due(self.loop.eval_interval, s, after_batch, Event.EPOCH_END):
-            self._evaluate()
+        if self.evaluators:
+            self._evaluate_due(after_batch, Event.EPOCH_END)
         if self._saves:
             self._saves.after_epoch(before_batch)
         self._run_event(Event.EPOCH_CHECKPOINT)
@@ -404,7 +422,7 @@ class Trainer:
                                  "time/epoch": s.timestamp.epoch.value})
 
     def _count(self, batch: Any) -> tuple[int, int]:
-        return self.state.model.num_samples(batch), self._num_tokens(batch)
+        return self._num_samples(batch), self._num_tokens(batch)
 
     @staticmethod
     def _follow_schedules(state: State) -> None:
@@ -415,20 +433,35 @@ class Trainer:
 
     # -- evaluation ---------------------------------------------------------------------------
 
-    def eval(self, subset_num_batches: int | None = None) -> dict[str, float]:
-        """Evaluate on ``eval_dataloader`` over all ranks; returns and stores ``state.eval_metrics``.
+    def eval(self, eval_dataloader: Any = None, subset_num_batches: int = -1) -> dict[str, dict[str, float]]:
+        """Evaluate every evaluator over all ranks (Composer's ``Trainer.eval``); the metrics are in
+        ``state.eval_metrics`` and logged, and their values are returned as ``{label: {name: value}}``.
 
-        Samples a DistributedSampler repeats to pad the ranks' shares are left out, so the metrics
-        equal those of one process over the whole dataset. ``subset_num_batches`` (default: the
-        Trainer's ``eval_subset_num_batches``) evaluates only the first batches of each rank.
+        ``eval_dataloader`` (a dataloader, DataSpec, Evaluator or list of Evaluators, with labels
+        not in use) evaluates those instead; their metrics stay in ``state.eval_metrics``.
+        ``subset_num_batches`` (-1: each evaluator's own) evaluates only the first batches of each
+        rank. Samples a DistributedSampler repeats to pad the ranks' shares are left out, so the
+        metrics equal those of one process over the whole dataset.
         """
-        if self.eval_dataloader is None:
-            raise ValueError("eval() needs eval_dataloader passed to Trainer(...)")
+        evaluators = self.evaluators
+        if eval_dataloader is not None:
+            evaluators, metrics = evaluation.build_evaluators(
+                eval_dataloader, self.state.model, self.state.device, self.loop.eval_interval,
+                self.loop.eval_subset_num_batches)
+            taken = sorted(set(metrics) & set(self.state.eval_metrics))
+            if taken:
+                raise ValueError(f"eval(eval_dataloader=...): the label(s) {taken} are already the Trainer's "
+                                 f"evaluators; give the new ones other labels")
+            self.state.eval_metrics.update(metrics)
+        if not evaluators:
+            raise ValueError("eval() needs eval_dataloader, given to Trainer(...) or to eval(...)")
+        if subset_num_batches != -1:
+            subset("subset_num_batches", subset_num_batches)
         if self._fitting:  # a callback evaluating during fit
-            return self._eval_loop(subset_num_batches)
+            return self._eval_all(evaluators, subset_num_batches)
         try:
             self._run_event(Event.EVAL_STANDALONE_START)
-            results = self._eval_loop(subset_num_batches)
+            results = self._eval_all(evaluators, subset_num_batches)
             self._run_event(Event.EVAL_STANDALONE_END)
         finally:
             progress.stop_heartbeat()  # its batches reported progress; what follows may not
@@ -443,28 +476,39 @@ class Trainer:
         limit = subset("subset_num_batches", subset_num_batches)
         return predict.predict(self.state, self.strategy, self._run_event, dataloader, limit, return_outputs)
 
-    def _evaluate(self) -> None:
-        """The evaluation that ``eval_interval`` asks for during fit (its time is not the batches')."""
+    def _evaluate_due(self, before: Timestamp, event: Event) -> None:
+        """The evaluators whose interval asks for an evaluation at ``event`` (BATCH_END or
+        EPOCH_END), during fit (their time is not the batches')."""
+        s = self.state
+        due = [e for e in self.evaluators if evaluation.is_due(e.eval_interval, s, before, event)]  # type: ignore[arg-type]
+        if not due:
+            return
         started = time.perf_counter()
         self._run_event(Event.EVAL_BEFORE_ALL)
-        self._eval_loop(None)
+        self._eval_all(due, -1)
         self._run_event(Event.EVAL_AFTER_ALL)
         self._clock += time.perf_counter() - started
 
-    def _eval_loop(self, subset_num_batches: int | None) -> dict[str, float]:
-        limit = self.loop.eval_subset_num_batches if subset_num_batches is None else subset(
-            "subset_num_batches", subset_num_batches)
-        return evaluation.evaluate(self.state, self.strategy, self.eval_dataloader, self.eval_metrics, limit,
-                                   self._run_event, self.logger)
+    def _eval_all(self, evaluators: list[Any], subset_num_batches: int) -> dict[str, dict[str, float]]:
+        results = {}
+        for evaluator in evaluators:
+            count = evaluator.subset_num_batches if subset_num_batches == -1 else subset_num_batches
+            results[evaluator.label] = evaluation.evaluate(
+                self.state, self.strategy, evaluator, self.state.eval_metrics[evaluator.label],
+                evaluation.batch_limit(count), self._run_event, self.logger)
+        return results
 
     # -- checkpoints --------------------------------------------------------------------------
 
     def _use_train_dataloader(self, loader: Any) -> None:
+        spec = ensure_data_spec(loader)
+        loader = spec.dataloader
         data.check_distributed_sampler(loader, "train_dataloader")
         s = self.state
+        self._train_spec = self._microbatches.spec = spec
         self.train_dataloader = data.shielded(loader)
         s.batches_per_epoch = setup.epoch_length(loader, self.loop.train_subset_num_batches)
-        self._follow_loader(loader)
+        self._follow_loader(spec)
 
     def _preempt(self) -> None:
         s = self.state

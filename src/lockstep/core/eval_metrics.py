@@ -1,0 +1,64 @@
+"""``state.eval_metrics`` as Composer has it, ``{label: {name: Metric}}``, and what lockstep adds:
+each evaluator's ``'loss'`` (the model's loss over the evaluated samples), and the metrics' values
+as plain numbers for logs and checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchmetrics import Metric
+
+__all__ = ["EvalLoss", "values", "restore_values"]
+
+LOSS = "loss"
+
+
+class EvalLoss(Metric):
+    """The mean of the model's ``loss(outputs, batch)`` over the evaluated samples (each batch's
+    loss weighted by its sample count), summed over the ranks when computed."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, loss: torch.Tensor, num_samples: int) -> None:  # type: ignore[override]
+        self.total += loss.detach().double() * num_samples
+        self.count += num_samples
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count if self.count > 0 else torch.tensor(float("nan"), dtype=torch.float64)
+
+
+def values(eval_metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """``{label: {name: value}}`` of the metrics' last computed values (a plain number stays one).
+    A metric not computed since its last update or reset (an evaluator that has not run yet) is
+    left out: computing it would gather over the ranks, and this may run on one rank only."""
+    return {label: {name: value_of(metric) for name, metric in metrics.items()
+                    if not isinstance(metric, Metric) or metric._computed is not None}
+            for label, metrics in eval_metrics.items()}
+
+
+def value_of(metric: Any) -> float:
+    """A metric's value as a float: a Metric's ``compute()`` (cached after an evaluation, so no
+    collective), or the number itself."""
+    value = metric.compute() if isinstance(metric, Metric) else metric
+    return float(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
+
+
+def restore_values(eval_metrics: dict[str, dict[str, Any]], saved: dict[str, Any]) -> None:
+    """Put saved values back: ``compute()`` of each live metric named in ``saved`` returns its
+    saved value until the next evaluation resets it. A checkpoint of an older lockstep saved one
+    flat ``{name: value}``: it is the ``'eval'`` evaluator's."""
+    if saved and not all(isinstance(v, dict) for v in saved.values()):
+        saved = {"eval": saved}
+    for label, named in saved.items():
+        live = eval_metrics.get(label, {})
+        for name, value in named.items():
+            metric = live.get(name)
+            if isinstance(metric, Metric):
+                metric._computed = torch.tensor(float(value))
+                metric._update_count = max(metric._update_count, 1)  # no "compute before update" warning

@@ -1,0 +1,334 @@
+"""Nodes on separate hosts (network namespaces with addresses of their own, tests/launcher/netns.py):
+a link that goes down mid-run, SIGTERM to a node cut off from the master, a partition that heals
+under --max_restarts, and the interface the ranks use on multi-homed hosts."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.launcher.interface import interface_env, route_to
+from lockstep.launcher.store import StoreClient, Stopped, StoreLost, tcp_store
+from lockstep.launcher.output import RankLogs
+from lockstep.launcher.ranks import Rank, Waiter
+from tests.checkpoint.test_faults import JOB as TRAIN_JOB
+from tests.checkpoint.test_faults import assert_bitwise
+from tests.launcher.conftest import launch
+from tests.launcher.netns import Hosts, make_hosts
+
+pytestmark = pytest.mark.timeout(150)
+
+REPO = Path(__file__).resolve().parents[2]
+PORT = 29400  # every host has its own ports: no clash with other tests
+GRACE = 3
+
+# Every rank all-reduces until the test writes "cut" beside it (just before it cuts a link), then
+# waits until the link is down. Rank SPILL_RANK then writes SPILL_BYTES to stdout, which pass
+# through its launcher (waiting for the store meanwhile), and says so in "spilled". Then every rank
+# all-reduces once more, which blocks for good across the partition.
+_JOB = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    here = sys.argv[1]
+    dist.init_process_group("gloo")
+    if os.environ.get("IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank = dist.get_rank()
+    print(f"rank {rank} GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME')} "
+          f"NCCL_SOCKET_IFNAME={os.environ.get('NCCL_SOCKET_IFNAME')}", flush=True)
+    x = torch.ones(1)
+    for step in range(int(os.environ.get("STEPS", "1000000"))):
+        if step == 2:
+            open(os.path.join(here, f"training{rank}"), "w").close()
+        if os.path.exists(os.path.join(here, "cut")):
+            break
+        dist.all_reduce(x)
+        time.sleep(0.02)
+    else:
+        print(f"rank {rank} done", flush=True)
+        sys.exit(0)
+    time.sleep(1.0)  # the link is down by now
+    if rank == int(os.environ.get("SPILL_RANK", "-1")):
+        time.sleep(0.5)
+        sys.stdout.write("x" * int(os.environ["SPILL_BYTES"]) + "\\n")
+        sys.stdout.flush()
+        open(os.path.join(here, "spilled"), "w").write(repr(time.time()))
+    dist.all_reduce(x)
+""")
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    yield from make_hosts(2)
+
+
+@pytest.fixture
+def multihomed() -> Iterator[Hosts]:
+    yield from make_hosts(2, networks=2)
+
+
+class Node:
+    """One launcher on a namespace host; its console goes to files (nothing to drain meanwhile)."""
+
+    def __init__(self, hosts: Hosts, node: int, tmp: Path, argv: Sequence[str], extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None, master_network: int = 0) -> None:
+        self.out_path, self.err_path = tmp / f"node{node}.out", tmp / f"node{node}.err"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = hosts.popen(node, [
+                sys.executable, "-m", "lockstep", "-n", "1", "--world_size", "2", "--node_rank", str(node),
+                "--master_addr", hosts.address(0, master_network), "--master_port", str(PORT),
+                "--run_directory", str(tmp / f"run{node}"), "--grace_period", str(GRACE), *extra, *argv],
+                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=out, stderr=err)
+        self.ended: float | None = None
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher is still running after {timeout:g} s:\n{self.err}")
+        self.ended = self.ended or time.monotonic()
+        return code
+
+    def poll_end(self) -> None:
+        if self.ended is None and self.proc.poll() is not None:
+            self.ended = time.monotonic()
+
+    @property
+    def err(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    @property
+    def out(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+
+def _start(hosts: Hosts, tmp: Path, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> list[Node]:
+    script = tmp / "job.py"
+    script.write_text(_JOB)
+    return [Node(hosts, n, tmp, [str(script), str(tmp)], extra, env) for n in (0, 1)]
+
+
+def _wait_for(paths: list[Path], nodes: list[Node], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        ended = [n for n in nodes if n.proc.poll() is not None]
+        assert not ended and time.monotonic() < deadline, (
+            f"waiting for {[p.name for p in paths]}:\n" + "\n".join(n.err for n in nodes))
+        time.sleep(0.1)
+
+
+def _cut_mid_run(hosts: Hosts, tmp: Path, nodes: list[Node], host: int) -> float:
+    """Wait until both ranks train, tell them, cut ``host``'s link; when it was cut."""
+    _wait_for([tmp / "training0", tmp / "training1"], nodes)
+    (tmp / "cut").touch()
+    time.sleep(0.3)  # the ranks leave their loop of all-reduces (one more follows, after the cut)
+    hosts.cut(host)
+    return time.monotonic()
+
+
+def _wait_both(nodes: list[Node], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(n.proc.poll() is None for n in nodes) and time.monotonic() < deadline:
+        for n in nodes:
+            n.poll_end()
+        time.sleep(0.1)
+    return [n.wait(5) for n in nodes]
+
+
+def _no_process_left(hosts: Hosts) -> None:
+    deadline = time.monotonic() + 10
+    while any(hosts.pids(h) for h in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [hosts.pids(h) for h in (0, 1)] == [[], []]
+
+
+@pytest.mark.parametrize("cut", [1, 0], ids=["node-1-cut-off", "master-cut-off"])
+def test_a_partition_ends_both_nodes_within_60_s_and_the_isolated_one_says_it_lost_the_master(
+        hosts: Hosts, tmp_path: Path, cut: int) -> None:
+    # rank 1 (node 1's local rank 0, on its launcher's console) writes 1 MB after the cut: its
+    # launcher must go on draining the pipe while it waits for the store that no longer answers
+    nodes = _start(hosts, tmp_path, env={"SPILL_RANK": "1", "SPILL_BYTES": str(1 << 20)})
+    cut_at = _cut_mid_run(hosts, tmp_path, nodes, cut)
+    codes = _wait_both(nodes, timeout=70)
+    assert codes == [1, 1], [n.err for n in nodes]
+    assert all(n.ended is not None and n.ended - cut_at < 60 for n in nodes), [n.ended - cut_at for n in nodes]
+    node0, node1 = nodes[0].err, nodes[1].err
+    assert "the job failed: node 1's launcher stopped answering" in node0, node0
+    where = f"{hosts.address(0)}:{PORT}"
+    assert f"the job failed: the rendezvous store at {where}, which node 0's launcher hosts, stopped answering" \
+        in node1, node1
+    assert "lost the master, silent since " in node1 and " s ago); node 0 counts as failed" in node1, node1
+    assert (tmp_path / "spilled").exists(), (node1, len(nodes[1].out), time.monotonic() - cut_at)
+    assert "x" * (1 << 20) in nodes[1].out
+    _no_process_left(hosts)
+
+
+def test_sigterm_ends_a_node_cut_off_from_the_master_within_its_grace_period(hosts: Hosts, tmp_path: Path) -> None:
+    # the ranks ignore SIGTERM, so only the launcher's teardown ends them: after the grace period
+    nodes = _start(hosts, tmp_path, env={"IGNORE_TERM": "1"})
+    _cut_mid_run(hosts, tmp_path, nodes, 1)
+    time.sleep(1.0)  # node 1's launcher now waits for an answer from the store that will not come
+    signalled = time.monotonic()
+    nodes[1].proc.send_signal(signal.SIGTERM)
+    code = nodes[1].wait(timeout=GRACE + 30)
+    took = time.monotonic() - signalled
+    err = nodes[1].err
+    assert code == 128 + signal.SIGTERM, err
+    assert took < GRACE + 4, (took, err, nodes[1].out)  # + the exit of a Python that loaded torch, on a busy CI
+    assert "received SIGTERM, forwarding it to every rank" in err
+    assert f"did not exit within the {GRACE} s grace period" in err, err
+    assert nodes[0].wait(timeout=60) == 1
+    _no_process_left(hosts)
+
+
+def test_sigterm_ends_a_node_that_retries_the_cut_off_master_for_a_restart(hosts: Hosts, tmp_path: Path) -> None:
+    nodes = _start(hosts, tmp_path, ["--max_restarts", "1", "--rdzv_timeout", "120"])
+    _cut_mid_run(hosts, tmp_path, nodes, 1)
+    deadline = time.monotonic() + 40
+    while "rejoining the master at" not in nodes[1].err:
+        assert time.monotonic() < deadline and nodes[1].proc.poll() is None, nodes[1].err
+        time.sleep(0.1)
+    time.sleep(1.0)
+    signalled = time.monotonic()
+    nodes[1].proc.send_signal(signal.SIGTERM)
+    code = nodes[1].wait(timeout=30)
+    took = time.monotonic() - signalled
+    err = nodes[1].err
+    assert code == 128 + signal.SIGTERM, err
+    assert took < GRACE + 4, (took, err)
+    assert "received SIGTERM while waiting for the rendezvous store" in err, err
+    nodes[0].proc.send_signal(signal.SIGTERM)  # it waits for node 1 to rejoin
+    assert nodes[0].wait(timeout=30) == 128 + signal.SIGTERM, nodes[0].err
+    _no_process_left(hosts)
+
+
+def _train(hosts: Hosts, tmp: Path, restarts: int) -> list[Node]:
+    """tests/checkpoint/train_job.py on both hosts, each with a save folder of its own."""
+    return [Node(hosts, n, tmp, [str(TRAIN_JOB), "--folder", str(tmp / f"saves{n}"), "--out", str(tmp / f"final{n}.pt"),
+                                 "--sleep", "0.25", "--progress", str(tmp / f"progress{n}")],
+                 ["--max_restarts", str(restarts), "--rdzv_timeout", "60"]) for n in (0, 1)]
+
+
+@pytest.mark.timeout(240)
+def test_a_partition_that_heals_re_forms_the_job_and_ends_as_the_uninterrupted_run(
+        hosts: Hosts, tmp_path: Path) -> None:
+    reference = launch(["-n", "2", str(TRAIN_JOB), "--folder", str(tmp_path / "clean"),
+                        "--out", str(tmp_path / "clean.pt")], cwd=REPO, timeout=120)
+    assert reference.returncode == 0, reference.stderr
+    nodes = _train(hosts, tmp_path, restarts=2)
+    progress = tmp_path / "progress0"
+    deadline = time.monotonic() + 150
+    # after the checkpoint of batch 8, before the end (24 batches)
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 10):
+        assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), [n.err for n in nodes]
+        time.sleep(0.1)
+    hosts.cut(1)
+    while "rejoining the master at" not in nodes[1].err:  # both sides found the other gone
+        assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), [n.err for n in nodes]
+        time.sleep(0.1)
+    time.sleep(2)  # node 1 retries the master that it cannot reach
+    hosts.heal(1)
+    codes = _wait_both(nodes, timeout=150)
+    node0, node1 = nodes[0].err, nodes[1].err
+    assert codes == [0, 0], (node0, node1)
+    assert "node 1's launcher stopped answering" in node0 and "restarting every node's ranks (1 of 2)" in node0, node0
+    assert "lost the master" in node1 and "rejoining the master at" in node1, node1
+    assert not (tmp_path / "saves1").exists() or not any((tmp_path / "saves1").iterdir())  # no shared disk
+    resumed = re.search(r"attempt [12] resumed at batch (\d+)ba", nodes[0].out)
+    assert resumed and int(resumed[1]) >= 8, nodes[0].out  # from a checkpoint that node 1 never had
+    assert_bitwise(torch.load(tmp_path / "final0.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    _no_process_left(hosts)
+
+
+def test_ranks_use_the_interface_that_routes_to_the_master(multihomed: Hosts, tmp_path: Path) -> None:
+    # network 0 is down at the switch; the master's address is on network 1
+    for h in (0, 1):
+        multihomed.cut(h, network=0)
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    # node 1 names Gloo's interface itself: only NCCL's is chosen for it
+    nodes = [Node(multihomed, n, tmp_path, [str(script), str(tmp_path)], ["-v"],
+                  {"STEPS": "5", **({"GLOO_SOCKET_IFNAME": "net1"} if n else {})}, master_network=1) for n in (0, 1)]
+    assert [n.wait(90) for n in nodes] == [0, 0], [n.err for n in nodes]
+    master = multihomed.address(0, 1)
+    chose = f"ranks use the interface net1 ({{}}), which routes to the master {master}, for "
+    assert chose.format(multihomed.address(0, 1)) + "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME\n" in nodes[0].err
+    assert chose.format(multihomed.address(1, 1)) + "NCCL_SOCKET_IFNAME; GLOO_SOCKET_IFNAME=net1 as set\n" \
+        in nodes[1].err, nodes[1].err
+    for h, node in enumerate(nodes):
+        assert f"rank {h} GLOO_SOCKET_IFNAME=net1 NCCL_SOCKET_IFNAME=net1" in node.out, node.out
+
+
+def test_the_interface_is_left_alone_on_loopback_or_where_the_user_named_one() -> None:
+    assert route_to("127.0.0.1") is not None and route_to("127.0.0.1").interface == "lo"
+    added, line = interface_env("127.0.0.1", {})
+    assert added == {} and "loopback" in line
+    added, line = interface_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"})
+    assert added == {} and "GLOO_SOCKET_IFNAME=a, NCCL_SOCKET_IFNAME=b" in line
+    assert route_to("no-such-host.invalid") is None
+
+
+def test_a_store_call_that_gets_no_answer_ends_at_its_deadline_and_the_client_stays_lost() -> None:
+    # a listener that accepts and never answers stands for a master behind a silent network
+    store_class = tcp_store()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        looks: list[float] = []
+        client = StoreClient(lambda: store_class("127.0.0.1", port, None, False, datetime.timedelta(seconds=60)),
+                             f"127.0.0.1:{port}", deadline=1.0)
+        start = time.monotonic()
+        with pytest.raises(StoreLost, match="no answer within 1 s"):
+            client.call("add", "k", 1, meanwhile=lambda s: (looks.append(s), time.sleep(s)))
+        assert time.monotonic() - start < 2.0
+        assert looks and max(looks) <= 0.1  # the main thread's other work was never left for long
+        start = time.monotonic()
+        with pytest.raises(StoreLost):
+            client.call("add", "k", 1)
+        assert time.monotonic() - start < 0.1
+
+        def stop(seconds: float) -> None:
+            raise Stopped(signal.SIGTERM)
+
+        other = StoreClient(lambda: store_class("127.0.0.1", port, None, False, datetime.timedelta(seconds=60)),
+                            f"127.0.0.1:{port}", deadline=30.0)
+        start = time.monotonic()
+        with pytest.raises(Stopped):
+            other.call("add", "k", 1, meanwhile=stop)
+        assert time.monotonic() - start < 1.0
+
+
+def test_a_rank_exit_taken_while_a_store_call_was_out_does_not_wake_the_monitor_again_and_again() -> None:
+    # the supervisor's Waiter during a store call sees the exit; the monitor's Waiter must not spin on it
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    rank = Rank(None, proc, os.pidfd_open(proc.pid), RankLogs(None, None))  # type: ignore[arg-type]
+    wake_r, wake_w = os.pipe()
+    try:
+        with Waiter([rank], wake_r, ()) as monitor:
+            with Waiter([rank], wake_r, ()) as during_call:
+                deadline = time.monotonic() + 30
+                while not during_call.wait(0.1)[1]:
+                    assert time.monotonic() < deadline
+            assert rank.returncode == 0
+            monitor.wait(0)  # takes note that the rank is gone
+            start = time.monotonic()
+            assert monitor.wait(0.3) == ([], [])
+            assert time.monotonic() - start >= 0.25
+    finally:
+        rank.close()
+        os.close(wake_r)
+        os.close(wake_w)

@@ -1,0 +1,179 @@
+"""Composer's Evaluator and DataSpec, and the CheckpointSaver and LoadCheckpoint callbacks, in the
+Trainer (one process; tests/test_composer_notebooks.py runs Composer's own code with them on 2 ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import lockstep
+from lockstep import Callback, DataSpec, Evaluator, Trainer
+from lockstep.callbacks import CheckpointSaver, LoadCheckpoint
+from lockstep.core.eval_metrics import values
+from lockstep.loggers import InMemoryLogger
+from tests.trainer.common import MLP, dataset, error_of, loader, params
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+class Evaluated(Callback):
+    """The label and batch of each evaluation."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def eval_end(self, state, logger) -> None:
+        self.seen.append((state.dataloader_label, state.timestamp.batch.value))
+
+
+def test_composers_paths_hold_the_same_classes() -> None:
+    import lockstep.core
+    import lockstep.core.data_spec
+    import lockstep.core.evaluator
+
+    assert lockstep.Evaluator is lockstep.core.Evaluator is lockstep.core.evaluator.Evaluator
+    assert lockstep.DataSpec is lockstep.core.DataSpec is lockstep.core.data_spec.DataSpec
+
+
+def test_each_evaluator_has_its_interval_subset_metrics_and_logged_names() -> None:
+    model, logger, evaluated = MLP(), InMemoryLogger(), Evaluated()
+    often = Evaluator(label="often", dataloader=loader(4), eval_interval="2ba", subset_num_batches=1)
+    rare = Evaluator(label="rare", dataloader=DataSpec(loader(7)), metric_names=["ACC"])  # regex, any case
+    never = Evaluator(label="never", dataloader=loader(7), eval_interval=0)
+    trainer = Trainer(model=model, train_dataloader=loader(7), max_duration="2ep", optimizers=sgd(model),
+                      eval_dataloader=[often, rare, never], loggers=[logger], callbacks=[evaluated],
+                      progress_bar=False)
+    trainer.fit()
+    assert evaluated.seen == [("often", 2), ("often", 4), ("rare", 4), ("often", 6), ("often", 8), ("rare", 8)]
+    assert set(trainer.state.eval_metrics) == {"often", "rare", "never"}
+    assert set(trainer.state.eval_metrics["rare"]) == {"accuracy", "loss"}
+    assert {k for k in logger.data if k.startswith("metrics/")} == {"metrics/often/accuracy", "metrics/rare/accuracy"}
+    # the subset: 'often' saw the first batch of 4 only
+    first = Trainer(model=model, eval_dataloader=DataLoader(torch.utils.data.Subset(dataset(), range(4)),
+                                                            batch_size=4), progress_bar=False).eval()["eval"]
+    assert values({"often": trainer.state.eval_metrics["often"]})["often"] == first
+    results = trainer.eval()  # every evaluator, 'never' too
+    assert set(results) == {"often", "rare", "never"}
+    assert results["never"] == results["rare"] | {"loss": results["never"]["loss"]}
+
+
+def test_eval_microbatches_give_the_whole_batchs_metrics() -> None:
+    model = MLP()
+    whole = Trainer(model=model, eval_dataloader=loader(8), progress_bar=False).eval()["eval"]
+    pieces = Trainer(model=model, eval_dataloader=Evaluator(label="eval", dataloader=loader(8),
+                                                            device_eval_microbatch_size=3),
+                     progress_bar=False).eval()["eval"]
+    assert pieces["accuracy"] == whole["accuracy"]
+    assert pieces["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+
+
+def test_a_train_dataspec_counts_splits_and_transforms_batches() -> None:
+    """A batch the model cannot count (a dict with a string) trains through a DataSpec's rules, and
+    its transforms act: equal to plain batches with the transform applied beforehand."""
+    x, y = dataset(32).tensors
+    plain = [(2 * x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
+    dicts = [{"x": x[i:i + 8], "y": y[i:i + 8], "tag": "kept"} for i in range(0, 32, 8)]
+    split_sizes = []
+
+    def split(batch, size):
+        split_sizes.append(size)
+        return [{k: (v[j:j + size] if torch.is_tensor(v) else v) for k, v in batch.items()} for j in range(0, 8, size)]
+
+    spec = DataSpec(dicts, batch_transforms=lambda b: {**b, "x": 2 * b["x"]},
+                    microbatch_transforms=lambda b: (b["x"], b["y"]), split_batch=split,
+                    get_num_samples_in_batch=lambda b: len(b["y"]))
+    reference, model = MLP(), MLP()
+    Trainer(model=reference, train_dataloader=plain, max_duration="1ep", optimizers=sgd(reference),
+            progress_bar=False).fit()
+    trainer = Trainer(model=model, train_dataloader=spec, max_duration="1ep", optimizers=sgd(model),
+                      device_train_microbatch_size=3, progress_bar=False)
+    trainer.fit()
+    assert trainer.state.timestamp.sample == 32 and split_sizes == [3] * 4
+    for k, v in params(reference).items():
+        torch.testing.assert_close(v, params(model)[k], rtol=0, atol=1e-6)
+
+
+def test_evaluator_and_dataspec_errors_are_one_line() -> None:
+    model = MLP()
+    cases = [
+        (lambda: Evaluator(label="", dataloader=loader(4)), "give a non-empty name"),
+        (lambda: Evaluator(label="a", dataloader=loader(4), metric_names="accuracy"), "must be a list of strings"),
+        (lambda: Evaluator(label="a", dataloader=loader(4), device_eval_microbatch_size="auto"), "no 'auto'"),
+        (lambda: Evaluator(label="a", dataloader=loader(4), subset_num_batches=0), "must be -1"),
+        (lambda: DataSpec(loader(4), split_batch=3), "must be a function"),
+        (lambda: Trainer(model=model, eval_dataloader=[loader(4), Evaluator(label="a", dataloader=loader(4))]),
+         "must hold only Evaluators"),
+        (lambda: Trainer(model=model, eval_dataloader=[Evaluator(label="a", dataloader=loader(4))] * 2), "repeat"),
+    ]
+    for make, message in cases:
+        error = error_of(make)
+        assert message in error and "\n" not in error, error
+
+
+def _classifier_run(tmp_path: Path, max_duration: str = "2ep", **kwargs) -> Trainer:
+    model = MLP()
+    return Trainer(model=model, train_dataloader=loader(7), max_duration=max_duration, optimizers=sgd(model),
+                   progress_bar=False, run_name="r", **kwargs)
+
+
+def test_checkpoint_saver_callback_saves_as_the_trainers_save_arguments(tmp_path: Path) -> None:
+    saver = CheckpointSaver(folder=str(tmp_path / "cb"), save_interval="3ba", num_checkpoints_to_keep=2)
+    with_callback = _classifier_run(tmp_path, callbacks=[saver])
+    with_callback.fit()
+    with_arguments = _classifier_run(tmp_path, save_folder=str(tmp_path / "args"), save_interval="3ba",
+                                     save_num_checkpoints_to_keep=2)
+    with_arguments.fit()
+    names = sorted(p.name for p in (tmp_path / "cb").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "args").iterdir())
+    assert names == ["ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt", "latest-rank0.pt"]  # 4 batches an epoch
+    assert saver.saved_checkpoints == with_callback.saved_checkpoints and len(saver.saved_checkpoints) == 3
+    both = error_of(_classifier_run, tmp_path, callbacks=[saver], save_folder=str(tmp_path / "x"))
+    assert "not both" in both
+    assert "ignore_keys" in error_of(CheckpointSaver, ignore_keys=["rng"])
+    assert "save_filename" in error_of(CheckpointSaver, filename="ep{nonsense}.pt")
+
+
+def test_load_checkpoint_callback_resumes_exactly_and_loads_weights_at_an_event(tmp_path: Path) -> None:
+    whole = _classifier_run(tmp_path, save_folder=str(tmp_path / "ck"), save_interval="3ba")
+    whole.fit()
+    middle = whole.saved_checkpoints[0]  # ep0-ba3: mid-epoch
+    resumed = _classifier_run(tmp_path, callbacks=[LoadCheckpoint(middle)])
+    assert resumed.state.timestamp.batch == 3
+    resumed.fit()
+    assert all(torch.equal(a, b) for a, b in zip(params(whole.state.model).values(),
+                                                  params(resumed.state.model).values()))
+    # weights only, at FIT_START: the run starts at batch 0 from the saved weights
+    started = []
+    late = LoadCheckpoint(whole.saved_checkpoints[-1], load_weights_only=True, event="fit_start")
+    probe = type("Probe", (Callback,), {"fit_start": lambda self, s, lg: started.append(params(s.model))})()
+    fresh = _classifier_run(tmp_path, callbacks=[late, probe], max_duration="1ba")
+    fresh.fit()
+    assert fresh.state.timestamp.batch == 1
+    saved = lockstep.checkpoint.export_state_dict(whole.saved_checkpoints[-1])
+    assert all(torch.equal(started[0][k], v) for k, v in saved.items())
+    assert "BEFORE_LOAD or AFTER_LOAD" in error_of(LoadCheckpoint, middle, event="fit_start")
+    assert "not an event" in error_of(LoadCheckpoint, middle, event="someday")
+
+
+def _save_metrics_before_any_evaluation(folder: str) -> list[str]:
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
+                      eval_dataloader=loader(4), eval_interval="1ep", save_folder=folder, save_interval="1ba",
+                      save_metrics=True, progress_bar=False, run_name="r")
+    trainer.fit()  # rank 0 writes each checkpoint: reading metrics never evaluated must not gather
+    trainer.eval()
+    return sorted(values(trainer.state.eval_metrics)["eval"])
+
+
+@pytest.mark.timeout(120)
+def test_save_metrics_before_the_first_evaluation_on_two_ranks(tmp_path: Path) -> None:
+    from lockstep.testing import run_distributed
+
+    results = run_distributed(_save_metrics_before_any_evaluation, world_size=2, args=(str(tmp_path),), timeout=100)
+    assert results == [["accuracy", "loss"]] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt", "latest-rank0.pt"]
