@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_overhead.py            # about 1 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_overhead.py --runs 7 --steps 5000
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_overhead.py --sources OLD/src src   # A/B of two trees
 
 One process, no launcher: a Linear(4, 1) trained with AdamW on batches of 4, so a step's own work
 is a few hundred microseconds and what the loop around it costs shows. Each run is a fresh
@@ -99,27 +100,33 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one run, in a child process
+    parser.add_argument("--sources", nargs="+", metavar="SRC",
+                        help="source folders to compare (each put first on PYTHONPATH), alternating run by run")
     args = parser.parse_args()
     if args.side:
         with tempfile.TemporaryDirectory() as folder:
             print(json.dumps(run_side(args.side, args.steps, folder)))
         return
-    results: dict[str, list[float]] = {side: [] for side in SIDES}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sources = args.sources or [None]
+    results: dict[tuple[str | None, str], list[float]] = {(src, side): [] for src in sources for side in SIDES}
     for run in range(args.runs):
-        order = SIDES if run % 2 == 0 else SIDES[::-1]
-        for side in order:
-            out = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(args.steps)],
-                                 env=env, capture_output=True, text=True, check=True)
-            results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"run {run + 1}/{args.runs} {side:13} {results[side][-1]:8.1f} us/step", flush=True)
-    loop = statistics.median(results["loop"])
+        for src in sources if run % 2 == 0 else sources[::-1]:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            if src is not None:
+                env["PYTHONPATH"] = os.path.abspath(src)
+            for side in SIDES if run % 2 == 0 else SIDES[::-1]:
+                out = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(args.steps)],
+                                     env=env, capture_output=True, text=True, check=True)
+                results[src, side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                label = f"{src} " if src else ""
+                print(f"run {run + 1}/{args.runs} {label}{side:13} {results[src, side][-1]:8.1f} us/step", flush=True)
     print(f"\n{args.steps} steps per run, {args.runs} runs, medians:")
-    for side in SIDES:
-        median = statistics.median(results[side])
-        extra = "" if side == "loop" else f"  ({median - loop:+.1f} us/step against the loop)"
-        print(f"{side:13} {median:8.1f} us/step{extra}")
-
+    for src in sources:
+        loop = statistics.median(results[src, "loop"])
+        for side in SIDES:
+            median = statistics.median(results[src, side])
+            extra = "" if side == "loop" else f"  ({median - loop:+.1f} us/step against the loop)"
+            print(f"{src + ': ' if src else ''}{side:13} {median:8.1f} us/step{extra}")
 
 if __name__ == "__main__":
     main()
