@@ -110,6 +110,7 @@ def raise_first_error(error: str | None, exception: type[Exception] = RuntimeErr
     first = first_error(error, device=device)
     if first is not None:
         rank, message = first
+        progress.echo(rank)
         raise exception(message if dist.get_world_size() == 1 else f"rank {rank}: {message}")
 
 

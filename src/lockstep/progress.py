@@ -38,6 +38,22 @@ def slot_path(control_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(control_dir) / f"rank{rank}.progress"
 
 
+def echo_path(control_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(control_dir) / f"rank{rank}.echo"
+
+
+def echo(origin: int) -> None:
+    """This rank is about to fail with rank ``origin``'s error, which every rank raises once they
+    agreed on it: the launcher then names ``origin`` as the rank that failed first, even when this
+    rank exits before it. A no-op outside ``lockstep``."""
+    folder, rank = os.environ.get(CONTROL_DIR_ENV), os.environ.get("RANK")
+    if folder and rank is not None and str(origin) != rank:
+        try:
+            echo_path(folder, int(rank)).write_text(str(origin))
+        except (OSError, ValueError):
+            pass  # a launcher that is gone: it blames nobody
+
+
 @dataclass(frozen=True)
 class Progress:
     """One reading of a rank's slot."""

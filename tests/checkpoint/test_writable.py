@@ -52,7 +52,7 @@ def test_explain_names_a_full_disk_from_torch_saves_message(tmp_path: Path, monk
 
 # A real full disk and a real read-only file system: a 1 MiB tmpfs in a private mount namespace.
 FULL_DISK_JOB = textwrap.dedent("""
-    import os, subprocess, sys, torch
+    import os, subprocess, sys, time, torch
     from pathlib import Path
     from lockstep import Trainer
     from tests.trainer.common import MLP, loader, sgd
@@ -62,13 +62,16 @@ FULL_DISK_JOB = textwrap.dedent("""
         def __init__(self):
             super().__init__()
             self.ballast = torch.nn.Parameter(torch.zeros(300_000), requires_grad=False)
-    if sys.argv[2] == "full":
+    if sys.argv[2] in ("full", "raise"):
         model = Big()
         trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="1ep", optimizers=sgd(model),
                           save_folder=str(folder), progress_bar=False)
         try:
             trainer.fit()
         except RuntimeError as e:
+            if sys.argv[2] == "raise":  # rank 0 slow on its way out: rank 1 exits first
+                time.sleep(1 if os.environ.get("RANK") == "0" else 0)
+                raise
             print("ERROR:", e)
         print("LEFT:", sorted(os.listdir(folder)))
     else:
@@ -82,7 +85,7 @@ FULL_DISK_JOB = textwrap.dedent("""
 """)
 
 
-def _in_small_tmpfs(tmp_path: Path, mode: str) -> str:
+def _in_small_tmpfs(tmp_path: Path, mode: str, launcher: list[str] = ()) -> str:
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1)")
     mount = tmp_path / "small"
@@ -90,7 +93,7 @@ def _in_small_tmpfs(tmp_path: Path, mode: str) -> str:
     script = tmp_path / "job.py"
     script.write_text(FULL_DISK_JOB)
     repo = Path(__file__).resolve().parents[2]
-    inner = f"mount -t tmpfs -o size=1m none {mount} && exec {sys.executable} {script} {mount} {mode}"
+    inner = f"mount -t tmpfs -o size=1m none {mount} && exec {sys.executable} {' '.join(launcher)} {script} {mount} {mode}"
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", inner], capture_output=True, text=True, timeout=120,
                           cwd=repo, env={"PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     if proc.returncode != 0 and "mount" in proc.stderr and "ERROR:" not in proc.stdout:
@@ -103,6 +106,14 @@ def test_a_full_disk_is_named_and_leaves_no_partial_file(tmp_path: Path) -> None
     out = _in_small_tmpfs(tmp_path, "full")
     assert "ERROR: writing a checkpoint in" in out and "no space left on device" in out, out
     assert "LEFT: []" in out, out  # no half-written temporary file, no pointer to a missing file
+
+
+@pytest.mark.timeout(150)
+def test_a_full_disk_on_rank_0_is_blamed_on_rank_0(tmp_path: Path) -> None:
+    # rank 1 raises rank 0's error too, and may exit first: the launcher still names rank 0
+    out = _in_small_tmpfs(tmp_path, "raise", ["-m", "lockstep", "-n", "2", "--run_directory", str(tmp_path / "run")])
+    assert "no space left on device" in out, out
+    assert "lockstep: rank 0 (local rank 0, pid" in out and "failed first with exit code 1" in out, out[-3000:]
 
 
 @pytest.mark.timeout(150)

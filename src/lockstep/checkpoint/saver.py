@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import _agreement, dist, idle
+from lockstep import _agreement, dist, idle, progress
 from lockstep.checkpoint import files, ownership, payload, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
@@ -350,6 +350,7 @@ class CheckpointSaver:
     def _raise_failure(self, first: tuple[int, str] | None) -> None:
         if first is not None:
             cause, self._failure = self._failure, None
+            progress.echo(first[0])
             where = "" if dist.get_world_size() == 1 else f" on rank {first[0]}"
             raise RuntimeError(f"writing a checkpoint in {self.folder} failed{where}: {first[1]}") from cause
 

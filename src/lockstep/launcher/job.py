@@ -62,6 +62,8 @@ LOST = "lost"
 """The node's launcher stopped answering (``rank`` -1)."""
 SIGNALLED = "signalled"
 """The node's launcher received signal ``code`` - 128 and stopped its ranks (``rank`` -1)."""
+ECHOED = "echoed"
+"""The rank exited with ``code`` raising another rank's error (an agreed failure): a symptom."""
 STOPPED = "stopped"
 """A stall: the rank made no progress and its main thread is not in a collective."""
 WAITING = "waiting"
@@ -91,9 +93,10 @@ class Failure:
 
 
 def root_cause(failures: list[Failure]) -> Failure:
-    """The earliest failure; a rank found waiting in a stalled collective is a symptom, named only
-    when no node recorded anything else, and a lost node yields to a rank failure at the same time."""
-    return min(failures, key=lambda f: (f.cause == WAITING, f.when, f.cause == LOST))
+    """The earliest failure; a rank found waiting in a stalled collective, or failing with another
+    rank's error, is a symptom, named only when no node recorded anything else, and a lost node
+    yields to a rank failure at the same time."""
+    return min(failures, key=lambda f: (f.cause == WAITING, f.cause == ECHOED, f.when, f.cause == LOST))
 
 
 class JobChannel:

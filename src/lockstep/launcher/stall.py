@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lockstep.launcher.job import STOPPED, WAITING, Failure
 from lockstep.launcher.stacks import Stacks
-from lockstep.progress import SLOT, Phase, Progress, slot_path
+from lockstep.progress import SLOT, Phase, Progress, echo_path, slot_path
 
 STALL_EXIT_CODE = 124
 """The launcher's exit code after a stall (as timeout(1)'s): distinct from any rank's failure."""
@@ -27,11 +27,20 @@ class ProgressBoard:
 
     def __init__(self, control_dir: Path, ranks: list[int]) -> None:
         self._maps: dict[int, mmap.mmap] = {}
+        self._control_dir = control_dir
         for rank in ranks:
+            echo_path(control_dir, rank).unlink(missing_ok=True)  # an earlier attempt's
             path = slot_path(control_dir, rank)
             path.write_bytes(bytes(SLOT.size))  # a fresh slot for every attempt
             with open(path, "rb") as f:
                 self._maps[rank] = mmap.mmap(f.fileno(), SLOT.size, access=mmap.ACCESS_READ)
+
+    def echo_of(self, rank: int) -> int | None:
+        """The rank whose error ``rank`` raised as its own (see :func:`lockstep.progress.echo`), if any."""
+        try:
+            return int(echo_path(self._control_dir, rank).read_text())
+        except (OSError, ValueError):
+            return None
 
     def read(self) -> dict[int, Progress]:
         return {rank: Progress.read(m) for rank, m in self._maps.items()}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.launcher.interface import interface_env
-from lockstep.launcher.job import BEAT_S, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
+from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
 from lockstep.launcher.ranks import Rank, Waiter, spawn
@@ -58,6 +58,8 @@ __all__ = ["Supervisor", "describe_exit", "shell_code"]
 _STALL_POLL_S = 1.0
 _LIVENESS_EVERY_S = 1.0
 _DEPARTURE_S = 20.0  # beyond the grace period: node 0 keeps the store up this long for the others
+_ECHO_WAIT_S = 5.0  # how long a rank that raised another's error waits for that rank to be named
+_ECHO_POLL_S = 0.05
 
 
 @dataclass
@@ -89,6 +91,8 @@ class Supervisor:
         self._interface: dict[str, str] = {}
         self._wake_r = -1
         self._ranks: list[Rank] = []
+        self._echoes: list[tuple[Rank, float]] = []
+        """Ranks that failed with another live rank's error, each with the time to stop waiting for it."""
         """This attempt's ranks, for :meth:`_meanwhile`."""
         self._stashed: tuple[list[int], list[Rank]] = ([], [])
         """Signals and rank exits :meth:`_meanwhile` saw, for the monitor to act on."""
@@ -386,9 +390,11 @@ class Supervisor:
         another node failed (_Elsewhere), or a stopping signal came (int)."""
         stall_timeout = self.plan.stall_timeout
         poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
+        self._echoes = []
         with Waiter(ranks, wake_r, HANDLED) as waiter:
-            while any(r.returncode is None for r in ranks) or self._stashed[1]:
-                signals, exited = self._unstash(*waiter.wait(0 if any(self._stashed) else poll))
+            while any(r.returncode is None for r in ranks) or self._stashed[1] or self._echoes:
+                wait = 0 if any(self._stashed) else _ECHO_POLL_S if self._echoes and poll is None else poll
+                signals, exited = self._unstash(*waiter.wait(wait))
                 for signum in signals:
                     if signum in STOPPING:
                         self._stop(ranks, signum, channel)
@@ -430,16 +436,33 @@ class Supervisor:
             pass  # the other nodes will find this one lost instead
 
     def _first_failure(self, exited: list[Rank], channel: JobChannel | None) -> _Failure | None:
-        """The first of the ranks that just exited to have failed, recorded for the other nodes."""
+        """The first of the ranks that just exited to have failed, recorded for the other nodes.
+
+        A rank that failed with another rank's error (every rank raises an error they agreed on)
+        is a symptom: while that rank of this node is still on its way out, it is waited for, up
+        to ``_ECHO_WAIT_S``, to be named instead; one on another node wins the agreement there."""
         for r in exited:
             if r.returncode != 0:
-                if channel is not None:
-                    channel.report(Failure(self.plan.node_rank, channel.host, r.spec.rank, r.returncode,
-                                           time.time(), failure_tail(r.spec, r.kept()), r.proc.pid))
-                return _Failure(r, r.returncode)
+                origin = self._board.echo_of(r.spec.rank) if self._board is not None else None
+                local = {o.spec.rank: o for o in self._ranks}.get(origin) if origin is not None else None
+                if local is not None and local.returncode is None:
+                    self._echoes.append((r, time.monotonic() + _ECHO_WAIT_S))
+                    continue
+                return self._failed(r, channel, echo=origin is not None and local is None)
             if self.plan.verbose:
                 say(f"rank {r.spec.rank} finished")
+        now = time.monotonic()
+        for r, deadline in self._echoes:
+            if now >= deadline:  # the rank it names has not failed yet: name this one after all
+                return self._failed(r, channel, echo=False)
         return None
+
+    def _failed(self, r: Rank, channel: JobChannel | None, *, echo: bool) -> _Failure:
+        if channel is not None:
+            channel.report(Failure(self.plan.node_rank, channel.host, r.spec.rank, r.returncode,
+                                   time.time(), failure_tail(r.spec, r.kept()), r.proc.pid,
+                                   ECHOED if echo else EXITED))
+        return _Failure(r, r.returncode)
 
     def _check_stall(self, ranks: list[Rank], timeout: float, channel: JobChannel | None) -> _Stall | None:
         """A stall, once reported (stacks, diagnosis, and the records for the other nodes)."""
