@@ -5,7 +5,7 @@ Runs in the reference environment (``bash scripts/composer_reference/setup.sh``)
     /tmp/composer-venv/bin/python scripts/composer_reference/make_checkpoints.py
 
 tests/fixtures/composer/resume_classifier.py (Composer code) trains a small classifier with
-dropout, DecoupledAdamW and a warmup schedule on 2 CPU ranks (gloo) for 6 batches, mid-epoch, and
+dropout, DecoupledAdamW and a per-batch LambdaLR schedule on 2 CPU ranks (gloo) for 6 batches, mid-epoch, and
 saves: under DDP a monolithic ``.pt``, under FSDP a sharded (torch.distributed.checkpoint) folder.
 Composer's FSDP1 wrapping asks for a CUDA device, so the sharded checkpoint comes from its FSDP2
 path (``FSDP_VERSION=2``), which runs on CPU. Each checkpoint is then resumed by Composer to batch
