@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep.checkpoint import composer
+from lockstep.checkpoint import composer, ignore
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, Layout
 from lockstep.time import Timestamp
@@ -71,6 +71,23 @@ def build(state: State, ranks: list[dict[str, Any]], history: list[str],
                      "rank": rank, **layout.extra_meta()},
         "ranks": [{k: v for k, v in r.items() if k != "rng"} for r in ranks],
     }
+
+
+def without(content: dict[str, Any], save_ignore_keys: Any, *, weights_only: bool) -> dict[str, Any]:
+    """``content`` (what :func:`build` returns, or a weights-only state_dict) less what
+    ``save_ignore_keys`` names (:func:`lockstep.checkpoint.ignore.remove_for_save`), in a copy of its
+    containers; the header and the data position stay."""
+    tree = ignore.copy_containers({"state": {"model": content}} if weights_only
+                                  else {"state": content["state"], "rng": content["rng"]})
+    ignore.remove_for_save(save_ignore_keys, tree)
+    if weights_only:
+        return tree.get("state", {}).get("model", {})
+    kept = {**content, "state": tree.get("state", {})}
+    if "rng" in tree:
+        kept["rng"] = tree["rng"]
+    else:
+        del kept["rng"]
+    return kept
 
 
 def normalized(content: Any, path: Path) -> Any:
