@@ -5,7 +5,7 @@ optimizer state. Its top level is Composer's (``state`` and ``rng``), so code th
 Composer checkpoint (``ckpt['state']['model']``) reads lockstep's::
 
     {"state": {"model": {...}, "optimizers": [...], "schedulers": [...], "timestamp": {"Timestamp": {...}},
-               "scaler": {...}, "run_name": str, ("metrics": {...})},
+               "scaler": {...}, "run_name": str, "integrations": {...}, ("metrics": {...})},
      "rng": [...],                                                  # one RNG state per rank, by rank
      "lockstep": {"version", "layout", "optimizer_keys", "world_size", "run_name", "history", "rank"},
      "ranks": [{"epoch_rng", "fetch_rng", "loader_state"}, ...]}    # the rest of each rank's position
@@ -33,6 +33,7 @@ Only tensors, numbers, strings, lists and dicts: it loads with ``weights_only=Tr
 from __future__ import annotations
 
 import datetime
+import sys
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,13 +65,22 @@ def build(state: State, ranks: list[dict[str, Any]], history: list[str],
                   "schedulers": [s.state_dict() for s in state.schedulers],
                   "timestamp": {"Timestamp": _plain(state.timestamp.state_dict())},
                   "scaler": state.scaler.state_dict() if state.scaler is not None else {},
-                  "run_name": state.run_name, **extra},
+                  "run_name": state.run_name, "integrations": integrations(state.model), **extra},
         "rng": [r.get("rng") for r in ranks],
         "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
                      "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
                      "rank": rank, **layout.extra_meta()},
         "ranks": [{k: v for k, v in r.items() if k != "rng"} for r in ranks],
     }
+
+
+def integrations(model: Any) -> dict[str, Any]:
+    """Composer's ``state['integrations']``: a HuggingFaceModel's config and tokenizer files
+    (``huggingface``), which the Hugging Face converters read back."""
+    module = sys.modules.get("lockstep.models.huggingface")  # loaded only if a HuggingFaceModel exists
+    if module is not None and isinstance(model, module.HuggingFaceModel):
+        return {"huggingface": model.get_metadata()}
+    return {}
 
 
 def without(content: dict[str, Any], save_ignore_keys: Any, *, weights_only: bool) -> dict[str, Any]:
