@@ -5,6 +5,7 @@ and ZeRO on 2 ranks and resumes exactly; its checkpoints become Hugging Face fol
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import transformers
 from torch.utils.data import DataLoader
 
 from lockstep import Trainer, dist
+from lockstep.callbacks import Generate
+from lockstep.loggers import InMemoryLogger
 from lockstep.models import HuggingFaceModel, write_huggingface_pretrained_from_composer_checkpoint
 from lockstep.testing import run_distributed
 from tests.trainer.common import assert_same_params, error_of, full_params
@@ -66,6 +69,40 @@ def test_use_logits_gives_metrics_the_logits_and_the_shifted_labels() -> None:
     logits = model.eval_forward(dict(batch))
     assert logits.shape == (2, LENGTH, VOCAB)
     assert torch.equal(model.labels[:, :-1], batch["labels"][:, 1:]) and bool((model.labels[:, -1] == -100).all())
+
+
+WORDS = ["<pad>", "<eos>", "<unk>", "the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer built here (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")
+
+
+def test_generate_logs_the_models_continuations_of_the_prompts_at_its_interval() -> None:
+    tok = tokenizer()
+    model = HuggingFaceModel(gpt2(), tokenizer=tok)
+    generate = Generate(["the cat sat", "a dog"], interval="2ba", max_new_tokens=4, do_sample=False)
+    memory = InMemoryLogger()
+    calls: list[int] = []
+    original = generate.generate
+    generate.generate = lambda state, logger: (calls.append(int(state.timestamp.batch)), original(state, logger))
+    Trainer(model=model, train_dataloader=loader(4), max_duration="5ba", device="cpu", progress_bar=False,
+            optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2), callbacks=[generate], loggers=[memory]).fit()
+    assert calls == [2, 4, 5]  # every 2 batches, and at the end of training
+    table = json.loads(memory.tables["generations"])
+    assert table["columns"] == ["prompt", "generation"] and [r[0] for r in table["data"]] == ["the cat sat", "a dog"]
+    model.eval()
+    for prompt, generation in table["data"]:  # the trained model's own greedy continuation
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        assert generation == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert tok.padding_side == "right"  # as the tokenizer was
 
 
 # -- two ranks: DDP, FSDP, ZeRO --------------------------------------------------------------

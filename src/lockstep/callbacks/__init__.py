@@ -6,6 +6,7 @@ The base class and the events are :class:`lockstep.core.Callback` and :class:`lo
 
 from lockstep.callbacks.early_stopper import EarlyStopper
 from lockstep.callbacks.free_outputs import FreeOutputs
+from lockstep.callbacks.generate import Generate
 from lockstep.callbacks.memory_snapshot import MemorySnapshot
 from lockstep.callbacks.monitors import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
 from lockstep.callbacks.nan_monitor import NaNMonitor
@@ -16,6 +17,6 @@ from lockstep.callbacks.threshold_stopper import ThresholdStopper
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
 
-__all__ = ["Callback", "EarlyStopper", "Event", "FreeOutputs", "LRMonitor", "MemoryMonitor", "MemorySnapshot",
+__all__ = ["Callback", "EarlyStopper", "Event", "FreeOutputs", "Generate", "LRMonitor", "MemoryMonitor", "MemorySnapshot",
            "NaNMonitor", "OOMObserver", "OptimizerMonitor", "RuntimeEstimator", "SpeedMonitor",
            "SystemMetricsMonitor", "ThresholdStopper"]
