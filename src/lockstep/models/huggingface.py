@@ -126,7 +126,17 @@ class HuggingFaceModel(Model):
             pad = getattr(self.tokenizer, "eos_token_id", None)
         if pad is not None:
             kwargs.setdefault("pad_token_id", pad)
-        return self.model.generate(input_ids=input_ids, **kwargs)
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self, FSDPModule):
+            return self.model.generate(input_ids=input_ids, **kwargs)
+        # generate() calls the transformers model, not this root FSDP unit's forward, whose hooks
+        # would gather the parameters it holds itself (the embeddings): gather them around it
+        self.unshard()
+        try:
+            return self.model.generate(input_ids=input_ids, **kwargs)
+        finally:
+            self.reshard()
 
     def get_metadata(self) -> dict[str, Any]:
         """The model's config (and the tokenizer's files) as Composer keeps them in a checkpoint's
