@@ -243,13 +243,15 @@ def read_bytes(data: bytes, path: Path) -> Any:
 
 def _safe_globals() -> list[Any]:
     """What a checkpoint may hold besides tensors and containers: a Timestamp's wall-clock fields;
-    in Composer's checkpoints also numpy's RNG state (an array) and the torch version string."""
+    in Composer's checkpoints also numpy's RNG state (a uint32 array) and the torch version string."""
     import numpy as np
     from torch.torch_version import TorchVersion
 
-    reconstruct = np._core.multiarray._reconstruct
-    return [datetime.timedelta, TorchVersion, np.ndarray, np.dtype, np.dtypes.UInt32DType, reconstruct,
-            (reconstruct, "numpy.core.multiarray._reconstruct")]  # as numpy 1.x pickled it
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
+    dtypes = [np.dtypes.UInt32DType] if hasattr(np, "dtypes") else []
+    # numpy 1.x and 2.x pickle the array constructor under different module names
+    return [datetime.timedelta, TorchVersion, np.ndarray, np.dtype, *dtypes,
+            (reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct")]
 
 
 def _load(source: Any, path: Path, **kwargs: Any) -> Any:
