@@ -105,6 +105,14 @@ def test_generate_logs_the_models_continuations_of_the_prompts_at_its_interval()
     assert tok.padding_side == "right"  # as the tokenizer was
 
 
+def test_a_checkpoint_of_another_model_is_one_line(tmp_path: Path) -> None:
+    composers = Path(__file__).parents[1] / "fixtures" / "composer" / "checkpoints" / "monolithic.pt"
+    message = error_of(write_huggingface_pretrained_from_composer_checkpoint, composers, tmp_path / "out")
+    assert message.endswith("was not saved from a HuggingFaceModel: it holds no "
+                            "state['integrations']['huggingface'] (the model's config)") and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
 # -- two ranks: DDP, FSDP, ZeRO --------------------------------------------------------------
 
 def fit(kind: str, duration: str, folder: str | None = None, load: str | None = None,
