@@ -54,3 +54,18 @@ def test_train_digits_with_zero1_in_one_process_without_the_launcher(tmp_path: P
         cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=160)
     assert result.returncode == 0, result.stderr
     assert "1 rank(s)" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_finetune_hf_trains_under_fsdp_exports_and_reloads(tmp_path: Path) -> None:
+    """examples/finetune_hf.py: a GPT-2 from a config fine-tunes under FSDP on 2 ranks, and the Hugging
+    Face folder written from its sharded checkpoint reloads to the trained model's exact logits."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lockstep", "-n", "2", str(ROOT / "examples" / "finetune_hf.py"),
+         "--max_duration", "16ba", "--files", "20"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "from_pretrained's logits equal the trained model's" in result.stdout, result.stdout
+    first, last = map(float, re.search(r"train loss (\d+\.\d+) -> (\d+\.\d+)", result.stdout).groups())
+    assert last < first - 1.0  # from about ln(257) = 5.5 nats per byte
+    assert (tmp_path / "finetune_hf" / "huggingface" / "tokenizer.json").exists()

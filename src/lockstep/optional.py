@@ -8,3 +8,6 @@ from __future__ import annotations
 DEEPSPEED_INSTALL_HINT = ("pip install 'lockstep[deepspeed]' with PIP_CONSTRAINT naming a constraints file that "
                           "pins torch==2.13.0 (DeepSpeed builds against the installed torch)")
 """For ``deepspeed_config`` and for reading DeepSpeed checkpoints."""
+
+HUGGINGFACE_INSTALL_HINT = "pip install 'lockstep[huggingface]'"
+"""For ``lockstep.models.HuggingFaceModel`` and writing Hugging Face folders from checkpoints."""

@@ -66,3 +66,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def from_composer(state: dict[str, Any]) -> RNGState:
+    """One rank's RNG state as Composer 0.32.1 saves it (``reproducibility.get_rng_state()``:
+    ``python`` as ``random.getstate()``, ``numpy`` as ``np.random.get_state()``, ``torch``, and
+    ``cuda`` for the current device) in the form :func:`restore` takes."""
+    try:
+        version, mt, gauss = state["python"]
+        kind, key, pos, has_gauss, cached = state["numpy"]
+        cpu = state["torch"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not an RNG state as Composer saves it: {e}") from None
+    parts = [torch.tensor(list(mt), dtype=torch.int64).view(torch.uint8),
+             torch.from_numpy(np.asarray(key).astype(np.int64)).view(torch.uint8), cpu.to(torch.uint8)]
+    if state.get("cuda") is not None:
+        parts.append(state["cuda"])
+    return {"python": [version, gauss], "numpy": [kind, int(pos), int(has_gauss), float(cached)],
+            "sizes": [p.numel() for p in parts], "bytes": torch.cat(parts)}

@@ -120,6 +120,27 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     return folder, fit("17ba", folder, save_interval="1ba")
 
 
+def test_the_checkpoint_has_composers_top_level_layout(uninterrupted) -> None:
+    """Code written for Composer's checkpoints reads ckpt['state']['model'] and the rest."""
+    folder, _ = uninterrupted
+    saved = torch.load(folder / "ep0-ba3-rank0.pt", weights_only=True)
+    state = saved["state"]
+    assert {"model", "optimizers", "schedulers", "timestamp"} <= state.keys() and len(saved["rng"]) == 1
+    assert state["timestamp"]["Timestamp"]["batch"] == 3 and state["model"].keys() == MLP().state_dict().keys()
+    assert state["optimizers"][0]["state"][0]["exp_avg"].shape == state["model"]["net.0.weight"].shape
+
+
+V1_CHECKPOINT = Path(__file__).parents[1] / "fixtures" / "lockstep_v1" / "ep0-ba3-rank0.pt"
+
+
+def test_a_checkpoint_of_the_earlier_layout_resumes_bit_identically(uninterrupted, tmp_path: Path) -> None:
+    """ep0-ba3-rank0.pt was written by lockstep before checkpoints took Composer's layout (format
+    version 1), by the same run as ``uninterrupted`` (tests/fixtures/lockstep_v1/make_fixture.py)."""
+    assert "model" in torch.load(V1_CHECKPOINT, weights_only=True)
+    _, reference = uninterrupted
+    assert_bitwise(fit("17ba", tmp_path, load_path=str(V1_CHECKPOINT)), reference)
+
+
 @pytest.mark.parametrize("step", ["ep0-ba3", "ep1-ba7", "ep1-ba9", "ep2-ba14"])
 def test_resume_is_bit_identical(uninterrupted, tmp_path: Path, step: str) -> None:
     """Mid-epoch (ba3, ba9) and at epoch boundaries (ba7, ba14), with shuffling, dropout, AdamW
@@ -182,9 +203,9 @@ def test_a_background_copy_of_the_weights_holds_the_saved_step(
     for batch in (2, 4, 6):
         saved = torch.load(tmp_path / f"ep0-ba{batch}-rank0.pt", weights_only=True)
         weights, moments = probe.seen[batch]
-        assert_bitwise(saved["model"], weights)
+        assert_bitwise(saved["state"]["model"], weights)
         for i, moment in enumerate(moments):
-            assert torch.equal(saved["optimizers"][0]["state"][i]["exp_avg"], moment)
+            assert torch.equal(saved["state"]["optimizers"][0]["state"][i]["exp_avg"], moment)
 
 
 def test_a_checkpoint_too_big_to_copy_is_written_before_training_goes_on(

@@ -380,6 +380,46 @@ def test_load_ignore_keys_leaves_out_what_composers_paths_name(tmp_path) -> None
     assert message.startswith("load_ignore_keys has 'state/timestamp': lockstep checkpoints hold")
 
 
+def test_save_ignore_keys_leaves_out_what_composers_globs_name(tmp_path) -> None:
+    def run(folder, **kwargs):
+        model = MLP()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        trainer = _trainer(model=model, optimizers=opt, max_duration="4ba", save_folder=str(folder),
+                           save_interval="2ba", **kwargs)
+        trainer.fit()
+        return trainer, {k: v.clone() for k, v in model.state_dict().items()}
+
+    whole, reference = run(tmp_path / "whole")
+    with pytest.warns(UserWarning, match="'state/nothing/\\*' matches nothing"):
+        trimmed, trained = run(tmp_path / "trimmed", save_ignore_keys=[
+            "state/model/net.2.*", "rng", "state/optimizers/0/state/*/exp_avg_sq", "state/nothing/*"])
+    # what is left out of the file is not taken from the live optimizer: training is the same
+    assert all(torch.equal(trained[k], v) for k, v in reference.items())
+    saved = torch.load(trimmed.saved_checkpoints[0], weights_only=True)
+    assert "rng" not in saved and sorted(saved["state"]["model"]) == ["net.0.bias", "net.0.weight"]
+    moments = saved["state"]["optimizers"][0]["state"]
+    assert len(moments) == 4 and all(set(m) == {"step", "exp_avg"} for m in moments.values())
+    assert saved["state"]["timestamp"]["Timestamp"]["batch"] == 2
+    full = torch.load(whole.saved_checkpoints[0], weights_only=True)
+    assert "rng" in full and set(full["state"]["optimizers"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    # a checkpoint without its optimizer state and RNG resumes at its batch, without them
+    pruned, _ = run(tmp_path / "pruned", save_ignore_keys=["state/optimizers", "rng"])
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    resumed = _trainer(model=model, optimizers=opt, max_duration="6ba", load_path=pruned.saved_checkpoints[0])
+    assert resumed.state.timestamp.batch == 2 and not opt.state
+
+    # a function edits {'state': ..., 'rng': ...} in place
+    def drop_schedulers(tree):
+        del tree["state"]["schedulers"]
+
+    edited, _ = run(tmp_path / "edited", save_ignore_keys=drop_schedulers)
+    assert "schedulers" not in torch.load(edited.saved_checkpoints[0], weights_only=True)["state"]
+    message = error_of(_trainer, max_duration="1ba", save_ignore_keys="rng")
+    assert message.startswith("save_ignore_keys='rng': give a list of paths") and "\n" not in message
+
+
 class Batches(Callback):
     def __init__(self) -> None:
         self.seen: list[int] = []

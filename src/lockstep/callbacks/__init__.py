@@ -7,6 +7,7 @@ The base class and the events are :class:`lockstep.core.Callback` and :class:`lo
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver
 from lockstep.callbacks.early_stopper import EarlyStopper
 from lockstep.callbacks.free_outputs import FreeOutputs
+from lockstep.callbacks.generate import Generate
 from lockstep.callbacks.load_checkpoint import LoadCheckpoint
 from lockstep.callbacks.memory_snapshot import MemorySnapshot
 from lockstep.callbacks.monitors import LRMonitor, MemoryMonitor, RuntimeEstimator, SpeedMonitor
@@ -18,7 +19,7 @@ from lockstep.callbacks.threshold_stopper import ThresholdStopper
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
 
-__all__ = ["Callback", "CheckpointSaver", "EarlyStopper", "Event", "FreeOutputs", "LRMonitor", "LoadCheckpoint",
-           "MemoryMonitor", "MemorySnapshot",
+__all__ = ["Callback", "CheckpointSaver", "EarlyStopper", "Event", "FreeOutputs", "Generate", "LRMonitor",
+           "LoadCheckpoint", "MemoryMonitor", "MemorySnapshot",
            "NaNMonitor", "OOMObserver", "OptimizerMonitor", "RuntimeEstimator", "SpeedMonitor",
            "SystemMetricsMonitor", "ThresholdStopper"]

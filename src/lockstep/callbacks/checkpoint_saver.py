@@ -24,8 +24,8 @@ class CheckpointSaver(Callback):
 
     ``remote_file_name``, ``latest_remote_file_name``, ``num_concurrent_uploads`` and
     ``upload_timeout_in_seconds`` take effect in Composer only with a ``RemoteUploaderDownloader``
-    logger, which lockstep has not; they are kept, unused. ``ignore_keys`` is refused, as the
-    Trainer's ``save_ignore_keys`` is: an exact resume needs every part.
+    logger, which lockstep has not; they are kept, unused. ``ignore_keys`` is the Trainer's
+    ``save_ignore_keys``.
     """
 
     def __init__(
@@ -44,10 +44,6 @@ class CheckpointSaver(Callback):
         num_concurrent_uploads: int = 1,
         upload_timeout_in_seconds: int = 3600,
     ) -> None:
-        if ignore_keys:
-            raise ValueError(f"CheckpointSaver(ignore_keys={ignore_keys!r}): lockstep saves whole checkpoints (an "
-                             f"exact resume needs every part); remove it, and leave parts out when loading with "
-                             f"load_ignore_keys")
         self.folder = str(folder)
         self.filename = str(filename)
         self.latest_filename = None if latest_filename is None else str(latest_filename)
@@ -57,6 +53,7 @@ class CheckpointSaver(Callback):
         self.overwrite = overwrite
         self.num_checkpoints_to_keep = num_checkpoints_to_keep
         self.weights_only = weights_only
+        self.ignore_keys = ignore_keys
         self.num_concurrent_uploads = num_concurrent_uploads
         self.upload_timeout_in_seconds = upload_timeout_in_seconds
         CheckpointConfig(**self.trainer_arguments())  # bad names or counts: an error here, not at the Trainer
@@ -68,4 +65,4 @@ class CheckpointSaver(Callback):
         return {"save_folder": self.folder, "save_filename": self.filename,
                 "save_latest_filename": self.latest_filename, "save_interval": self.save_interval,
                 "save_overwrite": self.overwrite, "save_num_checkpoints_to_keep": self.num_checkpoints_to_keep,
-                "save_weights_only": self.weights_only}
+                "save_weights_only": self.weights_only, "save_ignore_keys": self.ignore_keys}

@@ -35,6 +35,11 @@ class CheckpointConfig:
     """Write only the model's weights (a plain state_dict of full tensors, as ``torch.save(model.state_dict())``
     would): a smaller file to export or fine-tune from, which loads with ``load_weights_only=True``
     and cannot resume a run."""
+    save_ignore_keys: Any = None
+    """Parts left out of every checkpoint written, as Composer names them: globs over the paths of
+    ``{'state': {...}, 'rng': [...]}`` such as ``'state/model/head.*'``, ``'state/optimizers'`` or
+    ``'rng'``; or a function that edits that dict in place (single-file layouts: DDP, FSDP ``full``
+    and ``local``)."""
     load_path: str | None = None
     """A checkpoint to start from (``{rank}`` may name each rank's file)."""
     load_weights_only: bool = False
@@ -55,6 +60,7 @@ class CheckpointConfig:
             if self.save_latest_filename is not None:
                 templates.check_template(self.save_latest_filename, "save_latest_filename", time_fields=False)
         self.load_ignore_keys = ignore.check(self.load_ignore_keys)
+        self.save_ignore_keys = ignore.check_save(self.save_ignore_keys)
         keep = self.save_num_checkpoints_to_keep
         if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
             raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {keep!r}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import files, integrity, payload
+from lockstep.checkpoint import composer, files, integrity, payload
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.deepspeed import check_folder, export_weights
 from lockstep.checkpoint.layout import DEEPSPEED, LOCAL, SHARDED_META
@@ -16,7 +16,8 @@ from lockstep.checkpoint.layout import DEEPSPEED, LOCAL, SHARDED_META
 def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Return the model weights of the checkpoint at ``path`` as full CPU tensors.
 
-    ``path`` may be a checkpoint file, a latest pointer, or a plain ``torch.save``'d state_dict; for
+    ``path`` may be a checkpoint file (lockstep's or Composer's), a latest pointer, or a plain
+    ``torch.save``'d state_dict; a sharded checkpoint folder Composer wrote; for
     FSDP, any one rank's file of a ``local`` checkpoint (the other ranks' files are found beside it)
     or a ``sharded`` checkpoint folder; for DeepSpeed, its checkpoint folder at any ZeRO stage (fp32
     weights rebuilt from the master partitions; needs DeepSpeed installed). Nothing in it is
@@ -25,6 +26,9 @@ def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     three plain DeepSpeed classes.
     """
     target = files.resolve_pointer(Path(path))
+    if composer.is_composer_folder(target):
+        content = composer.read_folder(target)["state"]["model"]
+        return {name: _full(t) for name, t in content.items() if isinstance(t, torch.Tensor)}
     if target.is_dir():
         folder_meta = _folder_meta(target)
         if payload.layout_of(folder_meta) == DEEPSPEED:
@@ -32,7 +36,7 @@ def export_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             return export_weights(target)
         integrity.check_sharded(target, folder_meta)
         return _from_sharded(target)
-    content = files.read(target)
+    content = payload.normalized(files.read(target), target)
     meta = payload.metadata(content, target)
     if meta is not None and payload.layout_of(meta) == LOCAL:
         return _from_local(target, content)
@@ -47,7 +51,7 @@ def _from_local(first: Path, content: dict) -> dict[str, torch.Tensor]:
     ranks = content["ranks"]
     for rank in reversed(range(len(ranks))):
         path = first.with_name(ranks[rank]["file"])
-        part = content if path == first else files.read(path)
+        part = content if path == first else payload.normalized(files.read(path), path)
         for name, (shape, offset) in part["lockstep"]["shards"].items():
             shard = part["model"][name]
             if name not in out:

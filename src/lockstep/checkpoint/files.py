@@ -241,9 +241,22 @@ def read_bytes(data: bytes, path: Path) -> Any:
     return _load(io.BytesIO(data), path)
 
 
+def _safe_globals() -> list[Any]:
+    """What a checkpoint may hold besides tensors and containers: a Timestamp's wall-clock fields;
+    in Composer's checkpoints also numpy's RNG state (a uint32 array) and the torch version string."""
+    import numpy as np
+    from torch.torch_version import TorchVersion
+
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
+    dtypes = [np.dtypes.UInt32DType] if hasattr(np, "dtypes") else []
+    # numpy 1.x and 2.x pickle the array constructor under different module names
+    return [datetime.timedelta, TorchVersion, np.ndarray, np.dtype, *dtypes,
+            (reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct")]
+
+
 def _load(source: Any, path: Path, **kwargs: Any) -> Any:
     try:
-        with torch.serialization.safe_globals([datetime.timedelta]):  # a Timestamp's wall-clock fields
+        with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for foreign content
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -18,7 +18,7 @@ import torch
 
 from lockstep import _agreement, dist
 from lockstep.checkpoint import ignore as ignore_keys
-from lockstep.checkpoint import files, integrity, payload, templates
+from lockstep.checkpoint import composer, files, integrity, payload, templates
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.layout import (
     DEEPSPEED, FOLDER_LAYOUTS, INDEX, LOCAL, SHARDED, SHARDED_META, SINGLE, Layout, is_folder)
@@ -323,7 +323,7 @@ class _Opened:
 
     @property
     def batch(self) -> int:
-        return int(self.content.get("timestamp", {}).get("batch", 0)) if self.meta is not None else 0
+        return int((self.content.get("timestamp") or {}).get("batch", 0)) if self.meta is not None else 0
 
     @property
     def layout(self) -> str:
@@ -341,9 +341,13 @@ def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_on
     with _agreement.long_io():  # reading a big file is not a stall, nor are ranks waiting for it
         if data is None:
             target = files.resolve_pointer(path)
-            content = files.read(_meta_file(target), share=share)
+            if composer.is_composer_folder(target):
+                content = composer.read_folder(target)
+            else:
+                content = files.read(_meta_file(target), share=share)
         else:
             target, content = path, files.read_bytes(data, path)
+        content = payload.normalized(content, target)
         opened = _Opened(target, content, payload.metadata(content, target))
         meta = opened.meta
         if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
@@ -428,7 +432,7 @@ def _apply(opened: _Opened, state: State, layout: Layout, *,
     else:
         reader = layout.full_reader() if opened.layout == SINGLE else layout
         reader.load_model(content["model"], path, strict)
-        if not weights_only:
+        if not weights_only and content["optimizers"] is not None:  # None: left out by save_ignore_keys
             optimizers, keys = content["optimizers"], meta.get("optimizer_keys", INDEX)
             if keys != reader.optimizer_keys:  # a DDP checkpoint into FSDP, or back
                 optimizers = [rekey_optimizer(sd, keys, layout.model, o, path)
@@ -467,7 +471,8 @@ def _apply_ignoring(opened: _Opened, state: State, layout: Layout, *, weights_on
         weights = content["model"]
     full = meta is not None and not weights_only
     rank = dist.get_global_rank()
-    tree = ignore_keys.apply(ignore, weights, content["optimizers"] if full else None,
+    tree = ignore_keys.apply(ignore, weights, content["optimizers"] if full and content["optimizers"] is not None
+                             else None,
                              content["schedulers"] if full else None,
                              [r.get("rng") for r in content["ranks"]] if full else None)
     kept = tree.get("state", {})

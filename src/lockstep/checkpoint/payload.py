@@ -1,11 +1,17 @@
 """What a checkpoint file holds, and putting it back into a live Trainer state.
 
 Under DDP one file (written by rank 0) holds everything, since the ranks share the model and
-optimizer state::
+optimizer state. Its top level is Composer's (``state`` and ``rng``), so code that reads a
+Composer checkpoint (``ckpt['state']['model']``) reads lockstep's::
 
-    {"lockstep": {"version", "layout", "optimizer_keys", "world_size", "run_name", "history", "rank"},
-     "timestamp": {...}, "model": {...}, "optimizers": [...], "schedulers": [...], "scaler": {...},
-     "ranks": [{"rng", "epoch_rng", "fetch_rng", "loader_state"}, ...]}   # one entry per rank, by rank
+    {"state": {"model": {...}, "optimizers": [...], "schedulers": [...], "timestamp": {"Timestamp": {...}},
+               "scaler": {...}, "run_name": str, "integrations": {...}, ("metrics": {...})},
+     "rng": [...],                                                  # one RNG state per rank, by rank
+     "lockstep": {"version", "layout", "optimizer_keys", "world_size", "run_name", "history", "rank"},
+     "ranks": [{"epoch_rng", "fetch_rng", "loader_state"}, ...]}    # the rest of each rank's position
+
+Unlike Composer's, ``optimizers`` and ``schedulers`` are lists (Composer keys them by class name,
+which allows one of each class). ``save_ignore_keys`` may have left parts out.
 
 Under DDP the header also holds ``ddp_buckets``, the layout of DDP's rebuilt gradient buckets
 (:mod:`lockstep.parallel.ddp_buckets`), which a resumed run's DDP starts with.
@@ -17,18 +23,24 @@ FSDP's ``local`` layout writes one such file per rank (``rank`` says whose, ``sh
 shard sits in the full tensor); its ``sharded`` layout writes this dict without the tensors as
 ``lockstep.pt`` in a DCP folder. See :mod:`lockstep.checkpoint.states`.
 
+The loader works on one flat form, :func:`normalized` of any of: this layout (version 2), the
+flat one lockstep wrote before (version 1: the parts of ``state`` and ``ranks`` with each rank's
+``rng`` at the top level) and Composer's own (:mod:`lockstep.checkpoint.composer`).
+
 Only tensors, numbers, strings, lists and dicts: it loads with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
 import datetime
+import sys
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lockstep.checkpoint import composer, ignore
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.core import eval_metrics
 from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, Layout
@@ -37,7 +49,9 @@ from lockstep.time import Timestamp
 if TYPE_CHECKING:
     from lockstep.state import State
 
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
+"""Version 1: the flat layout before Composer's; both load."""
 
 
 def build(state: State, ranks: list[dict[str, Any]], history: list[str],
@@ -47,17 +61,68 @@ def build(state: State, ranks: list[dict[str, Any]], history: list[str],
     ``model`` and ``optimizers`` come from ``layout.gather()``. With ``metrics``, also the
     metrics of the last evaluation (``save_metrics``)."""
     extra = {"metrics": eval_metrics.values(state.eval_metrics)} if metrics else {}
-    return {**extra,
+    return {
+        "state": {"model": model, "optimizers": optimizers,
+                  "schedulers": [s.state_dict() for s in state.schedulers],
+                  "timestamp": {"Timestamp": _plain(state.timestamp.state_dict())},
+                  "scaler": state.scaler.state_dict() if state.scaler is not None else {},
+                  "run_name": state.run_name, "integrations": integrations(state.model), **extra},
+        "rng": [r.get("rng") for r in ranks],
         "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
                      "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
                      "rank": rank, **layout.extra_meta()},
-        "timestamp": _plain(state.timestamp.state_dict()),
-        "model": model,
-        "optimizers": optimizers,
-        "schedulers": [s.state_dict() for s in state.schedulers],
-        "scaler": state.scaler.state_dict() if state.scaler is not None else {},
-        "ranks": ranks,
+        "ranks": [{k: v for k, v in r.items() if k != "rng"} for r in ranks],
     }
+
+
+def integrations(model: Any) -> dict[str, Any]:
+    """Composer's ``state['integrations']``: a HuggingFaceModel's config and tokenizer files
+    (``huggingface``), which the Hugging Face converters read back."""
+    module = sys.modules.get("lockstep.models.huggingface")  # loaded only if a HuggingFaceModel exists
+    if module is not None and isinstance(model, module.HuggingFaceModel):
+        return {"huggingface": model.get_metadata()}
+    return {}
+
+
+def without(content: dict[str, Any], save_ignore_keys: Any, *, weights_only: bool) -> dict[str, Any]:
+    """``content`` (what :func:`build` returns, or a weights-only state_dict) less what
+    ``save_ignore_keys`` names (:func:`lockstep.checkpoint.ignore.remove_for_save`), in a copy of its
+    containers; the header and the data position stay."""
+    tree = ignore.copy_containers({"state": {"model": content}} if weights_only
+                                  else {"state": content["state"], "rng": content["rng"]})
+    ignore.remove_for_save(save_ignore_keys, tree)
+    if weights_only:
+        return tree.get("state", {}).get("model", {})
+    kept = {**content, "state": tree.get("state", {})}
+    if "rng" in tree:
+        kept["rng"] = tree["rng"]
+    else:
+        del kept["rng"]
+    return kept
+
+
+def normalized(content: Any, path: Path) -> Any:
+    """The flat form the loader applies, of a checkpoint of any layout lockstep reads (see the
+    module's docstring); a plain state_dict of tensors as it is. A part that was left out when
+    saving (``save_ignore_keys``) is None."""
+    if composer.is_composer(content):
+        return composer.to_lockstep(content, path, VERSION)
+    if not (isinstance(content, dict) and isinstance(content.get("lockstep"), dict)
+            and content["lockstep"].get("version") == 2):
+        return content  # version 1, a plain state_dict, or something metadata() rejects
+    state = content.get("state", {})
+    ranks = content.get("ranks") or []
+    rngs = content.get("rng")
+    timestamp = state.get("timestamp")
+    flat = {"lockstep": content["lockstep"], "model": state.get("model", {}),
+            "optimizers": state.get("optimizers"), "schedulers": state.get("schedulers"),
+            "scaler": state.get("scaler", {}),
+            "timestamp": timestamp.get("Timestamp") if isinstance(timestamp, dict) else None,
+            "ranks": [{**entry, "rng": rngs[i] if rngs is not None and i < len(rngs) else None}
+                      for i, entry in enumerate(ranks)]}
+    if "metrics" in state:
+        flat["metrics"] = state["metrics"]
+    return flat
 
 
 def layout_of(meta: dict[str, Any]) -> str:
@@ -68,10 +133,10 @@ def metadata(payload: Any, path: Path) -> dict[str, Any] | None:
     """The ``lockstep`` header, or None for a file that is a plain state_dict of tensors."""
     if isinstance(payload, dict) and "lockstep" in payload:
         meta = payload["lockstep"]
-        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+        if not isinstance(meta, dict) or meta.get("version") not in READABLE:
             raise CheckpointError(f"checkpoint {path} has format version "
                                   f"{meta.get('version') if isinstance(meta, dict) else '?'}; "
-                                  f"this lockstep reads version {VERSION}")
+                                  f"this lockstep reads versions {', '.join(map(str, READABLE))}")
         return meta
     if isinstance(payload, dict) and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
         return None
@@ -85,7 +150,7 @@ def check_complete(payload: dict[str, Any], path: Path, layout: Layout, state: S
         raise CheckpointError(f"checkpoint {path} is incomplete: it lacks {sorted(missing)}")
     for name in ("optimizers", "schedulers"):
         live, saved = getattr(state, name), payload[name]
-        if len(live) != len(saved):
+        if saved is not None and len(live) != len(saved):  # None: left out when saving
             raise CheckpointError(f"checkpoint {path} holds {len(saved)} {name} but the Trainer has "
                                   f"{len(live)}: pass the same {name} as the run that saved it")
     keys = payload["lockstep"].get("optimizer_keys", INDEX)
@@ -104,12 +169,13 @@ def apply(payload: dict[str, Any], state: State, path: Path, rank: int, world_si
     (RNG and data position) for the training loop to apply when it starts, or None when the
     checkpoint came from another world size. The caller has run :func:`check_complete` and
     checked the world size with :func:`check_world_size`."""
-    if payload["schedulers"] is not None:  # None: left out by load_ignore_keys
+    if payload["schedulers"] is not None:  # None: left out by load_ignore_keys or save_ignore_keys
         _load_list("schedulers", state.schedulers, payload["schedulers"], path)
     if state.scaler is not None and payload["scaler"]:
         state.scaler.load_state_dict(payload["scaler"])
     try:
-        state.timestamp = Timestamp.from_state_dict(payload["timestamp"])
+        if payload["timestamp"] is not None:  # None: left out by save_ignore_keys, so training starts over
+            state.timestamp = Timestamp.from_state_dict(payload["timestamp"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     if "metrics" in payload:

@@ -240,6 +240,8 @@ class CheckpointSaver:
         content = model if self.config.save_weights_only else payload.build(
             state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
             metrics=self.config.save_metrics)
+        if self.config.save_ignore_keys is not None:
+            content = payload.without(content, self.config.save_ignore_keys, weights_only=self.config.save_weights_only)
         staged = None if wait else self._staged(content, layout.step_storages())
         if staged is not None:
             self.copying = threading.Event()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from lockstep.loggers.logger_destination import LoggerDestination, as_number
@@ -26,6 +27,7 @@ class InMemoryLogger(LoggerDestination):
         self._data: dict[str, list[tuple[Timestamp, Any]]] = {}
         self._read: dict[str, int] = {}  # how much of each series is numbers already
         self.hyperparameters: dict[str, Any] = {}
+        self.tables: dict[str, str] = {}
         self._state: State | None = None
 
     def init(self, state: State, logger: Any = None) -> None:
@@ -38,6 +40,11 @@ class InMemoryLogger(LoggerDestination):
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self.hyperparameters.update(hyperparameters)
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table", step: int | None = None) -> None:
+        """Keep the table as Composer's InMemoryLogger does: ``tables[name]``, JSON in pandas'
+        ``split`` orientation (``{"columns": [...], "data": [[...], ...]}``)."""
+        self.tables[name] = json.dumps({"columns": list(columns), "data": [list(r) for r in rows]}, ensure_ascii=False)
 
     @property
     def data(self) -> dict[str, list[tuple[Timestamp, float | int]]]:

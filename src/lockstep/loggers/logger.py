@@ -39,6 +39,12 @@ class Logger:
         for destination in self.active:
             self._call(destination, destination.log_metrics, metrics, step)
 
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table", step: int | None = None) -> None:
+        """A table (``rows`` of values under ``columns``), e.g. the ``Generate`` callback's samples."""
+        step = self._state.timestamp.batch.value if step is None else step
+        for destination in self.active:
+            self._call(destination, destination.log_table, columns, rows, name, step)
+
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         for destination in self.active:
             self._call(destination, destination.log_hyperparameters, hyperparameters)

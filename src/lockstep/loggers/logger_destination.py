@@ -29,6 +29,9 @@ class LoggerDestination(Callback):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         """Record the run's configuration."""
 
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table", step: int | None = None) -> None:
+        """Record a table (``rows`` under ``columns``); destinations without tables ignore it."""
+
     def log_traces(self, traces: dict[str, Any]) -> None:
         """Record which algorithms ran at an event (``algorithm_traces/<Algorithm>/<Event>``: 1 or 0)."""
 

@@ -1,8 +1,11 @@
 """Models at Composer's ``composer.models`` path: ``ComposerModel`` (the same class as
-:class:`lockstep.Model`) and ``ComposerClassifier``.
+:class:`lockstep.Model`), ``ComposerClassifier``, ``HuggingFaceModel`` and
+``write_huggingface_pretrained_from_composer_checkpoint``.
 
-``ComposerClassifier`` is imported on first use, so that ``import lockstep.models`` (and
-``lockstep.ComposerModel``) does not import torchmetrics.
+All but ``ComposerModel`` are imported on first use, so that ``import lockstep.models`` (and
+``lockstep.ComposerModel``) imports neither torchmetrics nor transformers. The checkpoint
+converter lives with the checkpoint code (:mod:`lockstep.checkpoint.huggingface`, a layer above
+this package's) and is only named here, at Composer's path.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ from typing import TYPE_CHECKING, Any
 from lockstep.models.base import ComposerModel
 
 if TYPE_CHECKING:
+    from lockstep.checkpoint.huggingface import write_huggingface_pretrained_from_composer_checkpoint
+    from lockstep.models.huggingface import HuggingFaceModel
     from lockstep.models.tasks.classification import ComposerClassifier
 
 # public name -> module that defines it
-_LAZY = {"ComposerClassifier": "lockstep.models.tasks.classification"}
+_LAZY = {"ComposerClassifier": "lockstep.models.tasks.classification",
+         "HuggingFaceModel": "lockstep.models.huggingface",
+         "write_huggingface_pretrained_from_composer_checkpoint": "lockstep.checkpoint.huggingface"}
 
 __all__ = ["ComposerModel", *_LAZY]
 

@@ -73,6 +73,10 @@ def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | 
         raise ValueError(f"save_weights_only=True writes one file of full weights, but this run saves "
                          f"{layout.name!r} checkpoints: use fsdp_config={{'state_dict_type': 'full'}} (or DDP), "
                          f"or export the weights afterwards with lockstep.checkpoint.export_state_dict")
+    if config.save_ignore_keys is not None and layout.name not in (SINGLE, LOCAL):
+        raise ValueError(f"save_ignore_keys leaves parts out of single-file checkpoints, and this run saves "
+                         f"{layout.name!r} checkpoints: use fsdp_config={{'state_dict_type': 'full'}} (or "
+                         f"'local'), or remove save_ignore_keys")
     saver = CheckpointSaver(config, run_name=run_name, max_duration=max_duration, layout=layout.name, device=device)
     saver.check_folder()
     return saver

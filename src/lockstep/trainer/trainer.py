@@ -135,7 +135,7 @@ class Trainer:
         saving = checkpointing.saving_arguments(callbacks, dict(
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
-            save_overwrite=save_overwrite, save_weights_only=save_weights_only))
+            save_overwrite=save_overwrite, save_weights_only=save_weights_only, save_ignore_keys=save_ignore_keys))
         self.checkpoints = CheckpointConfig(
             **saving, save_metrics=save_metrics, load_path=load_path, load_weights_only=load_weights_only,
             load_ignore_keys=load_ignore_keys,
