@@ -135,7 +135,7 @@ class Trainer:
             save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
             save_overwrite=save_overwrite, save_weights_only=save_weights_only, save_metrics=save_metrics,
-            load_path=load_path, load_weights_only=load_weights_only,
+            load_path=load_path, load_object_store=load_object_store, load_weights_only=load_weights_only,
             load_ignore_keys=load_ignore_keys,
             load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
         deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
