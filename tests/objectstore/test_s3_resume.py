@@ -1,0 +1,87 @@
+"""Resume through the bucket under the launcher (2 CPU ranks): a job killed with kill -9 while its
+uploads run, then autoresumed in another working directory (no local files), ends with the
+uninterrupted job's parameters, bit for bit; and two "nodes" (two launchers, each in a working
+directory of its own: no shared disk) save and resume through the bucket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.objectstore import S3ObjectStore
+from tests.checkpoint.test_faults import descendants
+from tests.launcher.conftest import launch, wait_gone
+
+JOB = Path(__file__).resolve().parents[1] / "checkpoint" / "train_job.py"
+
+
+def job(cwd: Path, folder: str, out: Path, *extra: str, nodes: list[str] | None = None,
+        timeout: float = 150) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return launch([*(nodes or ["-n", "2"]), str(JOB), "--folder", folder, "--out", str(out), *extra],
+                  cwd=cwd, timeout=timeout)
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """The uninterrupted jobs' parameters, saved to a local folder: DDP and FSDP sharded."""
+    tmp = tmp_path_factory.mktemp("reference")
+    found = {}
+    for kind, extra in (("ddp", []), ("sharded", ["--sharded"])):
+        result = job(tmp / kind, str(tmp / kind / "ckpt"), tmp / f"{kind}.pt", *extra)
+        assert result.returncode == 0, result.stderr
+        found[kind] = torch.load(tmp / f"{kind}.pt", weights_only=True)
+    return found
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["ddp", "sharded"])
+def test_kill_9_during_uploads_then_autoresume_elsewhere_is_exact(reference, bucket: str, tmp_path: Path,
+                                                                   kind: str) -> None:
+    folder, extra = f"s3://{bucket}/runs/job", ["--sharded"] if kind == "sharded" else []
+    store = S3ObjectStore(bucket)
+    first = tmp_path / "first"
+    first.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(JOB), "--folder", folder, "--out",
+                             str(tmp_path / "first.pt"), "--sleep", "0.1", *extra], cwd=first,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        # once the bucket's pointer names batch 8, later saves are being written and uploaded
+        pointer, deadline = "", time.monotonic() + 120
+        while not pointer.endswith(("ba8-rank0.pt", "ba12-rank0.pt", "ba16-rank0.pt")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                pointer = store.read_bytes("runs/job/latest-rank0.pt.symlink").decode()
+            except FileNotFoundError:
+                pass
+            time.sleep(0.05)
+    finally:
+        targets = [proc.pid, *descendants(proc.pid)]
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate(timeout=30)
+        assert not wait_gone(targets)
+    pointer = store.read_bytes("runs/job/latest-rank0.pt.symlink").decode()  # it may have moved on since
+    second = job(tmp_path / "elsewhere", folder, tmp_path / "second.pt", *extra)
+    assert second.returncode == 0, second.stderr
+    resumed_at = int(pointer.rsplit("-ba", 1)[1].split("-")[0])
+    assert resumed_at >= 8 and f"attempt 0 resumed at batch {resumed_at}" in second.stdout, second.stdout
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), reference[kind])
+    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba24-rank0.pt")
