@@ -3,12 +3,14 @@ object, load_path from the bucket and load_object_store, and the errors found at
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from lockstep import Trainer
+from lockstep import Callback, Trainer
 from lockstep.objectstore import S3ObjectStore
 from tests.trainer.common import MLP, error_of, loader
 
@@ -90,9 +92,53 @@ def test_bad_bucket_settings_are_one_line_at_construction(bucket: str, case: str
         assert name in error and "\n" not in error, error
 
 
-class _Spy:
+class _Spy(Callback):
     def __init__(self, ran: list) -> None:
         self.ran = ran
 
-    def run_event(self, event, state, logger) -> None:
-        self.ran.append(event)
+    def batch_start(self, state, logger) -> None:
+        self.ran.append(state.timestamp.batch.value)
+
+
+class _StopServerAfter(Callback):
+    """Kills the S3 server once batch ``batch`` is done and ``uploaded`` is in the bucket: every
+    later upload fails."""
+
+    def __init__(self, server, batch: int, uploaded: str) -> None:
+        self.server, self.batch, self.uploaded = server, batch, uploaded
+        self.trainer: Trainer | None = None
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.batch.value == self.batch:
+            assert self.trainer is not None and self.trainer.saver is not None
+            uploader, deadline = self.trainer.saver.uploader, time.monotonic() + 30
+            while self.uploaded not in uploader.state()[0]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            self.server.process.kill()
+            self.server.process.wait()
+
+
+@pytest.mark.timeout(120)
+def test_an_upload_that_fails_for_good_fails_the_job_naming_the_object(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import seaweed
+
+    server = seaweed.start()  # its own server: this test kills it
+    try:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        server.create_bucket("doomed")
+        monkeypatch.chdir(tmp_path)
+        stop = _StopServerAfter(server, 3, "ep0-ba2-rank0.pt")
+        trainer = stop.trainer = _trainer(max_duration="8ba", save_folder="s3://doomed/x", save_interval="2ba",
+                                          callbacks=[stop])
+        with pytest.raises(RuntimeError) as e:
+            trainer.fit()
+        message = str(e.value)
+        # the first object that could not go up: the pointer to batch 2, or batch 4's checkpoint
+        assert re.search(r"s3://doomed/x/(latest-rank0\.pt\.symlink|ep0-ba4-rank0\.pt) after 3 attempts", message), message
+        assert "\n" not in message
+        assert trainer.state.timestamp.batch.value in (6, 8)  # at the next save, or at the end of fit
+    finally:
+        server.stop()

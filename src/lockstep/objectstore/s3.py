@@ -44,7 +44,7 @@ class S3ObjectStore:
         if endpoint_url is None:
             endpoint_url = os.environ.get("S3_ENDPOINT_URL") or None
         self.endpoint_url = endpoint_url
-        config = {"retries": {"mode": "adaptive", "max_attempts": 5}, "connect_timeout": 10,
+        config = {"retries": {"mode": "adaptive"}, "connect_timeout": 10,
                   "max_pool_connections": 32, **(client_config or {})}
         self.client = boto3.Session().client(
             "s3", config=Config(**config), region_name=region_name or _default_region(endpoint_url),
