@@ -196,7 +196,7 @@ class Trainer:
         profiler = self.options.profiler
         profiling = [c for c in profiler.callbacks if c not in callbacks] if profiler is not None else []
         self.callbacks = setup.default_callbacks(folder, progress_bar, destinations) + list(callbacks) + profiling + \
-            destinations
+            destinations + setup.upload_callbacks(folder, destinations)
 
     @property
     def callbacks(self) -> list[Callback]:
