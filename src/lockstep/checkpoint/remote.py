@@ -101,6 +101,8 @@ class Uploader:
         if num_attempts < 1:
             raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
         self.folder, self.rank, self.num_attempts, self.backoff_s = folder, rank, num_attempts, backoff_s
+        # links left by this rank's process of an earlier attempt, killed while it uploaded
+        shutil.rmtree(folder.local / _UPLOADING / f"rank{rank}", ignore_errors=True)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-upload")
         self._jobs: list[Future[None]] = []
         self._lock = threading.Lock()
