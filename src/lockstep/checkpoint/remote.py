@@ -110,6 +110,8 @@ class Uploader:
         self._failure: str | None = None
         self.published: str | None = None
         """The checkpoint the bucket's latest pointer names (set once it is written)."""
+        self.timings: list[tuple[int, float]] = []
+        """(bytes, seconds) of each file uploaded, for benchmarks."""
 
     def upload(self, name: str, files: Sequence[tuple[Path, str]]) -> None:
         """Upload ``files`` (each a published local file and its name relative to the folder) as
@@ -132,9 +134,10 @@ class Uploader:
     def _upload(self, name: str, staged: Path, links: list[tuple[Path, str]]) -> None:
         try:
             for link, relative in links:
-                key = self.folder.key_of(relative)
+                key, started = self.folder.key_of(relative), time.perf_counter()
                 self._attempt(f"upload {link.name} to {self.folder.store.get_uri(key)}",
                               lambda: self.folder.store.upload_object(key, link))
+                self.timings.append((link.stat().st_size, time.perf_counter() - started))
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         with self._lock:
