@@ -43,12 +43,12 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
 
 
 BATCHES = ["--batches", "12"]  # saves at batches 4, 8 and 12
-KINDS = {"ddp": [], "sharded": ["--sharded"], "zero2": ["--zero", "2"]}
+KINDS = {"ddp": [], "sharded": ["--sharded"], "local": ["--local"], "zero2": ["--zero", "2"]}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted job's parameters for a kind (DDP, FSDP sharded, DeepSpeed ZeRO-2), saved to
+    """The uninterrupted job's parameters for a kind (DDP, FSDP sharded or local, DeepSpeed ZeRO-2), saved to
     a local folder; each run once."""
     tmp, found = tmp_path_factory.mktemp("reference"), {}
 
@@ -95,6 +95,8 @@ def test_kill_9_during_uploads_then_autoresume_elsewhere_is_exact(reference, buc
         proc.communicate(timeout=30)
         assert not wait_gone(targets)
     pointer = store.read_bytes("runs/job/latest-rank0.pt.symlink").decode()  # it may have moved on since
+    if kind == "local":  # each rank moves its own pointer: as if killed between rank 0's move and rank 1's
+        store.delete_object("runs/job/latest-rank1.pt.symlink")
     second = job(tmp_path / "elsewhere", folder, tmp_path / "second.pt", *extra)
     assert second.returncode == 0, second.stderr
     resumed_at = int(pointer.rsplit("-ba", 1)[1].split("-")[0])

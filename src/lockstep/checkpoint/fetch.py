@@ -7,6 +7,8 @@ per machine the files every rank there reads."""
 from __future__ import annotations
 
 import os
+import re
+import string
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,9 +60,11 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> No
     local = any(p.exists() or p.is_symlink() for p in candidates(template, run_name))
     if any(_agreement.gather_small_objects(local)):
         return
+    if layout_name == LOCAL:
+        _per_rank_files(saver, run_name)
+        return
     error = None
-    per_rank = layout_name == LOCAL
-    if per_rank or dist.get_local_rank() == 0:
+    if dist.get_local_rank() == 0:
         try:
             _from_pointer(saver)
         except Exception as e:
@@ -83,6 +87,65 @@ def _from_pointer(saver: CheckpointSaver) -> None:
     local = saver.folder / target[len(prefix):]
     _download(folder.store, target, local)
     files.point_latest(pointer, local)
+
+
+def _per_rank_files(saver: CheckpointSaver, run_name: str) -> None:
+    """FSDP ``local`` checkpoints: each rank downloads its own file of the newest step that any
+    rank's pointer names. Each rank moves its own pointer, so a job killed between two ranks'
+    moves leaves pointers one step apart; both steps are complete in the bucket (a pointer moves
+    only once every rank's file is there), so the ranks behind take their file of the newer one."""
+    folder, pointer = saver.remote, saver.latest
+    assert folder is not None and pointer is not None
+    prefix = folder.key_of("")
+    target, error = None, None
+    try:
+        target = folder.store.read_bytes(folder.key_of(str(pointer.relative_to(saver.folder))) +
+                                         remote.POINTER_SUFFIX).decode().strip()
+    except FileNotFoundError:
+        pass
+    except Exception as e:
+        error = f"autoresume from {folder.uri}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    targets = _agreement.gather_small_objects(target)
+    if all(t is None for t in targets):
+        return
+    template, newest = saver.config.save_filename, None
+    try:
+        for rank, key in enumerate(targets):
+            if key is None:
+                continue
+            times = _time_fields(template, templates.place_values(run_name, rank=rank), key[len(prefix):])
+            if times is None:
+                raise CheckpointError(f"the latest pointer of rank {rank} names {key!r}, which save_filename="
+                                      f"{template!r} does not make")
+            if newest is None or times.get("batch", 0) > newest.get("batch", 0):
+                newest = times
+        assert newest is not None
+        name = template.format(**saver.place, **newest)
+        local = saver.folder / name
+        _download(folder.store, folder.key_of(name), local)
+        files.point_latest(pointer, local)
+    except Exception as e:
+        error = f"autoresume from {folder.uri}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+
+
+def _time_fields(template: str, place: dict[str, object], name: str) -> dict[str, int] | None:
+    """The time fields (``{batch}``, ...) of ``name``, which ``template`` made with ``place``."""
+    pattern, seen = [], set()
+    for literal, field, spec, _ in string.Formatter().parse(template):
+        pattern.append(re.escape(literal))
+        if field is None:
+            continue
+        if field in place:
+            pattern.append(re.escape(format(place[field], spec or "")))
+        elif field in seen:
+            pattern.append(f"(?P={field})")
+        else:
+            seen.add(field)
+            pattern.append(f"(?P<{field}>\\d+)")
+    match = re.fullmatch("".join(pattern), name)
+    return None if match is None else {k: int(v) for k, v in match.groupdict().items()}
 
 
 def _exists(store: ObjectStore, key: str) -> bool:

@@ -205,12 +205,11 @@ def is_remote(path: object) -> bool:
     return is_uri(path)
 
 
-def complete(history: Sequence[str], states: Sequence[list[str] | None]) -> str | None:
-    """The newest checkpoint of ``history`` whose parts every rank has uploaded (a rank with None
-    uploads nothing)."""
-    for name in reversed(history):
-        if all(done is None or name in done for done in states):
-            return name
+def complete(saves: Sequence[int], states: Sequence[list[int] | None]) -> int | None:
+    """The newest of ``saves`` whose parts every rank has uploaded (a rank with None uploads nothing)."""
+    for save in reversed(saves):
+        if all(done is None or save in done for done in states):
+            return save
     return None
 
 

@@ -73,8 +73,10 @@ class CheckpointSaver:
         if remote.is_remote(config.save_folder):
             self.remote = remote.RemoteFolder.of(templates.format_name(config.save_folder, self.place), self.folder)
             self.uploader = remote.Uploader(self.remote, dist.get_global_rank())
-        self._uploaded: dict[str, list[str]] = {}
-        """Each checkpoint not yet known complete in the bucket: the save history it was saved with."""
+        self._uploaded: dict[int, tuple[str, list[str]]] = {}
+        """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's
+        name of it and the save history it was saved with."""
+        self._saves = 0
         self._removed_remote: set[str] = set()
         latest = config.save_latest_filename
         self.latest = None if latest is None else self.folder / templates.format_name(latest, self.place)
@@ -184,7 +186,9 @@ class CheckpointSaver:
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
         if self.uploader is not None:
-            self._uploaded[name] = list(history)  # the local prune shortens the list it is given
+            self._saves += 1
+            # a copy: the local prune shortens the list it is given; only writers move the pointer
+            self._uploaded[self._saves] = (name, list(history) if self.writes else [])
         if is_folder(layout):
             self._save_folder(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.writes:
@@ -354,11 +358,14 @@ class CheckpointSaver:
         if self.uploader is not None:
             self._finish_uploads()
 
-    def _upload_state(self) -> tuple[list[str], str | None] | None:
-        """What this rank has uploaded, for the agreement (None: it uploads nothing)."""
+    def _upload_state(self) -> tuple[list[int], str | None] | None:
+        """The saves whose parts this rank has uploaded, and its first upload failure, for the
+        agreement (None: it uploads nothing)."""
         if self.uploader is None or not (self.writes or self.layout in FOLDER_LAYOUTS):
             return None
-        return self.uploader.state()
+        done, failure = self.uploader.state()
+        names = set(done)
+        return [save for save, (name, _) in self._uploaded.items() if name in names], failure
 
     def _upload_folder_part(self, temp: Path, path: Path) -> None:
         """Hand this rank's files of a folder checkpoint to the uploader (rank 0: the files no
@@ -369,7 +376,7 @@ class CheckpointSaver:
                 if p.is_file() and remote.owner_of(p.name) == rank]
         self.uploader.upload(name, mine)
 
-    def _after_uploads(self, states: list[tuple[list[str], str | None] | None]) -> None:
+    def _after_uploads(self, states: list[tuple[list[int], str | None] | None]) -> None:
         """Every rank, with every rank's upload state: fail on a lost upload; else move the bucket's
         latest pointer to the newest checkpoint every rank has uploaded, then rotate the bucket."""
         assert self.uploader is not None and self.remote is not None
@@ -379,12 +386,12 @@ class CheckpointSaver:
             raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {failed[1]}")
         if not (self.writes and self._uploaded):
             return
-        newest = remote.complete(list(self._uploaded), [None if s is None else s[0] for s in states])
-        if newest is None:
+        save = remote.complete(list(self._uploaded), [None if s is None else s[0] for s in states])
+        if save is None:
             return
-        history = self._uploaded[newest]
-        for name in list(self._uploaded)[:list(self._uploaded).index(newest) + 1]:
-            del self._uploaded[name]
+        newest, history = self._uploaded[save]
+        for earlier in [s for s in self._uploaded if s <= save]:
+            del self._uploaded[earlier]
         keep = self.config.save_num_checkpoints_to_keep
         old = [n for n in (history[:-keep] if keep != -1 else []) if n not in self._removed_remote]
         self._removed_remote.update(old)
