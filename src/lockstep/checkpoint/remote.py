@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep import idle
 from lockstep.objectstore import ObjectStore, S3ObjectStore, parse_uri
 from lockstep.objectstore.probe import problem
 from lockstep.objectstore.uri import check_uri, is_uri
@@ -103,7 +104,7 @@ class Uploader:
         self.folder, self.rank, self.num_attempts, self.backoff_s = folder, rank, num_attempts, backoff_s
         # links left by this rank's process of an earlier attempt, killed while it uploaded
         shutil.rmtree(folder.local / _UPLOADING / f"rank{rank}", ignore_errors=True)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-upload")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-upload", initializer=idle.yield_to_training)
         self._jobs: list[Future[None]] = []
         self._lock = threading.Lock()
         self._done: list[str] = []
@@ -123,7 +124,10 @@ class Uploader:
             for source, relative in files:
                 link = staged / relative
                 link.parent.mkdir(parents=True, exist_ok=True)
-                os.link(source, link)
+                try:
+                    os.link(source, link)
+                except OSError:  # a file system without hard links: a copy, which costs its bytes once more
+                    shutil.copyfile(source, link)
                 links.append((link, relative))
         except OSError as e:
             shutil.rmtree(staged, ignore_errors=True)
@@ -136,7 +140,7 @@ class Uploader:
             for link, relative in links:
                 key, started = self.folder.key_of(relative), time.perf_counter()
                 self._attempt(f"upload {link.name} to {self.folder.store.get_uri(key)}",
-                              lambda: self.folder.store.upload_object(key, link))
+                              lambda: self.folder.store.upload_object(key, link, callback=_idle_thread))
                 self.timings.append((link.stat().st_size, time.perf_counter() - started))
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -198,6 +202,17 @@ class Uploader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+_idled = threading.local()
+
+
+def _idle_thread(done: int, total: int) -> None:
+    """The upload's progress callback, which runs on the client's transfer threads: the first call
+    on each makes it take CPU only where training leaves a core idle (see ``idle``)."""
+    if not getattr(_idled, "done", False):
+        _idled.done = True
+        idle.yield_to_training()
 
 
 def is_remote(path: object) -> bool:
