@@ -439,3 +439,17 @@ def test_console_logger_takes_composers_stream_and_traces() -> None:
     assert stream.getvalue() == "[trace]: algorithm_traces/A/init:1\n"
     message = error_of(ConsoleLogger, stream="stdot")
     assert message == "ConsoleLogger(stream='stdot'): use 'stdout', 'stderr' or a text stream"
+
+
+def test_a_memory_plot_that_fails_to_render_leaves_no_file_and_the_others_are_written(tmp_path: Path) -> None:
+    from lockstep.callbacks._cuda_traces import write_snapshot
+
+    def offline(snapshot):  # as torch's flame graphs do on a node that cannot reach GitHub
+        raise OSError("Temporary failure in name resolution")
+
+    files = {str(tmp_path / "a.pickle"): None, str(tmp_path / "b.svg"): offline,
+             str(tmp_path / "c.html"): lambda snapshot: f"<p>{len(snapshot['segments'])}</p>"}
+    written = write_snapshot({"segments": [1, 2]}, files)
+    assert written == [str(tmp_path / "a.pickle"), str(tmp_path / "c.html")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pickle", "c.html"]
+    assert (tmp_path / "c.html").read_text() == "<p>2</p>"

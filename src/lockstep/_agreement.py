@@ -7,18 +7,26 @@ same on every rank, and only then does any rank act. :func:`first_error` and
 raised everywhere. :func:`host_group` is the gloo group these small CPU collectives (and other
 off-the-critical-path reductions) run over.
 
+Stalls: these collectives never pause a rank's progress reports, so a rank that stops before one
+is caught by ``--stall_timeout`` while the others wait in it. What may keep them waiting
+legitimately, a rank's long local work (a checkpoint write), runs in :func:`long_io`: a counter in
+the job's store, which a rank waiting here reads, on any node, to pause its own reports meanwhile.
+
 Built on :mod:`lockstep.dist`, which does not import this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from typing import TypeVar
+import time
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
 
-from lockstep import dist
+from lockstep import dist, progress
 
 T = TypeVar("T")
 
@@ -72,7 +80,7 @@ def _gather_rows(data: bytes, row: int, world: int, group: torch_dist.ProcessGro
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     every = torch.empty(world * row, dtype=torch.uint8)
-    torch_dist.all_gather_single(every, mine, group=group)
+    wait(torch_dist.all_gather_single(every, mine, group=group, async_op=True))
     flat = every.numpy().tobytes()
     return [flat[r * row:(r + 1) * row] for r in range(world)]
 
@@ -89,7 +97,8 @@ def first_error(error: str | None, *, device: str | torch.device = "cpu") -> tup
     if dist.get_world_size() == 1 or not dist.is_initialized():
         return None if error is None else (dist.get_global_rank(), error)
     flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
-    if not int(dist.all_reduce(flag, "MAX")[0]):
+    wait(torch_dist.all_reduce(flag, torch_dist.ReduceOp.MAX, async_op=True))
+    if not int(flag[0]):
         return None
     return next((rank, m) for rank, m in enumerate(dist.all_gather_object(error)) if m is not None)
 
@@ -102,3 +111,63 @@ def raise_first_error(error: str | None, exception: type[Exception] = RuntimeErr
     if first is not None:
         rank, message = first
         raise exception(message if dist.get_world_size() == 1 else f"rank {rank}: {message}")
+
+
+_IO_KEY = "lockstep/long_io"
+"""The job store's count of ranks in :func:`long_io` now."""
+_POLL_S = (1e-4, 0.05)
+"""How often :func:`wait` looks at its collective: from the first to the second, doubling."""
+_ASK_AFTER_S = 0.1
+"""How long :func:`wait` waits before it first asks the store whether a rank is in long_io."""
+
+
+def _store() -> Any:
+    """The job's store when a launcher watches this rank's progress in a job of several ranks."""
+    if not progress.watched() or dist.get_world_size() == 1 or not dist.is_initialized():
+        return None
+    return torch_dist.distributed_c10d._get_default_store()
+
+
+@contextlib.contextmanager
+def long_io() -> Iterator[None]:
+    """Run this rank's long local work (a checkpoint write) that other ranks may wait for in one
+    of these collectives: no rank of the job is called stalled meanwhile, on any node."""
+    store = _store()
+    with progress.heartbeat_paused():
+        if store is None:
+            yield
+            return
+        store.add(_IO_KEY, 1)
+        try:
+            yield
+        finally:
+            store.add(_IO_KEY, -1)
+
+
+def wait(work: Any) -> None:
+    """Wait for the async collective ``work``; while some rank of the job is in :func:`long_io`,
+    this rank's progress reports are paused (a wait for a peer's write is not a stall), and
+    otherwise they are not (a wait for a peer that stopped is the stall to catch)."""
+    store = _store()
+    if store is None:
+        work.wait()
+        return
+    began, delay = time.monotonic(), _POLL_S[0]
+    paused: contextlib.ExitStack | None = None
+    try:
+        while not work.is_completed():
+            time.sleep(delay)
+            delay = min(2 * delay, _POLL_S[1])
+            if time.monotonic() - began < _ASK_AFTER_S:
+                continue
+            writing = store.add(_IO_KEY, 0) > 0
+            if writing and paused is None:
+                paused = contextlib.ExitStack()
+                paused.enter_context(progress.heartbeat_paused())
+            elif not writing and paused is not None:
+                paused.close()
+                paused = None
+        work.wait()  # raises what failed
+    finally:
+        if paused is not None:
+            paused.close()

@@ -105,6 +105,12 @@ def stop_heartbeat() -> None:
         slot.write(slot.step, Phase.IDLE)
 
 
+def watched() -> bool:
+    """Whether a launcher is watching this rank for stalls right now (it has beaten, not stopped)."""
+    slot = _slot if _opened else _open()
+    return slot is not None and slot.phase is not Phase.IDLE
+
+
 @contextlib.contextmanager
 def heartbeat_paused() -> Iterator[None]:
     """Within this block no rank of the job is called stalled: for a long step that cannot beat,

@@ -112,14 +112,14 @@ def test_stall_timeout_from_the_environment(tmp_path: Path, write_script) -> Non
 
 
 # A healthy Trainer run with a 1.5 s stall timeout: a 3 s first step (before any report), an
-# evaluation of 3 s in all (in 0.3 s batches) and a 3 s checkpoint write on rank 0 while rank 1 waits.
+# evaluation of 3 s in all (in 0.3 s batches) and 3 s checkpoint writes on rank 0: one in its
+# writer thread that the next save waits for, then the last one, while rank 1 waits.
 _HEALTHY_TRAINER = """
 import sys, time
 import torch
 from torch.utils.data import DataLoader, Dataset
 from lockstep import Trainer, dist
 from lockstep.callbacks import Callback
-from lockstep.checkpoint.saver import CheckpointSaver
 from tests.trainer.common import MLP, dataset, loader
 
 class SlowEval(Dataset):
@@ -136,12 +136,12 @@ class SlowFirstStep(Callback):
         if state.timestamp.batch == 0:
             time.sleep(3)
 
-save = CheckpointSaver.save
-def slow_save(self, *args, **kwargs):
-    if dist.get_global_rank() == 0:
-        time.sleep(3)
-    return save(self, *args, **kwargs)
-CheckpointSaver.save = slow_save
+from lockstep.checkpoint import files
+write_temp = files.write_temp
+def slow_write(*args, **kwargs):  # each of rank 0's writes: in the writer thread, or at the end
+    time.sleep(3)
+    return write_temp(*args, **kwargs)
+files.write_temp = slow_write
 
 evaluation = SlowEval()
 model = MLP()

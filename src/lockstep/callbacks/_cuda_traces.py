@@ -46,17 +46,26 @@ def file_prefix(folder: Path, template: str, state: State) -> str:
 
 def write_snapshot(snapshot: dict[str, Any], files: dict[str, Any]) -> list[str]:
     """Write the allocator ``snapshot`` (pickled) and each of ``files``: path -> a function of the
-    snapshot giving the text of that file (torch.cuda._memory_viz's plots). Returns the paths written."""
+    snapshot giving the text of that file (torch.cuda._memory_viz's plots). A file whose rendering
+    fails is left out (logged), never left half-written. Returns the paths written."""
     written = []
     for path, render in files.items():
-        if render is None:
-            with open(path, "wb") as f:
-                pickle.dump(snapshot, f)
-        else:
-            with open(path, "w") as f:
-                f.write(render(snapshot))
+        try:
+            data = pickle.dumps(snapshot) if render is None else render(snapshot).encode()
+        except Exception as e:  # noqa: BLE001 - one plot failing must not cost the others
+            log.warning("could not render %s: %s", path, e)
+            continue
+        partial = path + ".partial"
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
         written.append(path)
     return written
+
+
+def flamegraph_script() -> Path:
+    """Where torch.cuda._memory_viz looks for flamegraph.pl (it downloads it there when missing)."""
+    return Path("~/.cache/flamegraph.pl").expanduser()
 
 
 def upload(logger: Logger, remote_template: str | None, state: State, paths: list[str], overwrite: bool) -> None:

@@ -26,7 +26,7 @@ class MemorySnapshot(Callback):
     ``{epoch}``, ``{batch}``, ...; unless ``overwrite``, the folder must be empty. With a file
     uploader among the loggers, the files go to ``remote_file_name`` too.
 
-    Without a GPU it warns at INIT and does nothing. (Not tested on a GPU in lockstep's own tests.)
+    Without a GPU it warns at INIT and does nothing. CI has no GPU: ``scripts/gpu_check.py`` checks it on one.
     """
 
     def __init__(self, skip_batches: int = 1, interval: int | str | Time = "3ba", max_entries: int = 100000,

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lockstep.callbacks._cuda_traces import file_prefix, log, on_cuda, trace_folder, upload, write_snapshot
+from lockstep.callbacks._cuda_traces import (file_prefix, flamegraph_script, log, on_cuda, trace_folder, upload,
+                                             write_snapshot)
 from lockstep.core.callback import Callback
 
 if TYPE_CHECKING:
@@ -19,17 +20,20 @@ __all__ = ["OOMObserver"]
 # file suffix -> the torch.cuda._memory_viz function that renders it (None: the pickled snapshot)
 _FILES = {"_snapshot.pickle": None, "_trace_plot.html": "trace_plot", "_segment_plot.html": "segment_plot",
           "_segment_flamegraph.svg": "segments", "_memory_flamegraph.svg": "memory"}
+# rendered by Brendan Gregg's flamegraph.pl, which torch would otherwise download from GitHub
+_FLAMEGRAPHS = {"_segment_flamegraph.svg", "_memory_flamegraph.svg"}
 
 
 class OOMObserver(Callback):
     """On a GPU: records the allocator's history from INIT on (at most ``max_entries`` events) and,
     when an allocation is about to fail with out-of-memory, writes ``<folder>/<filename>`` +
-    ``_snapshot.pickle``, ``_trace_plot.html``, ``_segment_plot.html``, ``_segment_flamegraph.svg``
-    and ``_memory_flamegraph.svg``. ``folder`` and ``filename`` take ``{run_name}``, ``{rank}``, ...;
+    ``_snapshot.pickle``, ``_trace_plot.html``, ``_segment_plot.html``, and where
+    ``~/.cache/flamegraph.pl`` is present (it is never downloaded), ``_segment_flamegraph.svg`` and
+    ``_memory_flamegraph.svg``. ``folder`` and ``filename`` take ``{run_name}``, ``{rank}``, ...;
     unless ``overwrite``, the folder must be empty. With a file uploader among the loggers, the
     files go to ``remote_file_name`` too.
 
-    Without a GPU it warns at INIT and does nothing. (Not tested on a GPU in lockstep's own tests.)
+    Without a GPU it warns at INIT and does nothing. CI has no GPU: ``scripts/gpu_check.py`` checks it on one.
     """
 
     def __init__(self, max_entries: int = 100000, folder: str = "{run_name}/torch_traces",
@@ -63,8 +67,13 @@ class OOMObserver(Callback):
                 return
             from torch.cuda import _memory_viz
 
+            # Never download during an out-of-memory error: a compute node is often offline, and
+            # a blocked connection would hold the failing step for minutes.
+            drawn = flamegraph_script().exists()
+            if not drawn:
+                log.info("OOMObserver: no flame graphs (put flamegraph.pl at %s to get them)", flamegraph_script())
             files = {prefix + suffix: None if name is None else getattr(_memory_viz, name)
-                     for suffix, name in _FILES.items()}
+                     for suffix, name in _FILES.items() if drawn or suffix not in _FLAMEGRAPHS}
             paths = write_snapshot(snapshot, files)
             log.info("OOMObserver wrote %s_*", prefix)
             upload(logger, self.remote_file_name, state, paths, self.overwrite)

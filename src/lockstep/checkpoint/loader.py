@@ -338,18 +338,19 @@ class _Opened:
 def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_only: bool,
           check_run_name: bool, share: tuple[int, int], data: bytes | None = None) -> _Opened:
     """Read, check and unpickle ``path`` (or, given ``data``, the file's content received from rank 0)."""
-    if data is None:
-        target = files.resolve_pointer(path)
-        content = files.read(_meta_file(target), share=share)
-    else:
-        target, content = path, files.read_bytes(data, path)
-    opened = _Opened(target, content, payload.metadata(content, target))
-    meta = opened.meta
-    if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
-        from lockstep.checkpoint.deepspeed import check_folder
-        check_folder(target, meta or {}, share=share)
-    elif opened.layout == SHARDED:  # before DCP reads any of them, on any rank
-        integrity.check_sharded(target, meta or {}, share)
+    with _agreement.long_io():  # reading a big file is not a stall, nor are ranks waiting for it
+        if data is None:
+            target = files.resolve_pointer(path)
+            content = files.read(_meta_file(target), share=share)
+        else:
+            target, content = path, files.read_bytes(data, path)
+        opened = _Opened(target, content, payload.metadata(content, target))
+        meta = opened.meta
+        if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
+            from lockstep.checkpoint.deepspeed import check_folder
+            check_folder(target, meta or {}, share=share)
+        elif opened.layout == SHARDED:  # before DCP reads any of them, on any rank
+            integrity.check_sharded(target, meta or {}, share)
     if meta is None:
         if not weights_only:
             raise CheckpointError(f"{target} holds only model weights (a plain state_dict): pass "
@@ -422,7 +423,8 @@ def _apply(opened: _Opened, state: State, layout: Layout, *,
         layout.full_reader().load_model(export_weights(path), path, strict)
     elif opened.layout in FOLDER_LAYOUTS:
         assert is_folder(layout)  # _check_layout: a folder checkpoint resumes only into its own layout
-        layout.load_folder(path, content, weights_only=weights_only, strict=strict)
+        with _agreement.long_io():  # after the agreement: every rank is here
+            layout.load_folder(path, content, weights_only=weights_only, strict=strict)
     else:
         reader = layout.full_reader() if opened.layout == SINGLE else layout
         reader.load_model(content["model"], path, strict)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle
-from lockstep.checkpoint import files, payload, remote, staging, templates, writable
+from lockstep.checkpoint import files, ownership, payload, remote, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -61,6 +61,12 @@ class CheckpointSaver:
         self.config, self.layout, self.max_duration = config, layout, max_duration
         self._device = torch.device(device)
         """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
+        self.run_name = run_name
+        self._rank = dist.get_global_rank()
+        self._claimed = False
+        """Whether this rank holds a claim on the folder (see :mod:`lockstep.checkpoint.ownership`)."""
+        self._claim_agreed = False
+        """Whether every rank agreed that the run holds the folder (the same on every rank)."""
         self.place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
         """Values of the place fields in names: this rank's for per-rank files, else rank 0's."""
         folder = config.save_folder
@@ -104,7 +110,37 @@ class CheckpointSaver:
         error = writable.check_folder(self.folder) if self.writes or self.layout in FOLDER_LAYOUTS else None
         if error is None and self.remote is not None:  # wrong credentials, no bucket, no server: now
             error = self.remote.problem()
-        _agreement.raise_first_error(error, ValueError, device=self._device)
+        self.claim(error)
+
+    def claim(self, error: str | None = None) -> None:
+        """Claim the folder for this run until :meth:`release` (a collective; see
+        :mod:`lockstep.checkpoint.ownership`): a ValueError on every rank if any rank may not
+        write there (``error``: why, found by the caller) or another live job owns it."""
+        if self._claim_agreed:
+            return
+        if error is None and self.writes:
+            error = ownership.claim(self.folder, self.run_name, self._rank, self._patterns())
+            self._claimed = error is None
+        try:
+            _agreement.raise_first_error(error, ValueError, device=self._device)
+        except ValueError:
+            self.release()
+            raise
+        self._claim_agreed = True
+
+    def _patterns(self) -> list[str]:
+        """Globs of the names this rank writes in the folder, for :mod:`ownership`."""
+        names = [self.filename_glob()]
+        if self.latest is not None:
+            names.append(self.latest.name)
+        return names
+
+    def release(self) -> None:
+        """Give up this rank's claim on the folder (the end of ``fit``, ``close``); safe to call again."""
+        self._claim_agreed = False
+        if self._claimed:
+            self._claimed = False
+            ownership.release(self.folder, self.run_name, self._rank)
 
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,
@@ -180,7 +216,8 @@ class CheckpointSaver:
         if buffers:
             rank_entry = {**rank_entry, "buffers": buffers}
         ranks, pid = self._agree(path, name, rank_entry)
-        model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
+        with _agreement.long_io():  # every rank is here (it took part in the agreement)
+            model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
         if self.writes and not self._swept:  # temporary files of a writer that died mid-save
             files.remove_stale_temps(self.folder)
             self._swept = True
@@ -236,7 +273,8 @@ class CheckpointSaver:
             self._hand_over(False, self._copy_and_publish, staged, path, history, self.copying)
             return
         try:  # written before training goes on
-            temp = files.write_temp(content, path)
+            with _agreement.long_io():
+                temp = files.write_temp(content, path)
         except Exception as e:  # raised on every rank by wait() or the next save
             self._failure = e
             return
@@ -246,7 +284,8 @@ class CheckpointSaver:
         """``content`` copied for the writer thread (``later``: see :meth:`Stager.stage`), or None
         when the copy does not fit in memory."""
         try:
-            return self._stager.stage(content, later)
+            with _agreement.long_io():
+                return self._stager.stage(content, later)
         except staging.DoesNotFit:
             return None
 
@@ -311,7 +350,8 @@ class CheckpointSaver:
     def _hand_over(self, now: bool, write: Callable[..., None], *args: Any) -> None:
         """Run ``write`` here (``now``), or on the one lasting writer thread."""
         if now:
-            write(*args)
+            with _agreement.long_io():
+                write(*args)
             return
         if self._pool is None:  # one lasting thread: starting a thread per save costs a GIL handoff
             idle_only = self.layout not in FOLDER_LAYOUTS  # those writers meet in collectives
@@ -336,7 +376,8 @@ class CheckpointSaver:
     def _join(self) -> str | None:
         """Wait for the background publish; its failure, if any, as a message."""
         if self._publisher is not None:
-            self._publisher.result()  # _publish keeps its failure in self._failure; it never raises
+            with _agreement.long_io():
+                self._publisher.result()  # _publish keeps its failure in self._failure; it never raises
             self._publisher = self.copying = None
         if self._failure is None:
             return None

@@ -20,7 +20,7 @@ _MAIN = re.compile(r"main thread (0x[0-9a-f]+)")
 # Frames in these files mean the thread waits for other ranks (a collective, DDP's gradient
 # all-reduce at the end of backward, an FSDP all-gather).
 _COLLECTIVE_PATHS = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/distributed.py",
-                     "deepspeed/comm/", "lockstep/dist.py")
+                     "deepspeed/comm/", "lockstep/dist.py", "lockstep/_agreement.py")
 
 
 def stacks_path(control_dir: Path, rank: int) -> Path:

@@ -62,8 +62,9 @@ class FitSaves:
 
     def save(self, *, at_epoch_end: bool, wait: bool = False) -> None:
         entry = rank_entry(self.position, at_epoch_end)
-        with progress.heartbeat_paused():  # a long write is not a stall, nor are ranks waiting for it
-            path = self.saver.save(self.state, entry, self.layout, wait=wait)
+        # Progress reports go on: the saver pauses them only around long local work (see
+        # _agreement.long_io), so that a rank stopping before a save is caught as a stall.
+        path = self.saver.save(self.state, entry, self.layout, wait=wait)
         if path is not None:
             self.saved.append(str(path))
 
@@ -72,8 +73,7 @@ class FitSaves:
         timestamp = self.state.timestamp
         if self.saver.last_saved_batch != timestamp.batch.value:
             self.save(at_epoch_end=timestamp.batch_in_epoch.value == 0, wait=True)
-        with progress.heartbeat_paused():
-            self.saver.wait()
+        self.saver.wait()
 
 
 def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver | None,
@@ -81,7 +81,14 @@ def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver:
     """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh, and tell
     the saver what the run continues from; returns this rank's RNG and data entry for ``fit`` to
     apply (None when nothing, or only weights, were loaded)."""
-    loaded = _load(config, state, layout, saver, run_name_given=run_name_given)
+    watch = config.autoresume or config.load_path is not None
+    if watch:  # a rank that never comes to the load's agreements is a stall the launcher names
+        progress.heartbeat(state.timestamp.batch.value)
+    try:
+        loaded = _load(config, state, layout, saver, run_name_given=run_name_given)
+    finally:
+        if watch:  # until the first batch ends: a first step may compile for long
+            progress.stop_heartbeat()
     if saver is not None:
         saver.begin(loaded)
     if loaded is None or loaded.weights_only:

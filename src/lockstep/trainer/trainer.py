@@ -261,6 +261,8 @@ class Trainer:
             raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
+        if self.saver is not None:  # held since Trainer(...); a later fit() claims the folder again
+            self.saver.claim()
         self._fitting = True
         self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
         with setup.kept_out_of_gc():
@@ -272,6 +274,8 @@ class Trainer:
             finally:
                 self._fitting = False
                 progress.stop_heartbeat()  # what the script does next may wait on other ranks
+                if self.saver is not None:  # every save is durable by now
+                    self.saver.release()
 
     def _fit(self) -> None:
         s = self.state
@@ -479,6 +483,8 @@ class Trainer:
         if not self._closed:
             self._closed = True
             self._events.close()
+            if self.saver is not None:
+                self.saver.release()
 
 
 def _nothing() -> None:

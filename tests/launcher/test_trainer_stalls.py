@@ -1,0 +1,82 @@
+"""Stalls inside the Trainer's own collectives (issue 37): a rank that stops just before a save, or
+on its way into a load, is caught by --stall_timeout and named, on one node and across two, while
+a long checkpoint write that other ranks wait for is not a stall, on any node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lockstep.launcher.stall import STALL_EXIT_CODE
+from tests.launcher.conftest import launch
+from tests.launcher.test_multinode import _free_port
+
+pytestmark = pytest.mark.timeout(150)
+REPO = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).with_name("trainer_stall_job.py")
+
+
+def _two_nodes(tmp_path: Path, env: dict[str, str], per_node: int) -> list[tuple[int, str, str]]:
+    """Two launchers on loopback, both watching for stalls; (code, out, err) of each."""
+    port = str(_free_port())
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env}
+    nodes = [subprocess.Popen([sys.executable, "-m", "lockstep", "-n", str(per_node), "--world_size", str(2 * per_node),
+                               "--node_rank",
+                               str(node), "--master_addr", "127.0.0.1", "--master_port", port,
+                               "--rdzv_timeout", "60", "--stall_timeout", "2", "--run_directory",
+                               str(tmp_path / f"run{node}"), str(JOB), str(tmp_path / f"ckpt{node}")],
+                              cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    try:
+        outs = [n.communicate(timeout=100) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    return [(n.returncode, out, err) for n, (out, err) in zip(nodes, outs)]
+
+
+def test_a_rank_that_stops_just_before_a_save_is_the_stall_named(tmp_path: Path) -> None:
+    began = time.monotonic()
+    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path,
+                    env={"STOP_RANK": "1", "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
+    assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
+    assert time.monotonic() - began < 60
+    err = result.stderr
+    assert "rank 1 (pid" in err and "stopped first; last completed step 3" in err, err[-3000:]
+    assert "rank 0 (pid" in err and "waiting in a collective; last completed step 3" in err, err[-3000:]
+    assert "look at rank 1 first" in err
+
+
+def test_across_two_nodes_both_launchers_end_naming_the_rank_that_stopped(tmp_path: Path) -> None:
+    began = time.monotonic()
+    # rank 1 stops beside rank 0, which waits for it in the save; node 1's ranks wait too
+    results = _two_nodes(tmp_path, {"STOP_RANK": "1"}, per_node=2)
+    assert [code for code, _, _ in results] == [STALL_EXIT_CODE] * 2, [err[-2000:] for _, _, err in results]
+    assert time.monotonic() - began < 60
+    node0 = results[0][2]
+    assert "rank 1 (pid" in node0 and "stopped first; last completed step 3" in node0, node0[-3000:]
+    assert "rank 1" in results[1][2], results[1][2][-3000:]
+
+
+def test_a_long_write_that_the_other_node_waits_for_is_not_a_stall(tmp_path: Path) -> None:
+    # each write of rank 0 takes 3 s against a 2 s stall timeout; node 1's rank waits for the last one
+    results = _two_nodes(tmp_path, {"SLOW_WRITE": "3"}, per_node=1)
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    assert all("finished" in out and "stall" not in err for _, out, err in results)
+
+
+def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    first = launch(["-n", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path, env=env, timeout=100)
+    assert first.returncode == 0, first.stderr[-3000:]
+    load = str(tmp_path / "ckpt" / "ep0-ba6-rank{rank}.pt")
+    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "again")], tmp_path,
+                    env={**env, "LOAD": load, "STOP_IN_LOAD": "1"}, timeout=100)
+    assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
+    err = result.stderr
+    assert "rank 1 (pid" in err and "stopped first" in err and "look at rank 1 first" in err, err[-3000:]

@@ -1,0 +1,70 @@
+"""A Trainer job for the stall tests of test_trainer_stalls.py: ``python trainer_stall_job.py FOLDER``.
+
+It saves a checkpoint after every batch. With STOP_RANK set, that rank stops for good after
+batch 3, just before the save (the others wait for it in the save's agreement); with SLOW_WRITE
+set, each of rank 0's checkpoint writes takes that many seconds, while the others wait for the
+last one. With LOAD set, it loads that checkpoint and trains on to batch 8; STOP_IN_LOAD: rank 1
+then stops for good on its way into the load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lockstep import Callback, Trainer, dist  # noqa: E402
+from lockstep.checkpoint import files  # noqa: E402
+from tests.trainer.common import MLP, loader  # noqa: E402
+
+
+class StopAfter(Callback):
+    def __init__(self, rank: int, batch: int) -> None:
+        self.rank, self.batch = rank, batch
+
+    def batch_end(self, state, logger) -> None:
+        if dist.get_global_rank() == self.rank and state.timestamp.batch == self.batch:
+            print(f"rank {self.rank} stops after batch {self.batch}", flush=True)
+            while True:
+                time.sleep(0.05)
+
+
+def slow(write, seconds: float):
+    def slow_write(*args, **kwargs):
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+    return slow_write
+
+
+def stop_first(probe):
+    def stopped(*args, **kwargs):
+        print("rank 1 stops on its way into the load", flush=True)
+        while True:
+            time.sleep(0.05)
+    return stopped
+
+
+def main() -> None:
+    callbacks = [StopAfter(int(os.environ["STOP_RANK"]), 3)] if "STOP_RANK" in os.environ else []
+    if "STOP_IN_LOAD" in os.environ and dist.get_global_rank() == 1:
+        loading = importlib.import_module("lockstep.checkpoint.loader")  # the package's `loader` is a function
+        loading._probe = stop_first(loading._probe)
+    if "SLOW_WRITE" in os.environ:
+        files.write_temp = slow(files.write_temp, float(os.environ["SLOW_WRITE"]))
+    model, load = MLP(), os.environ.get("LOAD")
+    trainer = Trainer(model=model, train_dataloader=loader(2, n=48), max_duration="8ba" if load else "6ba",
+                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), progress_bar=False,
+                      device="cpu", save_folder=sys.argv[1], save_interval="1ba", save_num_checkpoints_to_keep=2,
+                      load_path=load, callbacks=callbacks)
+    trainer.fit()
+    print(f"rank {dist.get_global_rank()} finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
