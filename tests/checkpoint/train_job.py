@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--kill-in-save", action="append", default=[])
     p.add_argument("--kill-in-write", action="append", default=[])
     p.add_argument("--sharded", action="store_true")
+    p.add_argument("--local", action="store_true", help="FSDP with per-rank local checkpoints")
     p.add_argument("--zero", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--progress", type=Path)
@@ -115,7 +116,8 @@ def main() -> None:
                       optimizers=opt, schedulers=torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
                       progress_bar=False, seed=7, save_folder=args.folder, save_interval=args.save_interval,
                       run_name="job", autoresume=True,
-                      fsdp_config={"state_dict_type": "sharded"} if args.sharded else None,
+                      fsdp_config={"state_dict_type": "sharded"} if args.sharded else
+                      {"state_dict_type": "local"} if args.local else None,
                       deepspeed_config=None if args.zero is None else {"zero_optimization": {"stage": args.zero}},
                       callbacks=[Faults(faults(args.kill), args.sleep, args.progress)])
     start = trainer.state.timestamp.batch

@@ -81,7 +81,7 @@ def _trainer(**kwargs) -> Trainer:
 
 @pytest.mark.parametrize("argument, value, message", [
     ("precision_config", {"fp8_format": "HYBRID"}, "amp_fp8 (Transformer Engine)"),
-    ("load_object_store", object(), "local path as load_path"),
+    ("load_object_store", object(), "load_object_store must be an object store"),
     ("train_dataloader_label", "", "non-empty string"),
     ("deterministic_mode", "yes", "give True or False"),
     ("algorithm_passes", [3], "(function, position) pairs"),

@@ -24,7 +24,8 @@ class CheckpointSaver(Callback):
 
     ``remote_file_name``, ``latest_remote_file_name``, ``num_concurrent_uploads`` and
     ``upload_timeout_in_seconds`` take effect in Composer only with a ``RemoteUploaderDownloader``
-    logger, which lockstep has not; they are kept, unused. ``ignore_keys`` is the Trainer's
+    logger; lockstep uploads checkpoints when ``folder`` is an ``s3://`` URI instead, so they are
+    kept, unused. ``ignore_keys`` is the Trainer's
     ``save_ignore_keys``.
     """
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep.checkpoint import ignore, templates
+from lockstep.objectstore import ObjectStore
+from lockstep.objectstore.uri import check_uri, is_uri
 from lockstep.state import State
 from lockstep.time import Time, time_argument
 
@@ -18,7 +20,8 @@ class CheckpointConfig:
     """Where and when checkpoints are written, and what the run starts from."""
 
     save_folder: str | None = None
-    """Where checkpoints go (a template: ``{run_name}``, ``{rank}``, ...); None saves nothing."""
+    """Where checkpoints go (a template: ``{run_name}``, ``{rank}``, ...): a local folder or a bucket,
+    ``s3://BUCKET/PREFIX``; None saves nothing."""
     save_filename: str = "ep{epoch}-ba{batch}-rank{rank}.pt"
     """Each checkpoint's name inside ``save_folder`` (time fields: ``{epoch}``, ``{batch}``, ...)."""
     save_latest_filename: str | None = "latest-rank{rank}.pt"
@@ -41,7 +44,10 @@ class CheckpointConfig:
     ``'rng'``; or a function that edits that dict in place (single-file layouts: DDP, FSDP ``full``
     and ``local``)."""
     load_path: str | None = None
-    """A checkpoint to start from (``{rank}`` may name each rank's file)."""
+    """A checkpoint to start from (``{rank}`` may name each rank's file): a local path, an
+    ``s3://`` URI, or an object name in ``load_object_store``."""
+    load_object_store: Any = None
+    """An object store (:class:`lockstep.objectstore.ObjectStore`) that ``load_path`` names an object in."""
     load_weights_only: bool = False
     """Take only the model weights from ``load_path``; the run starts at batch 0."""
     load_ignore_keys: Any = None
@@ -59,6 +65,16 @@ class CheckpointConfig:
             templates.check_template(self.save_filename, "save_filename")
             if self.save_latest_filename is not None:
                 templates.check_template(self.save_latest_filename, "save_latest_filename", time_fields=False)
+        if self.save_folder is not None and is_uri(self.save_folder):
+            check_uri(self.save_folder, "save_folder")
+        if self.load_path is not None and is_uri(self.load_path) and self.load_object_store is None:
+            check_uri(self.load_path, "load_path")
+        if self.load_object_store is not None:
+            if not isinstance(self.load_object_store, ObjectStore):
+                raise TypeError(f"load_object_store must be an object store (such as "
+                                f"lockstep.objectstore.S3ObjectStore), got {type(self.load_object_store).__name__}")
+            if self.load_path is None:
+                raise ValueError("load_object_store is given without load_path: name the checkpoint object to load")
         self.load_ignore_keys = ignore.check(self.load_ignore_keys)
         self.save_ignore_keys = ignore.check_save(self.save_ignore_keys)
         keep = self.save_num_checkpoints_to_keep

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle, progress
-from lockstep.checkpoint import files, ownership, payload, staging, templates, writable
+from lockstep.checkpoint import files, ownership, payload, remote, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -69,10 +69,24 @@ class CheckpointSaver:
         """Whether every rank agreed that the run holds the folder (the same on every rank)."""
         self.place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
         """Values of the place fields in names: this rank's for per-rank files, else rank 0's."""
-        self.folder = Path(templates.format_name(config.save_folder, self.place))
+        folder = config.save_folder
+        if remote.is_remote(folder):  # staged in a local folder, then uploaded
+            folder = remote.local_template(config.save_folder)
+        self.folder = Path(templates.format_name(folder, self.place))
+        self.remote: remote.RemoteFolder | None = None
+        """The bucket's folder when save_folder is ``s3://...``; then :attr:`folder` is its local staging folder."""
+        self.uploader: remote.Uploader | None = None
+        if remote.is_remote(config.save_folder):
+            self.remote = remote.RemoteFolder.of(templates.format_name(config.save_folder, self.place), self.folder)
+            self.uploader = remote.Uploader(self.remote, dist.get_global_rank())
+        self._uploaded: dict[int, tuple[str, list[str]]] = {}
+        """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's
+        name of it and the save history it was saved with."""
+        self._saves = 0
+        self._removed_remote: set[str] = set()
         latest = config.save_latest_filename
         self.latest = None if latest is None else self.folder / templates.format_name(latest, self.place)
-        self.latest_template = None if latest is None else os.path.join(config.save_folder, latest)
+        self.latest_template = None if latest is None else os.path.join(folder, latest)
         """The pointer as a template, so that each rank can look for its own before rank 0's."""
         self.history: list[str] = []
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
@@ -94,6 +108,8 @@ class CheckpointSaver:
         every rank that writes into it; otherwise a ValueError on every rank that names the cause,
         instead of an error at the first save, after training has run."""
         error = writable.check_folder(self.folder) if self.writes or self.layout in FOLDER_LAYOUTS else None
+        if error is None and self.remote is not None:  # wrong credentials, no bucket, no server: now
+            error = self.remote.problem()
         self.claim(error)
 
     def claim(self, error: str | None = None) -> None:
@@ -155,9 +171,13 @@ class CheckpointSaver:
         found = sorted(glob.glob(pattern))
         if self.latest is not None and (self.latest.exists() or self.latest.is_symlink()):
             found.insert(0, str(self.latest))
+        if not found and self.remote is not None:
+            in_bucket = self.remote.holds_objects()
+            found = [f"s3://{self.remote.store.bucket}/{in_bucket}"] if in_bucket else []
         if found:
+            where = self.folder if self.remote is None else self.remote.uri
             raise FileExistsError(
-                f"save_folder {self.folder} already holds checkpoints (e.g. {found[0]}): pass "
+                f"save_folder {where} already holds checkpoints (e.g. {found[0]}): pass "
                 f"save_overwrite=True to replace them, autoresume=True to continue that run, or "
                 f"another save_folder")
 
@@ -202,6 +222,10 @@ class CheckpointSaver:
             files.remove_stale_temps(self.folder)
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
+        if self.uploader is not None:
+            self._saves += 1
+            # a copy: the local prune shortens the list it is given; only writers move the pointer
+            self._uploaded[self._saves] = (name, list(history) if self.writes else [])
         if is_folder(layout):
             self._save_folder(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.writes:
@@ -217,11 +241,14 @@ class CheckpointSaver:
         """
         failure = self._join()  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.config.save_overwrite or self._may_replace_own)
-        gathered = _agreement.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure))
-        self._raise_failure(next(((r, f) for r, (*_, f) in enumerate(gathered) if f is not None), None))
+        gathered = _agreement.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure,
+                                                     self._upload_state()))
+        self._raise_failure(next(((r, g[3]) for r, g in enumerate(gathered) if g[3] is not None), None))
+        if self.uploader is not None:  # the bucket's pointer moves to what every rank has uploaded
+            self._after_uploads([g[4] for g in gathered])
         if self.layout == LOCAL:  # only now is the previous save published on every rank
             self._prune()
-        if any(c for _, c, _, _ in gathered):
+        if any(g[1] for g in gathered):
             shown = path if clash else f"{self.folder}/{name} (on another rank)"
             raise FileExistsError(f"checkpoint {shown} already exists: pass save_overwrite=True to "
                                   f"replace it, or choose another save_folder or save_filename")
@@ -309,9 +336,15 @@ class CheckpointSaver:
                       history: list[str], layout: FolderLayout) -> None:
         try:
             layout.write_parts(temp, parts, self._writer_group)
+            if self.uploader is not None and meta is None:
+                self._upload_folder_part(temp, path)
+            if self.uploader is not None and self._writer_group is not None:
+                torch.distributed.barrier(group=self._writer_group)  # rank 0 renames the folder after every rank linked its files
             if meta is not None:  # rank 0, once every rank's part is written
                 layout.seal(temp, meta)
                 files.save_durably(meta, temp / SHARDED_META)
+                if self.uploader is not None:
+                    self._upload_folder_part(temp, path)
                 self._publish(temp, None, path, history)
         except BaseException as e:  # raised on every rank by the next save or wait
             self._failure = e
@@ -333,6 +366,9 @@ class CheckpointSaver:
             files.publish(temp if temp is not None else files.write_temp(staged, path), path)
             if self.latest is not None:
                 files.point_latest(self.latest, path)
+            if self.uploader is not None and self.layout not in FOLDER_LAYOUTS:
+                name = str(path.relative_to(self.folder))
+                self.uploader.upload(name, [(path, name)])
             self.history = history
             if self.layout != LOCAL:
                 self._prune()
@@ -363,6 +399,64 @@ class CheckpointSaver:
         self._raise_failure(_agreement.first_error(failure, device=self._device))
         if self.layout == LOCAL:
             self._prune()
+        if self.uploader is not None:
+            self._finish_uploads()
+
+    def _upload_state(self) -> tuple[list[int], str | None] | None:
+        """The saves whose parts this rank has uploaded, and its first upload failure, for the
+        agreement (None: it uploads nothing)."""
+        if self.uploader is None or not (self.writes or self.layout in FOLDER_LAYOUTS):
+            return None
+        done, failure = self.uploader.state()
+        names = set(done)
+        return [save for save, (name, _) in self._uploaded.items() if name in names], failure
+
+    def _upload_folder_part(self, temp: Path, path: Path) -> None:
+        """Hand this rank's files of a folder checkpoint to the uploader (rank 0: the files no
+        other rank writes, lockstep.pt among them)."""
+        assert self.uploader is not None
+        name, rank = str(path.relative_to(self.folder)), dist.get_global_rank()
+        mine = [(p, os.path.join(name, str(p.relative_to(temp)))) for p in sorted(temp.rglob("*"))
+                if p.is_file() and remote.owner_of(p.name) == rank]
+        self.uploader.upload(name, mine)
+
+    def _after_uploads(self, states: list[tuple[list[int], str | None] | None]) -> None:
+        """Every rank, with every rank's upload state: fail on a lost upload; else move the bucket's
+        latest pointer to the newest checkpoint every rank has uploaded, then rotate the bucket."""
+        assert self.uploader is not None and self.remote is not None
+        failed = next(((r, s[1]) for r, s in enumerate(states) if s is not None and s[1] is not None), None)
+        if failed is not None:
+            where = "" if dist.get_world_size() == 1 else f" on rank {failed[0]}"
+            raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {failed[1]}")
+        if not (self.writes and self._uploaded):
+            return
+        save = remote.complete(list(self._uploaded), [None if s is None else s[0] for s in states])
+        if save is None:
+            return
+        newest, history = self._uploaded[save]
+        for earlier in [s for s in self._uploaded if s <= save]:
+            del self._uploaded[earlier]
+        keep = self.config.save_num_checkpoints_to_keep
+        old = [n for n in (history[:-keep] if keep != -1 else []) if n not in self._removed_remote]
+        self._removed_remote.update(old)
+        pointer = None
+        if self.latest is not None:
+            pointer = self.remote.key_of(str(self.latest.relative_to(self.folder))) + remote.POINTER_SUFFIX
+        self.uploader.publish(newest, self.remote.key_of(newest), pointer, old)
+
+    def _finish_uploads(self) -> None:
+        """At the end of ``fit`` (and after SIGTERM's save): wait for every upload, then publish
+        the newest checkpoint in the bucket; raise on every rank if any upload failed."""
+        assert self.uploader is not None
+        self.uploader.drain()
+        self._after_uploads(_agreement.gather_small_objects(self._upload_state()))
+        self.uploader.drain()
+        _, failure = self.uploader.state()
+        first = _agreement.first_error(failure, device=self._device)
+        if first is not None:
+            assert self.remote is not None
+            where = "" if dist.get_world_size() == 1 else f" on rank {first[0]}"
+            raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {first[1]}")
 
     def _prune(self) -> None:
         """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only

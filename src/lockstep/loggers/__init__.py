@@ -13,8 +13,9 @@ from lockstep.loggers.logger_destination import LoggerDestination
 from lockstep.loggers.in_memory import InMemoryLogger
 from lockstep.loggers.mlflow import MLFlowLogger
 from lockstep.loggers.progress_bar_logger import ProgressBarLogger
+from lockstep.loggers.remote_uploader_downloader import RemoteUploaderDownloader
 from lockstep.loggers.tensorboard import TensorboardLogger
 from lockstep.loggers.wandb import WandBLogger
 
 __all__ = ["ConsoleLogger", "FileLogger", "InMemoryLogger", "Logger", "LoggerDestination", "MLFlowLogger",
-           "ProgressBarLogger", "TensorboardLogger", "WandBLogger"]
+           "ProgressBarLogger", "RemoteUploaderDownloader", "TensorboardLogger", "WandBLogger"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import dist, progress
-from lockstep.checkpoint import loader
+from lockstep.checkpoint import fetch, loader, remote
 from lockstep.checkpoint.files import DamagedCheckpoint, point_latest, remove
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
@@ -153,7 +153,11 @@ def _load(config: CheckpointConfig, state: State, layout: Layout, saver: Checkpo
         assert saver is not None  # CheckpointConfig: autoresume needs save_folder, so there is a saver
         loaded = _autoresume(config, state, layout, saver)
     if loaded is None and config.load_path is not None:
-        loaded = loader.load(config.load_path, state, layout, run_name=state.run_name,
+        path = config.load_path
+        if remote.is_remote(path) or config.load_object_store is not None:  # downloaded first
+            path = fetch.load_path(path, config.load_object_store, layout_name=layout.name, run_name=state.run_name,
+                                   device=state.device)
+        loaded = loader.load(path, state, layout, run_name=state.run_name,
                              weights_only=config.load_weights_only, strict=config.load_strict_model_weights,
                              ignore=config.load_ignore_keys)
     return loaded
@@ -168,6 +172,8 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
     fails as it is; per-rank files (FSDP ``local``) do not fall back."""
     template = saver.latest_template
     assert template is not None  # CheckpointConfig: autoresume needs save_latest_filename
+    if saver.remote is not None:  # the local staging folder first, then the bucket
+        fetch.autoresume(saver, layout_name=layout.name, run_name=state.run_name)
     try:
         return loader.load(template, state, layout, run_name=state.run_name,
                            weights_only=False, strict=config.load_strict_model_weights, optional=True,

@@ -91,11 +91,11 @@ def from_arguments(arguments: dict[str, Any]) -> RunOptions:
     return run
 
 
-_UNSUPPORTED = ("precision_config", "load_object_store", "profiler", "device_train_microbatch_size")
+_UNSUPPORTED = ("precision_config", "profiler", "device_train_microbatch_size")
 
 
-def check_unsupported(*, precision_config: dict[str, Any] | None, load_object_store: Any,
-                      profiler: Any, device_train_microbatch_size: Any) -> None:
+def check_unsupported(*, precision_config: dict[str, Any] | None, profiler: Any,
+                      device_train_microbatch_size: Any) -> None:
     """The arguments of Composer's that lockstep cannot honour yet: a one-line error each."""
     if profiler is not None and device_train_microbatch_size == "auto":  # Composer refuses the pair too
         raise ValueError("device_train_microbatch_size='auto' does not work with the profiler (its search would "
@@ -103,9 +103,6 @@ def check_unsupported(*, precision_config: dict[str, Any] | None, load_object_st
     if precision_config:  # Composer's precision_config configures amp_fp8 only
         raise ValueError(f"precision_config={precision_config!r} configures amp_fp8 (Transformer Engine), which "
                          f"lockstep does not have: remove it and use precision='amp_bf16' or 'amp_fp16'")
-    if load_object_store is not None:
-        raise ValueError("load_object_store: lockstep loads checkpoints from local paths only for now; download "
-                         "the checkpoint and pass its local path as load_path")
 
 
 def hyperparameters_of(arguments: dict[str, Any]) -> dict[str, Any]:

@@ -120,6 +120,16 @@ def default_callbacks(run_folder: Path | None, progress_bar: bool, destinations:
     return callbacks
 
 
+def upload_callbacks(run_folder: Path | None, destinations: Sequence[Any]) -> list[Callback]:
+    """With a run folder and a destination that stores files (RemoteUploaderDownloader): the
+    callback that hands it the run folder's files, after every destination (see RunFolderUploads)."""
+    if run_folder is None or not any(getattr(d, "can_upload_files", lambda: False)() for d in destinations):
+        return []
+    from lockstep.callbacks.run_folder_uploads import RunFolderUploads
+
+    return [RunFolderUploads(run_folder)]
+
+
 def check_loggers(loggers: Any) -> list[Any]:
     """``loggers`` as a list of :class:`lockstep.loggers.LoggerDestination`, or a one-line error."""
     from lockstep.loggers import LoggerDestination

