@@ -6,31 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torchmetrics import Metric
+import sys
 
-__all__ = ["EvalLoss", "values", "restore_values"]
+import torch
+
+__all__ = ["values", "value_of", "restore_values"]
 
 LOSS = "loss"
+"""The name of lockstep's own eval metric in each evaluator's metrics (:mod:`lockstep.core.eval_loss`)."""
 
 
-class EvalLoss(Metric):
-    """The mean of the model's ``loss(outputs, batch)`` over the evaluated samples (each batch's
-    loss weighted by its sample count), summed over the ranks when computed."""
+def is_metric(obj: Any) -> bool:
+    """Whether ``obj`` is a torchmetrics ``Metric``, without importing torchmetrics: with
+    ``transformers`` installed, that import takes over a second, and no Metric exists before it."""
+    module = sys.modules.get("torchmetrics")
+    return module is not None and isinstance(obj, module.Metric)
 
-    full_state_update = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, loss: torch.Tensor, num_samples: int) -> None:  # type: ignore[override]
-        self.total += loss.detach().double() * num_samples
-        self.count += num_samples
-
-    def compute(self) -> torch.Tensor:
-        return self.total / self.count if self.count > 0 else torch.tensor(float("nan"), dtype=torch.float64)
 
 
 def values(eval_metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -38,14 +29,14 @@ def values(eval_metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, float
     A metric not computed since its last update or reset (an evaluator that has not run yet) is
     left out: computing it would gather over the ranks, and this may run on one rank only."""
     return {label: {name: value_of(metric) for name, metric in metrics.items()
-                    if not isinstance(metric, Metric) or metric._computed is not None}
+                    if not is_metric(metric) or metric._computed is not None}
             for label, metrics in eval_metrics.items()}
 
 
 def value_of(metric: Any) -> float:
     """A metric's value as a float: a Metric's ``compute()`` (cached after an evaluation, so no
     collective), or the number itself."""
-    value = metric.compute() if isinstance(metric, Metric) else metric
+    value = metric.compute() if is_metric(metric) else metric
     return float(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
 
 
@@ -59,6 +50,6 @@ def restore_values(eval_metrics: dict[str, dict[str, Any]], saved: dict[str, Any
         live = eval_metrics.get(label, {})
         for name, value in named.items():
             metric = live.get(name)
-            if isinstance(metric, Metric):
+            if is_metric(metric):
                 metric._computed = torch.tensor(float(value))
                 metric._update_count = max(metric._update_count, 1)  # no "compute before update" warning

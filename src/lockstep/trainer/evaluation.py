@@ -13,7 +13,7 @@ import torch
 from lockstep import dist, progress
 from lockstep.batch import take
 from lockstep.core.data_spec import DataSpec
-from lockstep.core.eval_metrics import LOSS, EvalLoss, value_of
+from lockstep.core.eval_metrics import LOSS, value_of
 from lockstep.core.evaluator import Evaluator, ensure_evaluator, select_metrics
 from lockstep.core.event import Event
 from lockstep.loggers.logger import Logger
@@ -51,6 +51,7 @@ def build_evaluators(eval_dataloader: Any, model: Model, device: torch.device, e
             evaluator.subset_num_batches = -1 if subset_num_batches is None else subset_num_batches
         chosen = select_metrics(model_metrics, evaluator.metric_names)
         if LOSS not in chosen:
+            from lockstep.core.eval_loss import EvalLoss  # only with evaluators: it imports torchmetrics
             chosen[LOSS] = EvalLoss()
         metrics[evaluator.label] = {name: m.to(device) for name, m in chosen.items()}
     return evaluators, metrics
@@ -90,6 +91,7 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
     for batch, n in _real_batches(state, strategy, spec, limit):
         _evaluate_batch(state, strategy, evaluator, batch, n, metrics, run_event)
     results = {name: value_of(m) for name, m in metrics.items()}  # every rank: compute() gathers
+    from lockstep.core.eval_loss import EvalLoss  # imported by now: the evaluators made one
     logger.log_metrics({f"metrics/{evaluator.label}/{name}": value for name, value in results.items()
                         if name != LOSS or not isinstance(metrics[name], EvalLoss)})
     run_event(Event.EVAL_END)
@@ -133,6 +135,7 @@ def _evaluate_batch(state: State, strategy: Strategy, evaluator: Evaluator, batc
     if size is not None and n > size:
         count = spec.get_num_samples_in_batch or model.num_samples
         pieces = [(piece, count(piece)) for piece in (spec.split_batch or model.split_batch)(batch, size)]
+    from lockstep.core.eval_loss import EvalLoss  # imported by now: the evaluators made one
     loss_metric = metrics.get(LOSS) if isinstance(metrics.get(LOSS), EvalLoss) else None
     for piece, samples in pieces:
         if spec.microbatch_transforms is not None:
