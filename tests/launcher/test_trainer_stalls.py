@@ -1,5 +1,5 @@
-"""Stalls inside the Trainer's own collectives (issue 37): a rank that stops just before a save, or
-on its way into a load, is caught by --stall_timeout and named, on one node and across two, while
+"""Stalls inside the Trainer's own collectives (issue 37): a rank that stops just before a save, on
+its way into a load, or in an evaluation, is caught by --stall_timeout and named, on one node and across two, while
 a long checkpoint write that other ranks wait for is not a stall, on any node."""
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(tmp_path: P
     load = str(tmp_path / "ckpt" / "ep0-ba6-rank{rank}.pt")
     result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "again")], tmp_path,
                     env={**env, "LOAD": load, "STOP_IN_LOAD": "1"}, timeout=100)
+    assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
+    err = result.stderr
+    assert "rank 1 (pid" in err and "stopped first" in err and "look at rank 1 first" in err, err[-3000:]
+
+
+def test_a_rank_that_stops_in_an_evaluation_is_the_stall_named(tmp_path: Path) -> None:
+    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path,
+                    env={"STOP_IN_EVAL": "1", "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
     assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
     err = result.stderr
     assert "rank 1 (pid" in err and "stopped first" in err and "look at rank 1 first" in err, err[-3000:]

@@ -4,7 +4,8 @@ It saves a checkpoint after every batch. With STOP_RANK set, that rank stops for
 batch 3, just before the save (the others wait for it in the save's agreement); with SLOW_WRITE
 set, each of rank 0's checkpoint writes takes that many seconds, while the others wait for the
 last one. With LOAD set, it loads that checkpoint and trains on to batch 8; STOP_IN_LOAD: rank 1
-then stops for good on its way into the load.
+then stops for good on its way into the load. STOP_IN_EVAL: it evaluates after batch 2, and rank 1
+stops for good after its first eval batch.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lockstep import Callback, Trainer, dist  # noqa: E402
 from lockstep.checkpoint import files  # noqa: E402
 from tests.trainer.common import MLP, loader  # noqa: E402
+
+
+class StopInEval(Callback):
+    def eval_batch_end(self, state, logger) -> None:
+        if dist.get_global_rank() == 1:
+            print("rank 1 stops in the evaluation", flush=True)
+            while True:
+                time.sleep(0.05)
 
 
 class StopAfter(Callback):
@@ -52,6 +61,10 @@ def stop_first(probe):
 
 def main() -> None:
     callbacks = [StopAfter(int(os.environ["STOP_RANK"]), 3)] if "STOP_RANK" in os.environ else []
+    evaluation = {}
+    if "STOP_IN_EVAL" in os.environ:
+        callbacks.append(StopInEval())
+        evaluation = {"eval_dataloader": loader(2, n=16), "eval_interval": "2ba"}
     if "STOP_IN_LOAD" in os.environ and dist.get_global_rank() == 1:
         loading = importlib.import_module("lockstep.checkpoint.loader")  # the package's `loader` is a function
         loading._probe = stop_first(loading._probe)
@@ -61,7 +74,7 @@ def main() -> None:
     trainer = Trainer(model=model, train_dataloader=loader(2, n=48), max_duration="8ba" if load else "6ba",
                       optimizers=torch.optim.SGD(model.parameters(), lr=0.1), progress_bar=False,
                       device="cpu", save_folder=sys.argv[1], save_interval="1ba", save_num_checkpoints_to_keep=2,
-                      load_path=load, callbacks=callbacks)
+                      load_path=load, callbacks=callbacks, **evaluation)
     trainer.fit()
     print(f"rank {dist.get_global_rank()} finished", flush=True)
 
