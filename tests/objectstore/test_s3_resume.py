@@ -42,6 +42,18 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
         assert torch.equal(a[k], b[k]), f"parameter {k} differs"
 
 
+def _wait_for_pointer(store: S3ObjectStore, key: str, procs: list[subprocess.Popen]) -> str:
+    """The pointer object ``key`` once the job's first upload wrote it (the job must stay up meanwhile)."""
+    deadline = time.monotonic() + 240
+    while True:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.stderr.read() if p.stderr and p.poll() is not None else "" for p in procs]
+        try:
+            return store.read_bytes(key).decode()
+        except FileNotFoundError:
+            time.sleep(0.05)
+
+
 BATCHES = ["--batches", "12"]  # saves at batches 4, 8 and 12
 KINDS = {"ddp": [], "sharded": ["--sharded"], "local": ["--local"], "zero2": ["--zero", "2"]}
 
@@ -77,14 +89,7 @@ def test_kill_9_during_uploads_then_autoresume_elsewhere_is_exact(reference, buc
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         # once the bucket's pointer names a checkpoint, later saves are being written and uploaded
-        pointer, deadline = "", time.monotonic() + 240
-        while not pointer:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                pointer = store.read_bytes("runs/job/latest-rank0.pt.symlink").decode()
-            except FileNotFoundError:
-                pass
-            time.sleep(0.05)
+        _wait_for_pointer(store, "runs/job/latest-rank0.pt.symlink", [proc])
     finally:
         targets = [proc.pid, *descendants(proc.pid)]
         for pid in targets:
@@ -140,14 +145,7 @@ def test_two_nodes_without_a_shared_disk_resume_through_the_bucket(bucket: str, 
     folder, store = f"s3://{bucket}/nodes/job", S3ObjectStore(bucket)
     procs = _two_nodes((tmp_path / "a0", tmp_path / "a1"), folder, tmp_path / "first.pt", "--sleep", "0.1")
     try:
-        pointer, deadline = "", time.monotonic() + 240
-        while not pointer:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not get going"
-            try:
-                pointer = store.read_bytes("nodes/job/latest-rank0.pt.symlink").decode()
-            except FileNotFoundError:
-                pass
-            time.sleep(0.05)
+        _wait_for_pointer(store, "nodes/job/latest-rank0.pt.symlink", procs)
     finally:
         _kill_all(procs)
     pointer = store.read_bytes("nodes/job/latest-rank0.pt.symlink").decode()
