@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
@@ -68,6 +70,20 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], a
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=f"parameter {k} differs")
+
+
+def assert_fell_back(rank: int, resumed: dict[str, torch.Tensor], from_older: dict[str, torch.Tensor],
+                     warned: list[str], listed: list[str], *, said: str, older: str, newest: str) -> None:
+    """Autoresume past a damaged newest checkpoint ``newest`` (a name in the save folder): exactly as
+    a load of ``older``; rank 0 warns once, with ``said`` (a pattern) naming the damage, and sets
+    ``newest`` aside, which the resumed run then saves again (``listed``: the folder afterwards)."""
+    assert_same_params(resumed, from_older, atol=0)
+    assert len(warned) == (1 if rank == 0 else 0)
+    if rank == 0:
+        pattern = (rf"autoresume skipped the newest checkpoint, which does not load \(rank \d: {said}\); resumed from "
+                   rf"\S+/{re.escape(older)} instead; renamed the damaged one to {re.escape(newest)}\.damaged")
+        assert re.fullmatch(pattern, warned[0]), warned[0]
+    assert f"{newest}.damaged" in listed and newest in listed
 
 
 class DropoutMLP(MLP):

@@ -1,10 +1,11 @@
 """FSDP checkpoints: full, local and sharded layouts resume exactly; sharded reshards 2 <-> 4 ranks;
-autoresume, past a damaged sharded checkpoint too; export of each layout to full tensors."""
+autoresume, past a damaged sharded or local checkpoint too; export of each layout to full tensors."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -17,7 +18,7 @@ from lockstep import Callback, Trainer, dist
 from lockstep.checkpoint import CheckpointError, export_state_dict
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
-from tests.trainer.common import BlockMLP, assert_same_params, damage, error_of, full_params, loader
+from tests.trainer.common import BlockMLP, assert_fell_back, assert_same_params, damage, error_of, full_params, loader
 
 GLOBAL_BATCH = 8  # 28 samples: 4 batches per epoch
 NAMES = {"full": "ep{epoch}-ba{batch}-rank{rank}.pt", "local": "ep{epoch}-ba{batch}-rank{rank}.pt",
@@ -323,11 +324,54 @@ def _check_fallback(tmp_path: Path, target: str, how: str, said: str, unrecorded
     for rank, (resumed, from_ba3, error, exported, warned, listed) in enumerate(results):
         assert re.fullmatch(rf"rank \d: {said}", error), error  # load_path: one line, on every rank
         assert re.fullmatch(said, exported), exported  # export checks every file in one process
-        # autoresume: from ba3, exactly as a load of ba3; rank 0 says why and sets ba6 aside
-        assert_same_params(resumed, from_ba3, atol=0)
-        assert len(warned) == (1 if rank == 0 else 0)
-        if rank == 0:
-            assert re.fullmatch(rf"autoresume skipped the newest checkpoint, which does not load \(rank \d: {said}\); "
-                                rf"resumed from \S+/ep0-ba3 instead; renamed the damaged one to ep1-ba6\.damaged",
-                                warned[0]), warned[0]
-        assert "ep1-ba6.damaged" in listed and "ep1-ba6" in listed  # saved again by the resumed run
+        assert_fell_back(rank, resumed, from_ba3, warned, listed, said=said, older="ep0-ba3", newest="ep1-ba6")
+
+
+_CORRUPT = r"checkpoint {ck} is corrupt: record \S+ fails its CRC check; load an earlier checkpoint"
+_TRUNCATED = (r"checkpoint {ck} is truncated or not a torch checkpoint \(File is not a zip file\); "
+              r"load an earlier checkpoint")
+LOCAL_DAMAGE = {  # (rank whose file of ba6 is damaged, damage) -> what load_path and autoresume say after "rank N: "
+    (1, "flip"): (_CORRUPT, _CORRUPT),
+    (0, "truncate"): (_TRUNCATED, _TRUNCATED),
+    (1, "delete"): (r"load_path '{template}': {ck} does not exist while other ranks found theirs: is it on a file "
+                    r"system every node sees\?",
+                    r"latest pointer \S+/latest-rank1\.pt names {ck}, which does not exist"),
+}
+
+
+def _past_local_damage(folder: str) -> list[tuple[dict, dict, str, list[str], list[str]]]:
+    """FSDP local: save ba3 and ba6 once; then for each damage, in a copy of the folder, damage one
+    rank's file of ba6 and: load_path at it, autoresume, and a load of ba3."""
+    fit("local", os.path.join(folder, "saved"), "6ba", autoresume=True)
+    from_ba3 = fit("local", None, "2ep", load=os.path.join(folder, "saved", "ep0-ba3-rank{rank}.pt"))
+    out = []
+    for n, (rank, how) in enumerate(LOCAL_DAMAGE):
+        copy = Path(folder) / f"copy{n}"
+        dist.barrier()
+        if dist.get_global_rank() == 0:
+            shutil.copytree(Path(folder) / "saved", copy, symlinks=True)
+            damage(copy / f"ep1-ba6-rank{rank}.pt", how)
+        dist.barrier()
+        error = error_of(fit, "local", None, "2ep", load=str(copy / "ep1-ba6-rank{rank}.pt"),
+                         expected=(CheckpointError,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = fit("local", str(copy), "2ep", autoresume=True)  # from ba3, and saves ba6 again
+        out.append((resumed, from_ba3, error, [str(w.message) for w in caught if "autoresume" in str(w.message)],
+                    sorted(os.listdir(copy))))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_autoresume_of_local_files_falls_back_past_a_damaged_one(tmp_path: Path) -> None:
+    results = run_distributed(_past_local_damage, world_size=2, args=(str(tmp_path),), timeout=130)
+    for rank, cases in enumerate(results):
+        for n, (((damaged, _), said), (resumed, from_ba3, error, warned, listed)) in enumerate(
+                zip(LOCAL_DAMAGE.items(), cases)):
+            ck, template = (re.escape(str(tmp_path / f"copy{n}" / name))
+                            for name in (f"ep1-ba6-rank{damaged}.pt", "ep1-ba6-rank{rank}.pt"))
+            loading, resuming = (s.replace("{ck}", ck).replace("{template}", template) for s in said)
+            assert re.fullmatch(rf"rank {damaged}: {loading}", error), error  # load_path: one line, on every rank
+            # every rank goes back to ba3, rank 0 says why, and each sets its own file of ba6 aside
+            assert_fell_back(rank, resumed, from_ba3, warned, listed, said=resuming, older="ep0-ba3-rank0.pt",
+                             newest="ep1-ba6-rank0.pt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import string
 from typing import Any
 
@@ -55,3 +56,27 @@ def format_name(template: str, place: dict[str, Any], timestamp: Timestamp | Non
         values.update(epoch=timestamp.epoch.value, batch=timestamp.batch.value, sample=timestamp.sample.value,
                       token=timestamp.token.value)
     return template.format(**values)
+
+
+def time_values(template: str, place: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The time fields of ``name``, a name ``template`` made with ``place``'s values, in the
+    template's order; None when ``name`` is not one of its names. Two ranks' per-rank files of
+    one save have the same time values."""
+    pattern, fields = [], []
+    for literal, field, spec, _ in string.Formatter().parse(template):
+        pattern.append(re.escape(literal))
+        if field is None:
+            continue
+        if field in place:
+            pattern.append(re.escape(format(place[field], spec or "")))
+        else:
+            pattern.append(r"(\d+)")
+            fields.append(field)
+    match = re.fullmatch("".join(pattern), name)
+    if match is None:
+        return None
+    values: dict[str, int] = {}
+    for field, text in zip(fields, match.groups()):
+        if values.setdefault(field, int(text)) != int(text):  # one field written twice, two values
+            return None
+    return tuple(values.values())

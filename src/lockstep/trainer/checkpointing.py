@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import dist, progress
-from lockstep.checkpoint import fetch, loader, remote
+from lockstep.checkpoint import fetch, loader, remote, templates
 from lockstep.checkpoint.files import DamagedCheckpoint, point_latest, remove
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
@@ -169,7 +169,7 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
     would fail on it every time), fall back to the newest one that loads, with a warning naming
     what was wrong, and set the damaged one aside. The loader finds damage before any rank loads
     anything, so a fallback starts from an untouched state. A checkpoint that does not fit the run
-    fails as it is; per-rank files (FSDP ``local``) do not fall back."""
+    fails as it is. Per-rank files (FSDP ``local``) fall back to the newest step every rank has."""
     template = saver.latest_template
     assert template is not None  # CheckpointConfig: autoresume needs save_latest_filename
     if saver.remote is not None:  # the local staging folder first, then the bucket
@@ -179,23 +179,24 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
                            weights_only=False, strict=config.load_strict_model_weights, optional=True,
                            what="autoresume's latest pointer")
     except DamagedCheckpoint as newest:
-        if layout.name == LOCAL:
-            raise
-        for path in _older_checkpoints(saver):
+        per_rank = layout.name == LOCAL
+        for path in _older_checkpoints(saver, per_rank=per_rank):
             try:
                 loaded = loader.load(str(path), state, layout, run_name=state.run_name, weights_only=False,
                                      strict=config.load_strict_model_weights, what="autoresume's fallback")
             except DamagedCheckpoint:
                 continue
-            if dist.get_global_rank() == 0:
+            rank = dist.get_global_rank()
+            aside = _set_aside(saver, path) if per_rank or rank == 0 else ""
+            if rank == 0:
                 warnings.warn(f"autoresume skipped the newest checkpoint, which does not load ({newest}); "
-                              f"resumed from {path} instead{_set_aside(saver, path)}", stacklevel=4)
+                              f"resumed from {path} instead{aside}", stacklevel=4)
             return loaded
         raise
 
 
 def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
-    """Rank 0, once every rank has loaded ``resumed``: rename the damaged checkpoint the latest
+    """Rank 0 (each rank, for per-rank files), once every rank has loaded ``resumed``: rename the damaged checkpoint the latest
     pointer names with a ``.damaged`` suffix (kept to look at, and out of the way of the run's next
     save of that step) and point the pointer at ``resumed``. What it did, for the warning; it never
     raises, since no other rank would know (the run goes on, and its next save moves the pointer)."""
@@ -216,19 +217,32 @@ def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
     return done
 
 
-def _older_checkpoints(saver: CheckpointSaver) -> list[Path]:
-    """Rank 0's view of the run's checkpoints other than the latest pointer's (and those set aside),
-    newest first (every rank gets the same list: the loads that try them are collectives)."""
-    found: list[Any] = [None]
-    if dist.get_global_rank() == 0:
-        pointer = saver.latest
-        newest = os.path.basename(os.readlink(pointer)) if pointer is not None and pointer.is_symlink() else None
-        paths = [p for p in saver.folder.glob(saver.filename_glob())
-                 if p.name != newest and not p.name.endswith(DAMAGED)]
-        found[0] = [str(p) for p in sorted(paths, key=_mtime, reverse=True)]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(found, src=0)
-    return [Path(p) for p in found[0]]
+def _older_checkpoints(saver: CheckpointSaver, *, per_rank: bool) -> list[Path]:
+    """The run's checkpoints other than the latest pointer's (and those set aside), newest first,
+    the same steps on every rank (the loads that try them are collectives). One file serves every
+    rank: rank 0's list. Per-rank files: each rank's own file of each step that every rank has, in
+    the order of rank 0's."""
+    rank = dist.get_global_rank()
+    if not per_rank:
+        found: list[Any] = [[str(p) for p in _listed(saver)] if rank == 0 else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(found, src=0)
+        return [Path(p) for p in found[0]]
+    mine = {templates.time_values(saver.config.save_filename, saver.place, p.name): p for p in _listed(saver)}
+    mine.pop(None, None)  # not a name of this run's template
+    every = dist.all_gather_object(list(mine))
+    common = set(every[0]).intersection(*every[1:])
+    return [mine[key] for key in every[0] if key in common]
+
+
+def _listed(saver: CheckpointSaver) -> list[Path]:
+    """This rank's view of the run's checkpoints in its folder, newest first, but for the one its
+    latest pointer names and those set aside."""
+    pointer = saver.latest
+    newest = os.path.basename(os.readlink(pointer)) if pointer is not None and pointer.is_symlink() else None
+    paths = [p for p in saver.folder.glob(saver.filename_glob())
+             if p.name != newest and not p.name.endswith(DAMAGED)]
+    return sorted(paths, key=_mtime, reverse=True)
 
 
 def _mtime(path: Path) -> float:
