@@ -62,6 +62,21 @@ def test_each_evaluator_has_its_interval_subset_metrics_and_logged_names() -> No
     assert results["never"] == results["rare"] | {"loss": results["never"]["loss"]}
 
 
+def test_fit_evaluates_once_more_at_its_end_as_composer_does() -> None:
+    # what Composer 0.32.1 records for this run (4 batches an epoch, 10 then 2 more): at the end of
+    # each fit, every evaluator with a Time interval whose last batch did not evaluate evaluates
+    model, evaluated = MLP(), Evaluated()
+    evaluators = [Evaluator(label=label, dataloader=loader(7), eval_interval=interval)
+                  for label, interval in [("ep", "1ep"), ("b3", "3ba"), ("b5", "5ba"), ("zero", 0)]]
+    trainer = Trainer(model=model, train_dataloader=loader(7), max_duration="10ba", optimizers=sgd(model),
+                      eval_dataloader=evaluators, callbacks=[evaluated], progress_bar=False)
+    trainer.fit()
+    assert evaluated.seen == [("b3", 3), ("ep", 4), ("b5", 5), ("b3", 6), ("ep", 8), ("b3", 9), ("b5", 10),
+                              ("ep", 10), ("b3", 10)]
+    trainer.fit(duration="2ba")
+    assert evaluated.seen[9:] == [("b3", 12), ("ep", 12), ("b5", 12)]
+
+
 def test_eval_microbatches_give_the_whole_batchs_metrics() -> None:
     model = MLP()
     whole = Trainer(model=model, eval_dataloader=loader(8), progress_bar=False).eval()["eval"]

@@ -20,7 +20,7 @@ from lockstep.loggers.logger import Logger
 from lockstep.model import Model
 from lockstep.parallel.strategy import Strategy
 from lockstep.state import State
-from lockstep.time import Time, Timestamp, is_interval_due
+from lockstep.time import Time, Timestamp, is_interval_due, is_reached
 from lockstep.trainer import data
 
 
@@ -65,6 +65,19 @@ def is_due(interval: Time | Callable[[State, Event], bool], state: State, before
     if interval.value == 0:  # Composer's eval_interval=0: never during fit
         return False
     return is_interval_due(before, state.timestamp, interval, state.max_duration)
+
+
+def is_due_at_fit_end(interval: Time | Callable[[State, Event], bool], state: State, last_batch: int | None) -> bool:
+    """Whether ``interval`` asks for an evaluation once ``fit`` ended (after FIT_END), as Composer's
+    intervals do: a callable is asked at FIT_END; a Time interval evaluates when the run reached its
+    ``max_duration`` and the last batch did not evaluate already (``last_batch``: the batch count at
+    this evaluator's latest evaluation during fit)."""
+    if callable(interval):
+        return bool(interval(state, Event.FIT_END))
+    if interval.value == 0:
+        return False
+    return (state.max_duration is not None and is_reached(state.timestamp, state.max_duration)
+            and last_batch != state.timestamp.batch.value)
 
 
 def batch_limit(subset_num_batches: int | None) -> int | None:

@@ -241,6 +241,8 @@ class Trainer:
         self.strategy.setup(model, optimizers)
         if self.parallel.compile_config is not None:
             self.strategy.compile(self.parallel.compile_config)
+        self._evaluated_at: dict[str, int] = {}
+        """Each evaluator's batch count at its latest evaluation during fit, by label."""
         self.evaluators, eval_metrics = evaluation.build_evaluators(
             self._eval_dataloader, model, loop.device, loop.eval_interval, loop.eval_subset_num_batches)
         state = State(model=model, optimizers=optimizers, schedulers=[],
@@ -328,6 +330,9 @@ class Trainer:
             if self._saves:
                 self._saves.finish()
         self._run_event(Event.FIT_END)
+        if self.evaluators:  # as in Composer: once more at the end, unless the last batch just evaluated
+            self._evaluate([e for e in self.evaluators
+                            if evaluation.is_due_at_fit_end(e.eval_interval, s, self._evaluated_at.get(e.label))])
 
     def _train_epoch(self, batches: Iterator[tuple[Any, int, SupportsInt, bool]], stop: StopSignal | None) -> bool:
         """Train on ``batches`` until the epoch or the run ends; whether there was a batch."""
@@ -481,9 +486,15 @@ class Trainer:
         """The evaluators whose interval asks for an evaluation at ``event`` (BATCH_END or
         EPOCH_END), during fit (their time is not the batches')."""
         s = self.state
-        due = [e for e in self.evaluators if evaluation.is_due(e.eval_interval, s, before, event)]  # type: ignore[arg-type]
+        self._evaluate([e for e in self.evaluators
+                        if evaluation.is_due(e.eval_interval, s, before, event)])  # type: ignore[arg-type]
+
+    def _evaluate(self, due: list[Any]) -> None:
+        """Run the ``due`` evaluators during fit, between the events around them all."""
         if not due:
             return
+        for evaluator in due:
+            self._evaluated_at[evaluator.label] = self.state.timestamp.batch.value
         started = time.perf_counter()
         self._run_event(Event.EVAL_BEFORE_ALL)
         self._eval_all(due, -1)
