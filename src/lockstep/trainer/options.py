@@ -41,9 +41,7 @@ class RunOptions:
     """A :class:`lockstep.profiler.Profiler`: torch.profiler traces of the batches it schedules."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.train_dataloader_label, str) or not self.train_dataloader_label:
-            raise ValueError(f"train_dataloader_label={self.train_dataloader_label!r}: give a non-empty string, "
-                             f"such as 'train'")
+        check_label(self.train_dataloader_label)
         for name in ("spin_dataloaders", "log_traces", "auto_log_hparams", "load_progress_bar",
                      "accumulate_train_batch_on_tokens", "deterministic_mode"):
             check_bool(name, getattr(self, name))
@@ -121,3 +119,10 @@ def _loggable(value: Any, depth: int = 0) -> Any:
     if hasattr(value, "unit") and hasattr(value, "value"):  # a Time
         return str(value)
     return type(value).__name__
+
+
+def check_label(label: Any) -> str:
+    """``train_dataloader_label``, checked."""
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"train_dataloader_label={label!r}: give a non-empty string, such as 'train'")
+    return label

@@ -25,7 +25,7 @@ from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
-from lockstep.trainer import checkpointing, data, evaluation, microbatch, options, predict, setup
+from lockstep.trainer import checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, setup
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
@@ -258,27 +258,45 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def fit(self, *, train_dataloader: Any = None, duration: Time | str | int | None = None,
-            reset_time: bool = False) -> None:
+    def fit(self, *, train_dataloader: Any = None, train_dataloader_label: str = "train",
+            train_subset_num_batches: int | None = None, spin_dataloaders: bool | None = None,
+            duration: Time | str | int | None = None, reset_time: bool = False, schedulers: Any = None,
+            scale_schedule_ratio: float = 1.0, step_schedulers_every_batch: bool | None = None,
+            eval_dataloader: Any = None, eval_subset_num_batches: int = -1,
+            eval_interval: Time | str | int | Callable[[State, Event], bool] = 1,
+            device_train_microbatch_size: int | str | None = None, precision: str | None = None) -> None:
         """Train until ``max_duration``, evaluating every ``eval_interval`` and saving every
         ``save_interval``. Raises :class:`~lockstep.trainer.preemption.Preempted` (exit code
         143) after saving, when SIGTERM arrived.
 
-        As in Composer: ``train_dataloader`` replaces the Trainer's; ``duration`` trains that much
-        more (an int counts epochs), or that much from zero with ``reset_time=True``, which also
-        starts the timestamp over.
+        As in Composer: ``train_dataloader`` replaces the Trainer's (labelled
+        ``train_dataloader_label``); ``duration`` trains that much more (an int counts epochs), or
+        that much from zero with ``reset_time=True``, which also starts the timestamp over. The
+        other arguments replace the Trainer's of that name from this ``fit`` on (``eval_interval``
+        and ``eval_subset_num_batches`` go with ``eval_dataloader``, ``scale_schedule_ratio`` and
+        ``step_schedulers_every_batch`` with ``schedulers``); under FSDP or DeepSpeed the precision,
+        and under DeepSpeed the microbatch size, stay the Trainer's.
         """
         s = self.state
+        given = fit_arguments.FitArguments(
+            train_subset_num_batches=train_subset_num_batches, spin_dataloaders=spin_dataloaders,
+            eval_dataloader=eval_dataloader, eval_interval=eval_interval,
+            eval_subset_num_batches=eval_subset_num_batches,
+            schedulers=schedulers, scale_schedule_ratio=scale_schedule_ratio,
+            step_schedulers_every_batch=step_schedulers_every_batch,
+            device_train_microbatch_size=device_train_microbatch_size, precision=precision)
         if train_dataloader is not None:
             self._use_train_dataloader(train_dataloader)
+            self.options.train_dataloader_label = options.check_label(train_dataloader_label)
         if reset_time:
             s.timestamp = Timestamp()
         if duration is not None:
             s.max_duration = setup.more_duration(duration, s.timestamp, reset_time)
-            if self.saver:  # 'dur' save intervals follow the new max_duration
-                self.saver.max_duration = s.max_duration
         if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
             raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
+        fit_arguments.apply(self, given)
+        if self.saver:  # 'dur' save intervals follow the new max_duration
+            self.saver.max_duration = s.max_duration
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
         if self.saver is not None:  # held since Trainer(...); a later fit() claims the folder again
