@@ -199,7 +199,8 @@ class CheckpointSaver:
 
     def save(self, state: State, rank_entry: dict[str, Any], layout: Layout, *,
              wait: bool = False) -> Path | None:
-        """Write the checkpoint of ``state`` now (a collective: every rank calls it).
+        """Write the checkpoint of ``state`` now (a collective: every rank calls it); its path on
+        the ranks that wrote a part of it, else None.
 
         Training waits for one small all-gather and a copy of the state in memory; a thread writes
         the copy and publishes it (in folder layouts every rank's thread writes its part: FSDP
@@ -231,7 +232,7 @@ class CheckpointSaver:
         elif self.writes:
             self._save_file(state, ranks, history, layout, model, optimizers, path, wait=wait)
         self.last_saved_batch = state.timestamp.batch.value
-        return path if self.writes else None
+        return path if self.writes or is_folder(layout) else None  # every rank writes a folder's parts
 
     def _agree(self, path: Path, name: str, rank_entry: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
         """Every rank's entry and rank 0's pid, once the previous save is published everywhere.

@@ -119,6 +119,40 @@ class FitSaves:
         self.saver.wait()
 
 
+def save_to_folder(saves: FitSaves | None, saver: CheckpointSaver | None, *, fitting: bool) -> None:
+    """``Trainer.save_checkpoint_to_save_folder``: a checkpoint of the state now, into the run's
+    ``save_folder`` as its saves during ``fit`` go (a collective), durable when this returns;
+    nothing new when the run saved this batch already."""
+    if saves is None or saver is None:
+        raise ValueError("save_checkpoint_to_save_folder() writes into save_folder: give save_folder=... to "
+                         "Trainer(...)")
+    saver.claim()  # held during fit; outside it, claimed again for this save
+    try:
+        saves.finish()
+    finally:
+        if not fitting:
+            saver.release()
+
+
+def save_named(name: str, state: State, layout: Layout, position: DataPosition, *,
+               weights_only: bool) -> str | None:
+    """``Trainer.save_checkpoint``: a checkpoint of the state now at ``name`` (a template such as
+    ``ep{epoch}-ba{batch}-rank{rank}.pt``, a path or an ``s3://`` URI), in the run's layout, over
+    what is there; no latest pointer moves. A collective; the path on the ranks that wrote it."""
+    config = CheckpointConfig(save_folder=os.path.dirname(name) or ".", save_filename=os.path.basename(name),
+                              save_latest_filename=None, save_overwrite=True, save_weights_only=weights_only)
+    saver = make_saver(config, run_name=state.run_name, max_duration=state.max_duration, layout=layout,
+                       device=state.device)
+    assert saver is not None  # it has a save_folder
+    try:
+        saver.begin(None)
+        path = saver.save(state, rank_entry(position, state.timestamp.batch_in_epoch.value == 0), layout, wait=True)
+        saver.wait()
+    finally:
+        saver.release()
+    return None if path is None else str(path)
+
+
 def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver | None,
                   train_dataloader: Any, *, run_name_given: bool) -> dict[str, Any] | None:
     """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh, and tell

@@ -551,6 +551,25 @@ class Trainer:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(message)
 
+    def save_checkpoint(self, name: str = "ep{epoch}-ba{batch}-rank{rank}", *,
+                        weights_only: bool = False) -> str | None:
+        """Composer's: write a checkpoint of the training state now at ``name`` (a template, a path
+        or an ``s3://`` URI; a folder under FSDP sharded and DeepSpeed), on every rank. Returns the
+        path on the ranks that wrote a part of it (as in Composer: rank 0 for one file, every rank
+        for a folder), else None."""
+        return checkpointing.save_named(name, self.state, self.layout, self._position, weights_only=weights_only)
+
+    def save_checkpoint_to_save_folder(self) -> None:
+        """Composer's: write a checkpoint of the training state now into ``save_folder``, named
+        and kept as the run's saves are, and point ``latest`` at it (on every rank)."""
+        checkpointing.save_to_folder(self._saves, self.saver, fitting=self._fitting)
+
+    def export_for_inference(self, save_format: Any = None, save_path: Any = None, **_: Any) -> None:
+        """Composer's TorchScript/ONNX export is not in lockstep: a one-line error naming what is."""
+        raise NotImplementedError("Trainer.export_for_inference is not in lockstep: export the weights with "
+                                  "lockstep.checkpoint.export_state_dict(checkpoint) or trainer.save_checkpoint(..., "
+                                  "weights_only=True), then torch.export / torch.onnx.export the model yourself")
+
     def close(self) -> None:
         """Finish: every callback and logger writes what it holds and releases what it opened (logger
         runs are ended). Safe to call more than once; ``fit`` cannot run after it."""
