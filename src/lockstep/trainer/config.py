@@ -12,6 +12,7 @@ import torch
 from lockstep import dist
 from lockstep.devices import Device
 from lockstep.checks import check_choice
+from lockstep.core.precision import precision_name
 from lockstep.parallel.precision import PRECISIONS
 from lockstep.time import Time, check_max_duration, time_argument
 
@@ -55,6 +56,7 @@ class LoopConfig:
         self.device = resolve_device(self.device)
         if self.precision is None:
             self.precision = "fp32" if self.device.type == "cpu" else "amp_fp16"
+        self.precision = precision_name(self.precision)
         check_choice("precision", self.precision, PRECISIONS)
         for name in ("device_train_microbatch_size", "grad_accum"):
             value = getattr(self, name)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lockstep.checks import check_bool, check_choice
+from lockstep.core.precision import precision_name
 from lockstep.optim.stepper import compile_schedulers
 from lockstep.parallel.precision import PRECISIONS, make_grad_scaler
 from lockstep.parallel.strategy import Strategy
@@ -46,6 +47,7 @@ class FitArguments:
         if self.spin_dataloaders is not None:
             check_bool("spin_dataloaders", self.spin_dataloaders)
         if self.precision is not None:
+            self.precision = precision_name(self.precision)
             check_choice("precision", self.precision, PRECISIONS)
 
 
