@@ -277,6 +277,8 @@ class Trainer:
         ``step_schedulers_every_batch`` with ``schedulers``); under FSDP or DeepSpeed the precision,
         and under DeepSpeed the microbatch size, stay the Trainer's.
         """
+        if self._closed:
+            raise RuntimeError("fit() after close(): build a new Trainer")
         s = self.state
         given = fit_arguments.FitArguments(
             train_subset_num_batches=train_subset_num_batches, spin_dataloaders=spin_dataloaders,
@@ -297,8 +299,6 @@ class Trainer:
         fit_arguments.apply(self, given)
         if self.saver:  # 'dur' save intervals follow the new max_duration
             self.saver.max_duration = s.max_duration
-        if self._closed:
-            raise RuntimeError("fit() after close(): build a new Trainer")
         if self.saver is not None:  # held since Trainer(...); a later fit() claims the folder again
             self.saver.claim()
         self._fitting = True
