@@ -13,7 +13,9 @@ sockets). :meth:`Hosts.heal` brings the port back.
 
 Cleanup always runs: :meth:`Hosts.close` (the ``hosts`` fixture's finalizer, and an atexit hook
 for a test process that dies otherwise) kills every process started in a host, whether through
-:meth:`Hosts.popen` or not, and deletes the namespaces, which deletes their veths.
+:meth:`Hosts.popen` or not, and deletes the namespaces, which deletes their veths. A test process
+killed by SIGKILL runs neither: each ``x`` records its owner's pid, and the first ``Hosts`` of a
+later process deletes the namespaces of owners that are gone (:func:`sweep`).
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ from __future__ import annotations
 import atexit
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 _PREFIX = "lst"
 _HOSTS_PER_NETWORK = 62  # a /26 per network
+_OWNERS = Path(tempfile.gettempdir()) / "lockstep-netns"
+"""One file per claimed ``x``, holding the pid of the process that made its namespaces."""
+_swept = False
 
 
 def unavailable() -> str | None:
@@ -59,6 +67,10 @@ class Hosts:
         self.count, self.networks = count, networks
         self._procs: list[subprocess.Popen[Any]] = []
         self._made: list[str] = []
+        global _swept
+        if not _swept:
+            sweep()
+            _swept = True
         self.x = self._claim()
         atexit.register(self.close)
         try:
@@ -91,6 +103,8 @@ class Hosts:
             made = _ip("netns", "add", f"{_PREFIX}{x}sw", check=False)
             if made.returncode == 0:
                 self._made.append(f"{_PREFIX}{x}sw")
+                _OWNERS.mkdir(exist_ok=True)
+                (_OWNERS / str(x)).write_text(str(os.getpid()))
                 return x
             if "exists" not in made.stderr:
                 raise RuntimeError(f"ip netns add: {made.stderr.strip()}")
@@ -155,20 +169,58 @@ class Hosts:
                 pass
         self._procs.clear()
         for ns in reversed(self._made):
-            # processes started in the namespace some other way (a rank's children, a daemon)
-            for _ in range(50):
-                pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                time.sleep(0.1)
-            _ip("netns", "del", ns, check=False)
+            _delete(ns)
+        if self._made:
+            (_OWNERS / str(self.x)).unlink(missing_ok=True)
         self._made.clear()
         atexit.unregister(self.close)
+
+
+def _delete(ns: str) -> None:
+    """Kill the processes in ``ns`` (however they were started: a rank's children, a daemon), then
+    delete it."""
+    for _ in range(50):
+        pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    _ip("netns", "del", ns, check=False)
+
+
+def sweep() -> list[str]:
+    """Delete the namespaces of test processes that died without cleaning up (SIGKILL); the
+    names deleted. Namespaces whose owner is alive, or not yet recorded, are left alone."""
+    swept = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        match = re.fullmatch(rf"{_PREFIX}(\d+)(sw|h\d+)", line.split()[0]) if line.strip() else None
+        if match is None:
+            continue
+        owner = _OWNERS / match[1]
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid):
+            _delete(match[0])
+            swept.append(match[0])
+    for x in {re.fullmatch(rf"{_PREFIX}(\d+)\w+", name)[1] for name in swept}:  # type: ignore[index]
+        (_OWNERS / x).unlink(missing_ok=True)
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def make_hosts(count: int, networks: int = 1) -> Iterator[Hosts]:

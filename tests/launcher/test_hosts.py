@@ -26,6 +26,7 @@ from lockstep.launcher.ranks import Rank, Waiter
 from tests.checkpoint.test_faults import JOB as TRAIN_JOB
 from tests.checkpoint.test_faults import assert_bitwise
 from tests.launcher.conftest import launch
+from tests.launcher import netns
 from tests.launcher.netns import Hosts, make_hosts
 
 pytestmark = pytest.mark.timeout(150)
@@ -332,3 +333,20 @@ def test_a_rank_exit_taken_while_a_store_call_was_out_does_not_wake_the_monitor_
         rank.close()
         os.close(wake_r)
         os.close(wake_w)
+
+
+@pytest.mark.timeout(60)
+def test_the_namespaces_of_a_test_process_killed_by_sigkill_are_swept(hosts: Hosts) -> None:
+    # the `hosts` fixture: namespace hosts can be made here (else it skipped)
+    code = ("import os, signal; from tests.launcher.netns import Hosts; h = Hosts(1); print(h.x, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    died = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    x = int(died.stdout)
+    left = {f"lst{x}sw", f"lst{x}h0"}
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert left <= {line.split()[0] for line in listed.splitlines() if line.strip()}
+    assert left <= set(netns.sweep())
+    assert hosts.name(0) in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # alive
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not left & {line.split()[0] for line in listed.splitlines() if line.strip()}
