@@ -7,7 +7,7 @@ from lockstep.core.data_spec import DataSpec, ensure_data_spec
 from lockstep.core.evaluator import Evaluator, ensure_evaluator
 from lockstep.core.event import Event
 from lockstep.core.precision import Precision, get_precision_context
-from lockstep.core.types import JSON, Batch, Dataset, StringEnum, TrainerMode
+from lockstep.core.types import JSON, Batch, Dataset, TrainerMode
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, ensure_time
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lockstep import dist, progress
+from lockstep import progress
 from lockstep.batch import take
 from lockstep.core.data_spec import DataSpec
 from lockstep.core.eval_metrics import LOSS, value_of

@@ -1,5 +1,6 @@
-"""``Trainer.fit``'s keyword arguments beyond the data and the duration, Composer's: each one
-changes the run from this ``fit`` on, as the Trainer's argument of that name would have."""
+"""``Trainer.fit``'s keyword arguments, Composer's: the data and the duration to train, and the
+others, each of which changes the run from this ``fit`` on as the Trainer's argument of that name
+would have."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from lockstep.core.precision import precision_name
 from lockstep.optim.stepper import compile_schedulers
 from lockstep.parallel.precision import PRECISIONS, make_grad_scaler
 from lockstep.parallel.strategy import Strategy
-from lockstep.time import Time, time_argument
+from lockstep.time import Time, Timestamp, time_argument
 from lockstep.trainer import evaluation, setup
 from lockstep.trainer.config import check_ratio, scale_duration, subset
+from lockstep.trainer.options import check_label
 
 if TYPE_CHECKING:
     from lockstep.trainer.trainer import Trainer
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 class FitArguments:
     """What a ``fit`` call asks for; None (and Composer's defaults) change nothing."""
 
+    train_dataloader: Any = None
+    train_dataloader_label: str = "train"
+    duration: Time | str | int | None = None
+    reset_time: bool = False
     train_subset_num_batches: int | None = None
     spin_dataloaders: bool | None = None
     eval_dataloader: Any = None
@@ -54,6 +60,15 @@ class FitArguments:
 def apply(trainer: Trainer, given: FitArguments) -> None:
     """Change ``trainer`` as ``given`` asks, before its loop starts (on every rank)."""
     s, loop = trainer.state, trainer.loop
+    if given.train_dataloader is not None:
+        trainer._use_train_dataloader(given.train_dataloader)
+        trainer.options.train_dataloader_label = check_label(given.train_dataloader_label)
+    if given.reset_time:
+        s.timestamp = Timestamp()
+    if given.duration is not None:
+        s.max_duration = setup.more_duration(given.duration, s.timestamp, given.reset_time)
+    if trainer.train_dataloader is None or s.max_duration is None or not s.optimizers:
+        raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
     if given.train_subset_num_batches is not None:
         loop.train_subset_num_batches = subset("train_subset_num_batches", given.train_subset_num_batches)
         s.batches_per_epoch = setup.epoch_length(trainer.train_dataloader, loop.train_subset_num_batches)
@@ -70,6 +85,8 @@ def apply(trainer: Trainer, given: FitArguments) -> None:
         _use_microbatch_size(trainer, given.device_train_microbatch_size)
     if given.precision is not None and given.precision != s.precision:
         _use_precision(trainer, given.precision)
+    if trainer.saver:  # 'dur' save intervals follow the new max_duration
+        trainer.saver.max_duration = s.max_duration
 
 
 def _use_schedulers(trainer: Trainer, given: FitArguments) -> None:

@@ -12,21 +12,21 @@ import torch
 
 from lockstep import dist, progress, rng
 from lockstep.core.algorithm import Algorithm
-from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.core.callback import Callback
 from lockstep.core.data_spec import DataSpec, ensure_data_spec
 from lockstep.core.event import Event
-from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
+from lockstep.checkpoint.config import SaveInterval
 from lockstep.loggers.console import ConsoleLogger
 from lockstep.loggers.logger import Logger
 from lockstep.loggers.logger_destination import LoggerDestination
 from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
-from lockstep.parallel.config import ParallelConfig, build_strategy
+from lockstep.parallel.config import build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
+from lockstep.trainer import arguments as arguments_of
 from lockstep.trainer import checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, setup
-from lockstep.trainer.config import LoopConfig, subset
+from lockstep.trainer.config import subset
 from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
 
@@ -125,26 +125,9 @@ class Trainer:
         arguments = dict(locals())  # auto_log_hparams logs them
         self.options = options.from_arguments(arguments)  # deterministic_mode acts here, before any kernel
         setup.set_python_log_level(python_log_level)
-        fsdp_config = setup.fsdp_from_parallelism_config(parallelism_config, fsdp_config)
-        self.loop = LoopConfig(max_duration=max_duration, eval_interval=eval_interval, device=device,
-                               precision=precision, device_train_microbatch_size=device_train_microbatch_size,
-                               grad_accum=grad_accum, seed=seed,
-                               scale_schedule_ratio=scale_schedule_ratio,
-                               train_subset_num_batches=train_subset_num_batches,
-                               eval_subset_num_batches=eval_subset_num_batches)
-        saving = checkpointing.saving_arguments(callbacks, dict(
-            save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
-            save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
-            save_overwrite=save_overwrite, save_weights_only=save_weights_only, save_ignore_keys=save_ignore_keys))
-        self.checkpoints = CheckpointConfig(
-            **saving, save_metrics=save_metrics, load_path=load_path, load_object_store=load_object_store,
-            load_weights_only=load_weights_only,
-            load_ignore_keys=load_ignore_keys,
-            load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
-        deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
-        self.parallel = parallel = ParallelConfig(
-            ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters, fsdp_config=fsdp_config,
-            deepspeed_config=deepspeed_config, compile_config=compile_config)
+        configs = arguments_of.sort(arguments)
+        self.loop, self.checkpoints, self.algorithms = configs.loop, configs.checkpoints, configs.algorithms
+        self.parallel = parallel = configs.parallel
         self._train_spec = None if train_dataloader is None else ensure_data_spec(train_dataloader)
         train_dataloader = None if self._train_spec is None else self._train_spec.dataloader
         optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, None)
@@ -277,28 +260,10 @@ class Trainer:
         ``step_schedulers_every_batch`` with ``schedulers``); under FSDP or DeepSpeed the precision,
         and under DeepSpeed the microbatch size, stay the Trainer's.
         """
+        given = fit_arguments.FitArguments(**{k: v for k, v in locals().items() if k != "self"})
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
-        s = self.state
-        given = fit_arguments.FitArguments(
-            train_subset_num_batches=train_subset_num_batches, spin_dataloaders=spin_dataloaders,
-            eval_dataloader=eval_dataloader, eval_interval=eval_interval,
-            eval_subset_num_batches=eval_subset_num_batches,
-            schedulers=schedulers, scale_schedule_ratio=scale_schedule_ratio,
-            step_schedulers_every_batch=step_schedulers_every_batch,
-            device_train_microbatch_size=device_train_microbatch_size, precision=precision)
-        if train_dataloader is not None:
-            self._use_train_dataloader(train_dataloader)
-            self.options.train_dataloader_label = options.check_label(train_dataloader_label)
-        if reset_time:
-            s.timestamp = Timestamp()
-        if duration is not None:
-            s.max_duration = setup.more_duration(duration, s.timestamp, reset_time)
-        if self.train_dataloader is None or s.max_duration is None or not s.optimizers:
-            raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
         fit_arguments.apply(self, given)
-        if self.saver:  # 'dur' save intervals follow the new max_duration
-            self.saver.max_duration = s.max_duration
         if self.saver is not None:  # held since Trainer(...); a later fit() claims the folder again
             self.saver.claim()
         self._fitting = True
