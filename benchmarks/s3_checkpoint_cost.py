@@ -150,8 +150,9 @@ def main() -> None:
     print(f"2 ranks (gloo, CPU), {args.steps} timed steps, median of {args.rounds} rounds; "
           f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
           f"every {args.every} steps")
-    paired = {mode: statistics.median(x["steps_per_s"] / y["steps_per_s"] for x, y in zip(results[mode], results["none"]))
-              for mode in ("local", "s3")}  # each round against its own no-save run: drift between rounds cancels
+    # each round against its own no-save run: drift between rounds cancels
+    paired = {mode: statistics.median(x["steps_per_s"] / y["steps_per_s"]
+                                      for x, y in zip(results[mode], results["none"])) for mode in ("local", "s3")}
     print(f"{'':<34}{'steps/s':>10}{'ratio':>8}{'paired':>8}")
     print(f"{'no saves':<34}{plain:>10.2f}{1.0:>8.3f}{1.0:>8.3f}")
     print(f"{'save to a local folder':<34}{local:>10.2f}{local / plain:>8.3f}{paired['local']:>8.3f}")
