@@ -261,25 +261,32 @@ def test_loading_another_layout_names_the_setting(tmp_path: Path) -> None:
     assert "fsdp_config={'state_dict_type': 'local'}" in errors[0]
 
 
-def _past_damage(folder: str, target: str, how: str,
-                 unrecorded: bool = False) -> tuple[dict, dict, str, str, list[str], list[str]]:
-    """Save ba3 and ba6, damage ba6, then: load_path at it, its export, autoresume, and a load of ba3.
-    ``unrecorded``: both as saved before lockstep.pt recorded the files' sizes and CRC32s."""
-    fit("sharded", folder, "6ba", autoresume=True)
-    dist.barrier()
-    if dist.get_global_rank() == 0:
-        for name in ("ep0-ba3", "ep1-ba6") if unrecorded else ():
-            _forget_parts(Path(folder) / name)
-        damage(Path(folder) / "ep1-ba6" / target, how)
-    dist.barrier()
-    error = error_of(fit, "sharded", None, "2ep", load=os.path.join(folder, "ep1-ba6"), expected=(CheckpointError,))
-    exported = error_of(export_state_dict, os.path.join(folder, "ep1-ba6"), expected=(CheckpointError,))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        resumed = fit("sharded", folder, "2ep", autoresume=True)  # from ba3, and saves ba6 again
-    from_ba3 = fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3"))
-    return resumed, from_ba3, error, exported, [str(w.message) for w in caught if "autoresume" in str(w.message)], \
-        sorted(os.listdir(folder))
+def _past_sharded_damage(folder: str, cases: list[tuple[str, str, bool]]) -> tuple[dict, list[tuple]]:
+    """Save ba3 and ba6 once, and a run loaded from ba3; then for each (file, damage, unrecorded),
+    in a copy of the saved folder: damage that file of ba6, then load_path at it, its export and
+    autoresume. ``unrecorded``: ba3 and ba6 as saved before lockstep.pt recorded the files' sizes
+    and CRC32s."""
+    saved = Path(folder) / "saved"
+    fit("sharded", str(saved), "6ba", autoresume=True)
+    from_ba3 = fit("sharded", None, "2ep", load=str(saved / "ep0-ba3"))
+    tried = []
+    for n, (target, how, unrecorded) in enumerate(cases):
+        copy = Path(folder) / f"copy{n}"
+        dist.barrier()
+        if dist.get_global_rank() == 0:
+            shutil.copytree(saved, copy, symlinks=True)
+            for name in ("ep0-ba3", "ep1-ba6") if unrecorded else ():
+                _forget_parts(copy / name)
+            damage(copy / "ep1-ba6" / target, how)
+        dist.barrier()
+        error = error_of(fit, "sharded", None, "2ep", load=str(copy / "ep1-ba6"), expected=(CheckpointError,))
+        exported = error_of(export_state_dict, str(copy / "ep1-ba6"), expected=(CheckpointError,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = fit("sharded", str(copy), "2ep", autoresume=True)  # from ba3, and saves ba6 again
+        tried.append((resumed, error, exported, [str(w.message) for w in caught if "autoresume" in str(w.message)],
+                      sorted(os.listdir(copy))))
+    return from_ba3, tried
 
 
 def _forget_parts(checkpoint: Path) -> None:
@@ -304,27 +311,25 @@ SHARDED_DAMAGE = {  # (file, damage) -> what the one-line error says after "rank
 }
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("target, how", list(SHARDED_DAMAGE), ids=[f"{h}-{t}" for t, h in SHARDED_DAMAGE])
-def test_autoresume_falls_back_past_a_damaged_sharded_checkpoint(target: str, how: str, tmp_path: Path) -> None:
-    _check_fallback(tmp_path, target, how, SHARDED_DAMAGE[target, how])
+# what DCP's .metadata says each file holds, for a checkpoint without lockstep.pt's records of them:
+# the truncated one is too short; ba3 still loads
+_UNRECORDED = (r"checkpoint {ck} is damaged: __1_0\.distcp is \d+ bytes, expected at least \d+ \(truncated\?\)"
+               + _LOAD_OLDER)
 
 
-@pytest.mark.timeout(150)
-def test_a_sharded_checkpoint_saved_without_file_records_is_checked_through_dcp_metadata(tmp_path: Path) -> None:
-    # what DCP's .metadata says each file holds: the truncated one is too short; ba3 still loads
-    said = r"checkpoint {ck} is damaged: __1_0\.distcp is \d+ bytes, expected at least \d+ \(truncated\?\)"
-    said += _LOAD_OLDER
-    _check_fallback(tmp_path, "__1_0.distcp", "truncate", said, unrecorded=True)
-
-
-def _check_fallback(tmp_path: Path, target: str, how: str, said: str, unrecorded: bool = False) -> None:
-    results = run_distributed(_past_damage, world_size=2, args=(str(tmp_path), target, how, unrecorded), timeout=130)
-    said = said.replace("{ck}", re.escape(str(tmp_path / "ep1-ba6")))
-    for rank, (resumed, from_ba3, error, exported, warned, listed) in enumerate(results):
-        assert re.fullmatch(rf"rank \d: {said}", error), error  # load_path: one line, on every rank
-        assert re.fullmatch(said, exported), exported  # export checks every file in one process
-        assert_fell_back(rank, resumed, from_ba3, warned, listed, said=said, older="ep0-ba3", newest="ep1-ba6")
+@pytest.mark.timeout(400)
+def test_autoresume_falls_back_past_a_damaged_sharded_checkpoint(tmp_path: Path) -> None:
+    cases = [(target, how, False) for target, how in SHARDED_DAMAGE] + [("__1_0.distcp", "truncate", True)]
+    saids = list(SHARDED_DAMAGE.values()) + [_UNRECORDED]
+    from_ba3, tried = zip(*run_distributed(_past_sharded_damage, world_size=2, args=(str(tmp_path), cases),
+                                           timeout=380))
+    for rank, cases_tried in enumerate(tried):
+        for n, (said, (resumed, error, exported, warned, listed)) in enumerate(zip(saids, cases_tried)):
+            said = said.replace("{ck}", re.escape(str(tmp_path / f"copy{n}" / "ep1-ba6")))
+            assert re.fullmatch(rf"rank \d: {said}", error), (cases[n], error)  # load_path: one line, every rank
+            assert re.fullmatch(said, exported), (cases[n], exported)  # export checks every file in one process
+            assert_fell_back(rank, resumed, from_ba3[rank], warned, listed, said=said, older="ep0-ba3",
+                             newest="ep1-ba6")
 
 
 _CORRUPT = r"checkpoint {ck} is corrupt: record \S+ fails its CRC check; load an earlier checkpoint"
