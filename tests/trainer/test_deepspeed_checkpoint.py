@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 import warnings
 from pathlib import Path
@@ -98,21 +99,28 @@ def test_autoresume(tmp_path: Path) -> None:
         assert_same_params(resumed, uninterrupted, atol=0)
 
 
-def _past_damage(folder: str, pattern: str, how: str) -> tuple[dict, dict, str, list[str], list[str]]:
-    """ZeRO-2: save ba3 and ba6, damage a file of ba6, then: load_path at it, autoresume, and a load of ba3."""
-    fit(2, folder, "6ba", autoresume=True)
-    dist.barrier()
-    if dist.get_global_rank() == 0:
-        damage(next((Path(folder) / "ep1-ba6" / "deepspeed").glob(pattern)), how)
-    dist.barrier()
-    error = error_of(fit, 2, None, "2ep", load=os.path.join(folder, "ep1-ba6"), train=False,
-                     expected=(CheckpointError,))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        resumed = fit(2, folder, "2ep", autoresume=True)  # from ba3, and saves ba6 again
-    from_ba3 = fit(2, None, "2ep", load=os.path.join(folder, "ep0-ba3"))
-    return resumed, from_ba3, error, [str(w.message) for w in caught if "autoresume" in str(w.message)], \
-        sorted(os.listdir(folder))
+def _past_damage(folder: str, cases: list[tuple[str, str]]) -> tuple[dict, list[tuple]]:
+    """ZeRO-2: save ba3 and ba6 once, and a run loaded from ba3; then for each (file pattern,
+    damage), in a copy of the saved folder: damage that file of ba6, then load_path at it and
+    autoresume."""
+    saved = Path(folder) / "saved"
+    fit(2, str(saved), "6ba", autoresume=True)
+    from_ba3 = fit(2, None, "2ep", load=str(saved / "ep0-ba3"))
+    tried = []
+    for n, (pattern, how) in enumerate(cases):
+        copy = Path(folder) / f"copy{n}"
+        dist.barrier()
+        if dist.get_global_rank() == 0:
+            shutil.copytree(saved, copy, symlinks=True)
+            damage(next((copy / "ep1-ba6" / "deepspeed").glob(pattern)), how)
+        dist.barrier()
+        error = error_of(fit, 2, None, "2ep", load=str(copy / "ep1-ba6"), train=False, expected=(CheckpointError,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = fit(2, str(copy), "2ep", autoresume=True)  # from ba3, and saves ba6 again
+        tried.append((resumed, error, [str(w.message) for w in caught if "autoresume" in str(w.message)],
+                      sorted(os.listdir(copy))))
+    return from_ba3, tried
 
 
 _LOAD_OLDER = ": load an older checkpoint or delete this one"
@@ -124,15 +132,17 @@ DEEPSPEED_DAMAGE = {  # (file, damage) -> what the one-line error says after "ra
 }
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("pattern, how", list(DEEPSPEED_DAMAGE), ids=[f"{h}-{p}" for p, h in DEEPSPEED_DAMAGE])
-def test_autoresume_falls_back_past_a_damaged_checkpoint(pattern: str, how: str, tmp_path: Path) -> None:
-    results = run_distributed(_past_damage, world_size=2, args=(str(tmp_path), pattern, how), timeout=160)
-    newest = re.escape(str(tmp_path / "ep1-ba6"))
-    said = rf"checkpoint {newest} is damaged: {DEEPSPEED_DAMAGE[pattern, how]}{_LOAD_OLDER}"
-    for rank, (resumed, from_ba3, error, warned, listed) in enumerate(results):
-        assert re.fullmatch(rf"rank \d: {said}", error), error  # load_path: one line, on every rank
-        assert_fell_back(rank, resumed, from_ba3, warned, listed, said=said, older="ep0-ba3", newest="ep1-ba6")
+@pytest.mark.timeout(400)
+def test_autoresume_falls_back_past_a_damaged_checkpoint(tmp_path: Path) -> None:
+    from_ba3, tried = zip(*run_distributed(_past_damage, world_size=2, args=(str(tmp_path), list(DEEPSPEED_DAMAGE)),
+                                           timeout=380))
+    for rank, cases_tried in enumerate(tried):
+        for n, (case, (resumed, error, warned, listed)) in enumerate(zip(DEEPSPEED_DAMAGE, cases_tried)):
+            newest = re.escape(str(tmp_path / f"copy{n}" / "ep1-ba6"))
+            said = rf"checkpoint {newest} is damaged: {DEEPSPEED_DAMAGE[case]}{_LOAD_OLDER}"
+            assert re.fullmatch(rf"rank \d: {said}", error), (case, error)  # load_path: one line, on every rank
+            assert_fell_back(rank, resumed, from_ba3[rank], warned, listed, said=said, older="ep0-ba3",
+                             newest="ep1-ba6")
 
 
 def _weights_across_layouts(folder: str) -> dict[str, dict]:
