@@ -4,9 +4,11 @@ under --max_restarts, and the interface the ranks use on multi-homed hosts."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -350,3 +352,44 @@ def test_the_namespaces_of_a_test_process_killed_by_sigkill_are_swept(hosts: Hos
     assert hosts.name(0) in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # alive
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not left & {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+_SILENT_NAME_SERVER = ("import socket, sys, time; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                       "s.bind((sys.argv[1], 53)); print('up', flush=True); time.sleep(300)")
+
+
+@pytest.mark.timeout(150)
+def test_a_master_name_no_name_server_answers_for_ends_the_launcher_in_time_and_sigterm_ends_it_at_once(
+        hosts: Hosts, tmp_path: Path) -> None:
+    # host 1 asks host 0 for names, and host 0's name server reads each query and never answers:
+    # the C library would retry for a minute per name (timeout:30 attempts:2)
+    silent = hosts.popen(0, [sys.executable, "-c", _SILENT_NAME_SERVER, hosts.address(0)], stdout=subprocess.PIPE)
+    assert silent.stdout is not None and silent.stdout.readline() == b"up\n"
+    folder = Path("/etc/netns") / hosts.name(1)  # `ip netns exec` puts these files in /etc for host 1
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    unresolvable = ["--master_addr", "lockstep-master.invalid", "--rdzv_timeout", "8"]
+    try:
+        folder.mkdir(parents=True)
+        (folder / "resolv.conf").write_text(f"nameserver {hosts.address(0)}\noptions timeout:30 attempts:2\n")
+        (folder / "hosts").write_text("127.0.0.1 localhost\n")
+        started = time.monotonic()
+        node = Node(hosts, 1, tmp_path, [str(script), str(tmp_path)], unresolvable)
+        assert node.wait(timeout=60) == 1, node.err
+        took = time.monotonic() - started
+        (tmp_path / "term").mkdir()
+        stopped = Node(hosts, 1, tmp_path / "term", [str(script), str(tmp_path)], unresolvable)
+        time.sleep(3)  # the launcher has started and waits for the name
+        signalled = time.monotonic()
+        stopped.proc.send_signal(signal.SIGTERM)
+        code = stopped.wait(timeout=30)
+        stopping = time.monotonic() - signalled
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path("/etc/netns").rmdir()  # only if no one else keeps files there
+    # the interface lookup gives up after 10 s, then the rendezvous after its 8 s (+ start-up)
+    assert took < 8 + 10 + 8, (took, node.err)
+    assert "error: the master's name 'lockstep-master.invalid' did not resolve on this host within 8 s" in node.err
+    assert code == 128 + signal.SIGTERM and stopping < 3, (code, stopping, stopped.err)
+    assert "received SIGTERM while waiting for the rendezvous store" in stopped.err, stopped.err

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from lockstep.launcher import resolver
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -25,11 +27,11 @@ class Route:
     address: str
 
 
-def route_to(host: str) -> Route | None:
+def route_to(host: str, interrupted: Callable[[], bool] | None = None) -> Route | None:
     """The interface and local address this host reaches ``host`` from (None: no route, or the
-    name does not resolve)."""
+    name does not resolve, within the resolver's deadline or until ``interrupted()``)."""
     try:
-        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+        infos = resolver.getaddrinfo(host, 9, kind=socket.SOCK_DGRAM, interrupted=interrupted)
     except OSError:
         return None
     for family, kind, proto, _, sockaddr in infos:
@@ -55,14 +57,16 @@ def _interface_of(address: str) -> str | None:
     return None
 
 
-def interface_env(master_addr: str, env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+def interface_env(master_addr: str, env: Mapping[str, str],
+                  interrupted: Callable[[], bool] | None = None) -> tuple[dict[str, str], str]:
     """The variables to add to the ranks' environment (those of IFNAME_VARIABLES that ``env``
-    leaves unset), and the line ``-v`` prints about them."""
+    leaves unset), and the line ``-v`` prints about them (looking up ``master_addr`` stops early
+    when ``interrupted()``)."""
     unset = [v for v in IFNAME_VARIABLES if not env.get(v)]
     preset = ", ".join(f"{v}={env[v]}" for v in IFNAME_VARIABLES if env.get(v))
     if not unset:
         return {}, f"ranks use the interfaces that {preset} name"
-    route = route_to(master_addr)
+    route = route_to(master_addr, interrupted)
     if route is None:
         return {}, (f"no interface of this host routes to the master {master_addr}: the ranks pick one "
                     f"themselves (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose)")

@@ -17,6 +17,8 @@ import struct
 import time
 from collections.abc import Callable
 
+from lockstep.launcher import resolver
+
 _VALIDATE, _PING = 0, 13  # c10d::detail::QueryType
 _MAGIC = 0x3C85F7CE
 _STEP = 0.25  # seconds between checks for a signal while waiting
@@ -25,6 +27,7 @@ _STEP = 0.25  # seconds between checks for a signal while waiting
 class StoreState(enum.Enum):
     READY = "ready"
     NOTHING_LISTENS = "nothing listens"
+    UNRESOLVED = "the name does not resolve"
     NO_ANSWER = "no answer"
     FOREIGN = "foreign"
     INTERRUPTED = "interrupted"
@@ -33,15 +36,19 @@ class StoreState(enum.Enum):
 def wait_for_store(host: str, port: int, timeout: float, interrupted: Callable[[], bool]) -> StoreState:
     """Wait until a c10d store answers at host:port, at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    accepted = False
+    accepted, resolved = False, False
     while not interrupted():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return StoreState.NO_ANSWER if accepted else StoreState.NOTHING_LISTENS
-        try:
-            sock = socket.create_connection((host, port), timeout=min(remaining, 2.0))
+            return StoreState.NO_ANSWER if accepted else StoreState.NOTHING_LISTENS if resolved \
+                else StoreState.UNRESOLVED
+        try:  # each time: the master's name may come to resolve (a DNS record being published)
+            address = resolver.getaddrinfo(host, port, kind=socket.SOCK_STREAM, interrupted=interrupted,
+                                           deadline=min(remaining, resolver.RESOLVE_S))[0][4][:2]
+            resolved = True
+            sock = socket.create_connection(address, timeout=min(remaining, 2.0))
         except OSError:
-            time.sleep(min(_STEP, remaining))
+            time.sleep(min(_STEP, max(0.0, deadline - time.monotonic())))
             continue
         accepted = True
         with sock:
@@ -82,6 +89,10 @@ def _ping(sock: socket.socket, deadline: float, interrupted: Callable[[], bool])
 def describe(state: StoreState, host: str, port: int, timeout: float) -> str:
     """The one line the launcher prints when the store could not be reached."""
     where = f"{host}:{port}"
+    if state is StoreState.UNRESOLVED:
+        return (f"the master's name {host!r} did not resolve on this host within {timeout:g} s (the name "
+                f"server gave no address, or no answer): give --master_addr an address, or a name this host "
+                f"resolves")
     if state is StoreState.NOTHING_LISTENS:
         return (f"no rendezvous store at {where} after {timeout:g} s: nothing accepts connections "
                 f"there; start the node_rank 0 launcher, check --master_addr/--master_port, or wait "

@@ -16,6 +16,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lockstep.launcher import resolver
 from lockstep.launcher.plan import LaunchError
 
 PORT_BASE = 15000
@@ -168,8 +169,10 @@ def resolve(host: str, source: str) -> str:
     """The IPv4 address of ``host`` (the store listens on IPv4), else any address of it."""
     for family in (socket.AF_INET, socket.AF_UNSPEC):
         try:
-            return socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0][4][0]
-        except (socket.gaierror, UnicodeError) as e:
+            return resolver.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0][4][0]
+        except resolver.Unresolved as e:
             error = e
-    raise LaunchError(f"the master host {host!r} ({source}) does not resolve ({error}): "
-                      f"set MASTER_ADDR or --master_addr to its address")
+            if e.timed_out:  # the name server does not answer: asking again only waits again
+                break
+    raise LaunchError(f"the master host {host!r} ({source}) {error.detail}: set MASTER_ADDR or --master_addr to "
+                      f"its address")

@@ -115,7 +115,8 @@ class Supervisor:
                 if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
                     launcher_store = _store_server(self.plan, listener)
                 if self.plan.is_multinode:
-                    self._interface, line = interface_env(self.plan.master_addr, os.environ)
+                    self._interface, line = interface_env(self.plan.master_addr, os.environ,
+                                                          lambda: self._stopping(wake_r))
                     if self.plan.verbose:
                         say(line)
                     joined = self._join_job(port, launcher_store, wake_r)
@@ -304,20 +305,21 @@ class Supervisor:
         sock.set_inheritable(False)
         return sock
 
+    def _stopping(self, wake_r: int) -> bool:
+        """Whether a stop signal came (read off the wakeup pipe, kept in ``_signals_seen``)."""
+        try:
+            self._signals_seen.extend(s for s in os.read(wake_r, 64) if s in STOPPING)
+        except BlockingIOError:
+            pass
+        return bool(self._signals_seen)
+
     def _await_store(self, port: int, wake_r: int) -> int | None:
         """On a node without rank 0: None once the master's store answers, else the exit code."""
         plan = self.plan
         if plan.verbose:
             say(f"waiting up to {plan.rdzv_timeout:g} s for the rendezvous store at {plan.master_addr}:{port}")
 
-        def interrupted() -> bool:
-            try:
-                self._signals_seen.extend(s for s in os.read(wake_r, 64) if s in STOPPING)
-            except BlockingIOError:
-                pass
-            return bool(self._signals_seen)
-
-        state = wait_for_store(plan.master_addr, port, plan.rdzv_timeout, interrupted)
+        state = wait_for_store(plan.master_addr, port, plan.rdzv_timeout, lambda: self._stopping(wake_r))
         if state is StoreState.READY:
             return None
         if state is StoreState.INTERRUPTED:
