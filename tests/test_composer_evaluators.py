@@ -3,6 +3,7 @@ Trainer (one process; tests/test_composer_notebooks.py runs Composer's own code 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,17 @@ def test_fit_evaluates_once_more_at_its_end_as_composer_does() -> None:
                               ("ep", 10), ("b3", 10)]
     trainer.fit(duration="2ba")
     assert evaluated.seen[9:] == [("b3", 12), ("ep", 12), ("b5", 12)]
+    trainer.fit()  # nothing left to train: no evaluation either
+    assert len(evaluated.seen) == 12
+
+
+def test_the_last_evaluation_reaches_the_run_folders_metrics(tmp_path: Path) -> None:
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(7), max_duration="3ba", optimizers=sgd(model),
+                      eval_dataloader=loader(7), eval_interval="2ba", run_folder=str(tmp_path), progress_bar=False)
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batch"] for r in records if r["kind"] == "eval"] == [2, 3]
 
 
 def test_eval_microbatches_give_the_whole_batchs_metrics() -> None:

@@ -282,6 +282,7 @@ class Trainer:
 
     def _fit(self) -> None:
         s = self.state
+        started_at = s.timestamp.batch.value
         s.model.train()
         self._events.index()  # callbacks added since the Trainer was built
         entry, self._resume_entry = self._resume_entry, None
@@ -312,10 +313,12 @@ class Trainer:
                 resume = None
             if self._saves:
                 self._saves.finish()
-        self._run_event(Event.FIT_END)
-        if self.evaluators:  # as in Composer: once more at the end, unless the last batch just evaluated
+        if self.evaluators and s.timestamp.batch.value > started_at:
+            # As in Composer, once more at the end unless the last batch just evaluated; before
+            # FIT_END (Composer: after it), so that what closes at FIT_END has the last results.
             self._evaluate([e for e in self.evaluators
                             if evaluation.is_due_at_fit_end(e.eval_interval, s, self._evaluated_at.get(e.label))])
+        self._run_event(Event.FIT_END)
 
     def _train_epoch(self, batches: Iterator[tuple[Any, int, SupportsInt, bool]], stop: StopSignal | None) -> bool:
         """Train on ``batches`` until the epoch or the run ends; whether there was a batch."""
