@@ -37,6 +37,8 @@ def test_get_precision_context_autocasts_on_this_device() -> None:
         assert (a @ a).dtype is torch.bfloat16
     with get_precision_context("fp32"):
         assert (a @ a).dtype is torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16), get_precision_context(Precision.FP32):
+        assert (a @ a).dtype is torch.float32  # fp32 inside an enclosing autocast too
     assert error_of(lambda: get_precision_context("amp_fp8").__enter__()) == (
         "precision='amp_fp8' needs NVIDIA's Transformer Engine, which lockstep does not use; use 'amp_bf16'")
     assert error_of(lambda: get_precision_context("fp64").__enter__()) == (
@@ -47,6 +49,8 @@ def test_names_are_formatted_with_the_ranks_and_the_time(monkeypatch: pytest.Mon
     # Composer's own docstring example, and its time fields; a field with no value stays as it is
     assert format_name_with_dist("{run_name}/rank{rank}.{extension}", run_name="awesome_training_run",
                                  extension="json") == "awesome_training_run/rank0.json"
+    assert error_of(format_name_with_dist, "{rank}", "r", rank=3, expected=(TypeError,)).endswith(
+        "got multiple values for keyword argument 'rank'")  # as in Composer
     timestamp = Timestamp(epoch=2, batch=37, batch_in_epoch=5, sample=296, token=0,
                           total_wct=datetime.timedelta(seconds=90))
     assert format_name_with_dist_and_time("{run_name}/ep{epoch}-ba{batch:05d}-{batch_in_epoch}-{sample}-"
@@ -55,3 +59,4 @@ def test_names_are_formatted_with_the_ranks_and_the_time(monkeypatch: pytest.Mon
     monkeypatch.setenv("WORLD_SIZE", "2")  # and no RANK: the values the environment lacks stay too
     assert format_name_with_dist("{run_name}-{rank}-{world_size}", "r") == "r-{rank}-2"
     assert partial_format("{a}-{}-{b!r:>4}-{{x}}", 1, a=2) == "2-1-{b!r:>4}-{x}"
+    assert partial_format("{}-{}", 1) == "1-{}" and partial_format("{}-{}") == "{}-{}"

@@ -101,10 +101,29 @@ def test_fit_arguments_that_need_another_are_one_line_errors() -> None:
     assert built.state.timestamp.batch == 2
 
 
+def test_a_fit_that_fails_its_checks_changes_nothing() -> None:
+    built, seen = trainer(max_duration="2ba")
+    built.fit()
+    before = (built.state.timestamp, built.state.max_duration, built.train_dataloader, built.state.schedulers,
+              built.loop.device_train_microbatch_size, built.state.batches_per_epoch)
+    for bad in (dict(duration="2ba", device_train_microbatch_size=0),
+                dict(duration="2ba", reset_time=True, train_subset_num_batches=-5),
+                dict(duration="2ba", train_dataloader=loader(7), train_dataloader_label=""),
+                dict(duration="2ba", schedulers=LinearScheduler(), step_schedulers_every_batch="yes")):
+        assert error_of(built.fit, **bad) != "no error", bad
+        after = (built.state.timestamp, built.state.max_duration, built.train_dataloader, built.state.schedulers,
+                 built.loop.device_train_microbatch_size, built.state.batches_per_epoch)
+        assert after == before, bad
+    assert seen.labels == ["train"] * 2
+
+
 def test_fsdp_keeps_the_trainers_precision() -> None:
     built, _ = trainer(max_duration="2ba", fsdp_config={"sharding_strategy": "FULL_SHARD"})
     assert error_of(built.fit, precision="amp_bf16") == (
         "fit(precision='amp_bf16'): under FSDP or DeepSpeed the precision is part of the wrapped model, fixed at "
         "Trainer(precision='fp32'); give it there")
+    assert built.state.max_duration == "2ba"
+    assert error_of(built.fit, duration="1ba", precision="amp_bf16").startswith("fit(precision='amp_bf16')")
+    assert built.state.max_duration == "2ba"  # the refused fit changed nothing
     built.fit(precision="fp32")  # the Trainer's: nothing to change
     assert built.state.timestamp.batch == 2

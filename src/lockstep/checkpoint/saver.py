@@ -135,6 +135,11 @@ class CheckpointSaver:
             names.append(self.latest.name)
         return names
 
+    @property
+    def claimed(self) -> bool:
+        """Whether the run holds the folder now (every rank agreed: see :meth:`claim`)."""
+        return self._claim_agreed
+
     def release(self) -> None:
         """Give up this rank's claim on the folder (the end of ``fit``, ``close``); safe to call again."""
         self._claim_agreed = False

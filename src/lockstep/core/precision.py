@@ -33,7 +33,7 @@ _DTYPES = {Precision.AMP_FP16: torch.float16, Precision.AMP_BF16: torch.bfloat16
 def get_precision_context(precision: str | Precision, precision_config: dict[str, Any] | None = None,
                           fp8_autocast_enabled: bool = True) -> Iterator[None]:
     """Autocast to ``precision`` inside the block, on CUDA when it is there, else on the CPU (as the
-    Trainer does on either); nothing for fp32. ``amp_fp8`` needs NVIDIA's Transformer Engine,
+    Trainer does on either); for fp32, no autocast, even inside an enclosing one. ``amp_fp8`` needs NVIDIA's Transformer Engine,
     which lockstep does not use: a ValueError."""
     try:
         chosen = Precision(precision)
@@ -42,9 +42,10 @@ def get_precision_context(precision: str | Precision, precision_config: dict[str
     if chosen is Precision.AMP_FP8:
         raise ValueError("precision='amp_fp8' needs NVIDIA's Transformer Engine, which lockstep does not use; "
                          "use 'amp_bf16'")
-    if chosen is Precision.FP32:
-        yield
-        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if chosen is Precision.FP32:  # also inside an autocast block: fp32 here
+        with torch.autocast(device_type=device, enabled=False):
+            yield
+        return
     with torch.autocast(device_type=device, dtype=_DTYPES[chosen]):
         yield

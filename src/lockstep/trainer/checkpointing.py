@@ -126,11 +126,12 @@ def save_to_folder(saves: FitSaves | None, saver: CheckpointSaver | None, *, fit
     if saves is None or saver is None:
         raise ValueError("save_checkpoint_to_save_folder() writes into save_folder: give save_folder=... to "
                          "Trainer(...)")
-    saver.claim()  # held during fit; outside it, claimed again for this save
+    held = saver.claimed  # during fit, and from Trainer(...) to the first fit: kept
+    saver.claim()
     try:
         saves.finish()
     finally:
-        if not fitting:
+        if not held and not fitting:
             saver.release()
 
 
@@ -139,10 +140,13 @@ def save_named(name: str, state: State, layout: Layout, position: DataPosition, 
     """``Trainer.save_checkpoint``: a checkpoint of the state now at ``name`` (a template such as
     ``ep{epoch}-ba{batch}-rank{rank}.pt``, a path or an ``s3://`` URI), in the run's layout, over
     what is there; no latest pointer moves. A collective; the path on the ranks that wrote it."""
-    config = CheckpointConfig(save_folder=os.path.dirname(name) or ".", save_filename=os.path.basename(name),
-                              save_latest_filename=None, save_overwrite=True, save_weights_only=weights_only)
-    saver = make_saver(config, run_name=state.run_name, max_duration=state.max_duration, layout=layout,
-                       device=state.device)
+    try:
+        config = CheckpointConfig(save_folder=os.path.dirname(name) or ".", save_filename=os.path.basename(name),
+                                  save_latest_filename=None, save_overwrite=True, save_weights_only=weights_only)
+        saver = make_saver(config, run_name=state.run_name, max_duration=state.max_duration, layout=layout,
+                           device=state.device)
+    except (TypeError, ValueError) as e:  # its messages name the Trainer's save_* arguments
+        raise type(e)(f"save_checkpoint(name={name!r}, weights_only={weights_only}): {e}") from None
     assert saver is not None  # it has a save_folder
     try:
         saver.begin(None)

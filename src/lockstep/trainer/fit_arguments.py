@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lockstep.checks import check_bool, check_choice
+from lockstep.core.data_spec import DataSpec, ensure_data_spec
 from lockstep.core.precision import precision_name
 from lockstep.optim.stepper import compile_schedulers
 from lockstep.parallel.precision import PRECISIONS, make_grad_scaler
-from lockstep.parallel.strategy import Strategy
 from lockstep.time import Time, Timestamp, time_argument
-from lockstep.trainer import evaluation, setup
+from lockstep.trainer import data, evaluation, setup
 from lockstep.trainer.config import check_ratio, scale_duration, subset
 from lockstep.trainer.options import check_label
 
@@ -57,79 +57,96 @@ class FitArguments:
             check_choice("precision", self.precision, PRECISIONS)
 
 
+@dataclass(slots=True)
+class _Changes:
+    """What a ``fit`` call changes, worked out and checked before anything changes."""
+
+    spec: DataSpec | None = None
+    timestamp: Timestamp | None = None
+    max_duration: Time | None = None
+    subset: int | None = None
+    schedulers: list[Any] | None = None
+    split: tuple[list[Any], list[Any]] | None = None
+    evaluators: tuple[list[Any], dict[str, Any]] | None = None
+
+
 def apply(trainer: Trainer, given: FitArguments) -> None:
-    """Change ``trainer`` as ``given`` asks, before its loop starts (on every rank)."""
+    """Change ``trainer`` as ``given`` asks, before its loop starts (on every rank). Every check
+    comes first: a call that fails changes nothing."""
     s, loop = trainer.state, trainer.loop
-    if given.train_dataloader is not None:
-        trainer._use_train_dataloader(given.train_dataloader)
-        trainer.options.train_dataloader_label = check_label(given.train_dataloader_label)
-    if given.reset_time:
-        s.timestamp = Timestamp()
-    if given.duration is not None:
-        s.max_duration = setup.more_duration(given.duration, s.timestamp, given.reset_time)
-    if trainer.train_dataloader is None or s.max_duration is None or not s.optimizers:
-        raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
+    changes = _check(trainer, given)
+    if changes.spec is not None:
+        trainer._use_train_dataloader(changes.spec)
+        trainer.options.train_dataloader_label = given.train_dataloader_label
+    s.timestamp, s.max_duration = changes.timestamp, changes.max_duration  # type: ignore[assignment]
     if given.train_subset_num_batches is not None:
-        loop.train_subset_num_batches = subset("train_subset_num_batches", given.train_subset_num_batches)
+        loop.train_subset_num_batches = changes.subset
         s.batches_per_epoch = setup.epoch_length(trainer.train_dataloader, loop.train_subset_num_batches)
     if given.spin_dataloaders is not None:
         trainer.options.spin_dataloaders = given.spin_dataloaders
-    if given.schedulers is not None:
-        _use_schedulers(trainer, given)
-    if given.eval_dataloader is not None:
-        _use_evaluators(trainer, given)
-    elif given.eval_interval not in (0, 1) or given.eval_subset_num_batches != -1:
-        warnings.warn("fit(eval_interval=..., eval_subset_num_batches=...) apply to fit(eval_dataloader=...); "
-                      "without it they change nothing", stacklevel=3)
+    if changes.schedulers is not None and changes.split is not None:
+        s.schedulers = changes.schedulers
+        trainer._batch_schedulers, trainer._epoch_schedulers = changes.split
+    if changes.evaluators is not None:  # Composer replaces the evaluators and their metrics
+        trainer.evaluators, s.eval_metrics = changes.evaluators
+        s.evaluators = trainer.evaluators
+        trainer._evaluated_at.clear()
     if given.device_train_microbatch_size is not None:
-        _use_microbatch_size(trainer, given.device_train_microbatch_size)
+        loop.device_train_microbatch_size, loop.grad_accum = given.device_train_microbatch_size, None
+        trainer._microbatches.auto = setup.auto_microbatching(loop, trainer.parallel)
+        s.device_train_microbatch_size = loop.fixed_microbatch_size
     if given.precision is not None and given.precision != s.precision:
-        _use_precision(trainer, given.precision)
+        trainer.strategy.precision = given.precision
+        trainer.strategy.scaler = s.scaler = make_grad_scaler(given.precision, trainer.strategy.device)
+        s.precision = given.precision
     if trainer.saver:  # 'dur' save intervals follow the new max_duration
         trainer.saver.max_duration = s.max_duration
 
 
-def _use_schedulers(trainer: Trainer, given: FitArguments) -> None:
-    """New schedulers in place of the run's, stretched with the duration by the ratio."""
+def _check(trainer: Trainer, given: FitArguments) -> _Changes:
+    """Everything ``given`` changes, checked, with nothing changed yet."""
     s = trainer.state
-    assert s.max_duration is not None  # fit() checked it
-    s.max_duration = scale_duration(s.max_duration, given.scale_schedule_ratio)
-    s.schedulers = compile_schedulers(setup.as_list(given.schedulers), s, given.scale_schedule_ratio)
-    trainer._batch_schedulers, trainer._epoch_schedulers = setup.split_schedulers(
-        s.schedulers, given.step_schedulers_every_batch)
+    changes = _Changes()
+    if given.train_dataloader is not None:
+        changes.spec = ensure_data_spec(given.train_dataloader)
+        data.check_distributed_sampler(changes.spec.dataloader, "train_dataloader")
+        check_label(given.train_dataloader_label)
+    changes.timestamp = Timestamp() if given.reset_time else s.timestamp
+    changes.max_duration = s.max_duration if given.duration is None else \
+        setup.more_duration(given.duration, changes.timestamp, given.reset_time)
+    if (trainer.train_dataloader is None and changes.spec is None) or changes.max_duration is None \
+            or not s.optimizers:
+        raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
+    if given.train_subset_num_batches is not None:
+        changes.subset = subset("train_subset_num_batches", given.train_subset_num_batches)
+    if given.schedulers is not None:  # stretched with the duration by the ratio
+        changes.max_duration = scale_duration(changes.max_duration, given.scale_schedule_ratio)
+        changes.schedulers = compile_schedulers(setup.as_list(given.schedulers), s, given.scale_schedule_ratio)
+        changes.split = setup.split_schedulers(changes.schedulers, given.step_schedulers_every_batch)
+    if given.eval_dataloader is not None:
+        changes.evaluators = evaluation.build_evaluators(
+            given.eval_dataloader, s.model, s.device, _interval(given.eval_interval),
+            subset("eval_subset_num_batches", given.eval_subset_num_batches))
+    elif given.eval_interval not in (0, 1) or given.eval_subset_num_batches != -1:
+        warnings.warn("fit(eval_interval=..., eval_subset_num_batches=...) apply to fit(eval_dataloader=...); "
+                      "without it they change nothing", stacklevel=4)
+    if given.device_train_microbatch_size is not None:
+        _check_microbatch_size(trainer, given.device_train_microbatch_size)
+    if given.precision is not None and given.precision != s.precision and \
+            (trainer.parallel.fsdp_config is not None or trainer.parallel.deepspeed_config is not None):
+        raise ValueError(f"fit(precision={given.precision!r}): under FSDP or DeepSpeed the precision is part of "
+                         f"the wrapped model, fixed at Trainer(precision={s.precision!r}); give it there")
+    return changes
 
 
-def _use_evaluators(trainer: Trainer, given: FitArguments) -> None:
-    """New evaluators in place of the run's (Composer replaces them and their metrics)."""
-    s = trainer.state
-    trainer.evaluators, s.eval_metrics = evaluation.build_evaluators(
-        given.eval_dataloader, s.model, s.device, _interval(given.eval_interval),
-        subset("eval_subset_num_batches", given.eval_subset_num_batches))
-    s.evaluators = trainer.evaluators
-    trainer._evaluated_at.clear()
-
-
-def _use_microbatch_size(trainer: Trainer, size: int | str) -> None:
-    if trainer.parallel.deepspeed_config is not None:
-        raise ValueError("fit(device_train_microbatch_size=...) under DeepSpeed: its engine fixed the microbatch "
-                         "size at Trainer(...) (train_micro_batch_size_per_gpu); give it there")
+def _check_microbatch_size(trainer: Trainer, size: int | str) -> None:
     if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f"device_train_microbatch_size must be an integer >= 1 or 'auto', got {size!r}")
-    loop = trainer.loop
-    loop.device_train_microbatch_size, loop.grad_accum = size, None
-    trainer._microbatches.auto = setup.auto_microbatching(loop, trainer.parallel)
-    trainer.state.device_train_microbatch_size = loop.fixed_microbatch_size
-
-
-def _use_precision(trainer: Trainer, precision: str) -> None:
-    """Another autocast for the steps from now on; FSDP and DeepSpeed built theirs into the model."""
-    strategy: Strategy = trainer.strategy
-    if trainer.parallel.fsdp_config is not None or trainer.parallel.deepspeed_config is not None:
-        raise ValueError(f"fit(precision={precision!r}): under FSDP or DeepSpeed the precision is part of the "
-                         f"wrapped model, fixed at Trainer(precision={trainer.state.precision!r}); give it there")
-    strategy.precision = precision
-    strategy.scaler = trainer.state.scaler = make_grad_scaler(precision, strategy.device)
-    trainer.state.precision = precision
+    if trainer.parallel.deepspeed_config is not None and size != trainer.loop.device_train_microbatch_size:
+        raise ValueError("fit(device_train_microbatch_size=...) under DeepSpeed: its engine fixed the microbatch "
+                         "size at Trainer(...) (train_micro_batch_size_per_gpu); give it there")
+    if size == "auto":
+        setup.check_auto_microbatching(trainer.parallel)
 
 
 def _interval(interval: Any) -> Any:

@@ -213,10 +213,15 @@ def auto_microbatching(loop: Any, parallel: Any) -> Any:
 
     if loop.device_train_microbatch_size != "auto":
         return None
+    check_auto_microbatching(parallel)
+    return AutoMicrobatch(loop.device)
+
+
+def check_auto_microbatching(parallel: Any) -> None:
+    """``device_train_microbatch_size='auto'`` runs under DDP and in one process only."""
     if parallel.fsdp_config is not None or parallel.deepspeed_config is not None:
         raise ValueError("device_train_microbatch_size='auto' works under DDP and in one process; with "
                          "FSDP or DeepSpeed give the microbatch size as an int")
-    return AutoMicrobatch(loop.device)
 
 
 def split_schedulers(schedulers: list[Any], every_batch: bool | None) -> tuple[list[Any], list[Any]]:

@@ -21,12 +21,13 @@ def partial_format(text: str, *args: Any, **kwargs: Any) -> str:
         parts.append(literal.replace("{", "{{").replace("}", "}}"))
         if field is None:
             continue
-        if field == "":
-            field, position = str(position), position + 1
-        name = field.split(".")[0].split("[")[0]
+        numbered = field or str(position)
+        position += field == ""
+        name = numbered.split(".")[0].split("[")[0]
         known = int(name) < len(args) if name.isdigit() else name in kwargs
-        whole = field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-        parts.append("{" + whole + "}" if known else "{{" + whole + "}}")
+        rest = (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+        # a field with no value stays as written ('{}' too), for a later format to fill
+        parts.append("{" + numbered + rest + "}" if known else "{{" + field + rest + "}}")
     return "".join(parts).format(*args, **kwargs)
 
 
@@ -43,7 +44,7 @@ def _places() -> dict[str, Any]:
 def format_name_with_dist(format_str: str, run_name: str, **extra_format_kwargs: object) -> str:
     """``format_str`` with ``{run_name}``, ``{rank}``, ``{local_rank}``, ``{world_size}``,
     ``{local_world_size}``, ``{node_rank}`` and the extra fields filled in."""
-    return partial_format(format_str, **{"run_name": run_name, **_places(), **extra_format_kwargs})
+    return partial_format(format_str, run_name=run_name, **_places(), **extra_format_kwargs)
 
 
 def format_name_with_dist_and_time(format_str: str, run_name: str, timestamp: Timestamp,
@@ -54,4 +55,4 @@ def format_name_with_dist_and_time(format_str: str, run_name: str, timestamp: Ti
     times = {name: int(getattr(timestamp, name)) for name in
              ("epoch", "batch", "batch_in_epoch", "sample", "sample_in_epoch", "token", "token_in_epoch")}
     times.update({name: getattr(timestamp, name).total_seconds() for name in ("total_wct", "epoch_wct", "batch_wct")})
-    return partial_format(format_str, **{"run_name": run_name, **times, **_places(), **extra_format_kwargs})
+    return partial_format(format_str, run_name=run_name, **times, **_places(), **extra_format_kwargs)
