@@ -309,6 +309,22 @@ def test_autoresume_skips_a_damaged_newest_checkpoint(uninterrupted, tmp_path: P
         make("17ba", None, load_path=str(tmp_path / "ba8.pt"))
 
 
+def test_autoresume_skips_a_damaged_newest_checkpoint_in_a_subfolder(uninterrupted, tmp_path: Path) -> None:
+    # every checkpoint's file is named model.pt: only its folder tells them apart
+    _, reference = uninterrupted
+    names = {"run_name": "auto", "autoresume": True, "save_interval": "4ba", "save_filename": "ba{batch}/model.pt"}
+    make("9ba", tmp_path, **names).fit()  # ba4/model.pt, ba8/model.pt, ba9/model.pt
+    newest = tmp_path / "ba9" / "model.pt"
+    assert os.readlink(tmp_path / "latest-rank0.pt") == "ba9/model.pt"
+    _corrupted(_keep(newest, newest.read_bytes()), newest, 0)
+    with pytest.warns(UserWarning, match=r"ba9/model\.pt is corrupt.*resumed from .*ba8/model\.pt instead; renamed "
+                                         r"the damaged one to model\.pt\.damaged"):
+        resumed = make("17ba", tmp_path, **names)
+    assert resumed.state.timestamp.batch == 8
+    resumed.fit()
+    assert_bitwise(params(resumed.state.model), reference)
+
+
 def _keep(path: Path, data: bytes) -> Path:
     """A copy of ``data`` beside ``path`` to corrupt from (``_corrupted`` reads its source)."""
     copy = path.with_name(".source.bin")

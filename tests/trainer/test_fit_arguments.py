@@ -93,7 +93,8 @@ def test_fit_arguments_that_need_another_are_one_line_errors() -> None:
         "together")
     assert error_of(built.fit, step_schedulers_every_batch=True).startswith(
         "fit(step_schedulers_every_batch=...) needs fit(schedulers=...)")
-    assert error_of(built.fit, precision="fp64") == "precision='fp64' is not supported; use one of fp32, amp_bf16, amp_fp16"
+    assert error_of(built.fit, precision="fp64") == (
+        "precision='fp64' is not supported; use one of fp32, amp_bf16, amp_fp16")
     assert error_of(built.fit, device_train_microbatch_size=0) == (
         "device_train_microbatch_size must be an integer >= 1 or 'auto', got 0")
     with pytest.warns(UserWarning, match="apply to fit\\(eval_dataloader=...\\)"):

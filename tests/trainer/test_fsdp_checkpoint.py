@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lockstep import Callback, Trainer, dist
-from lockstep.checkpoint import CheckpointError, export_state_dict
+from lockstep.checkpoint import CheckpointError, export_state_dict, files
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
 from tests.trainer.common import BlockMLP, assert_fell_back, assert_same_params, damage, error_of, full_params, loader
@@ -335,18 +335,29 @@ def test_autoresume_falls_back_past_a_damaged_sharded_checkpoint(tmp_path: Path)
 _CORRUPT = r"checkpoint {ck} is corrupt: record \S+ fails its CRC check; load an earlier checkpoint"
 _TRUNCATED = (r"checkpoint {ck} is truncated or not a torch checkpoint \(File is not a zip file\); "
               r"load an earlier checkpoint")
-LOCAL_DAMAGE = {  # (rank whose file of ba6 is damaged, damage) -> what load_path and autoresume say after "rank N: "
-    (1, "flip"): (_CORRUPT, _CORRUPT),
-    (0, "truncate"): (_TRUNCATED, _TRUNCATED),
-    (1, "delete"): (r"load_path '{template}': {ck} does not exist while other ranks found theirs: is it on a file "
-                    r"system every node sees\?",
-                    r"latest pointer \S+/latest-rank1\.pt names {ck}, which does not exist"),
+_MISSING = r"load_path '{template}': {ck} does not exist while other ranks found theirs: is it on a file system " \
+           r"every node sees\?"
+LOCAL_DAMAGE = {  # (rank whose file of ba6 is damaged, damage) -> what load_path and autoresume say after
+    # "rank N: ", and the ranks whose file of ba6 autoresume sets aside (each its own: the one its pointer names)
+    (1, "flip"): (_CORRUPT, _CORRUPT, {0, 1}),
+    (0, "truncate"): (_TRUNCATED, _TRUNCATED, {0, 1}),
+    (1, "delete"): (_MISSING, r"latest pointer \S+/latest-rank1\.pt names {ck}, which does not exist", {0}),
+    # rank 1 went down before it published ba6 (its pointer names ba3), and rank 0's ba6 is damaged
+    (0, "flip-behind"): (_CORRUPT, _CORRUPT, {0}),
 }
 
 
-def _past_local_damage(folder: str) -> list[tuple[dict, dict, str, list[str], list[str]]]:
-    """FSDP local: save ba3 and ba6 once; then for each damage, in a copy of the folder, damage one
-    rank's file of ba6 and: load_path at it, autoresume, and a load of ba3."""
+def _damage_local(copy: Path, rank: int, how: str) -> None:
+    if how == "flip-behind":
+        (copy / "ep1-ba6-rank1.pt").unlink()
+        files.point_latest(copy / "latest-rank1.pt", copy / "ep0-ba3-rank1.pt")
+        how = "flip"
+    damage(copy / f"ep1-ba6-rank{rank}.pt", how)
+
+
+def _past_local_damage(folder: str) -> tuple[dict, list[tuple[dict, str, list[str], list[str]]]]:
+    """FSDP local: save ba3 and ba6 once, and a run loaded from ba3; then for each damage, in a copy
+    of the saved folder, damage one rank's file of ba6 and: load_path at it, and autoresume."""
     fit("local", os.path.join(folder, "saved"), "6ba", autoresume=True)
     from_ba3 = fit("local", None, "2ep", load=os.path.join(folder, "saved", "ep0-ba3-rank{rank}.pt"))
     out = []
@@ -355,28 +366,32 @@ def _past_local_damage(folder: str) -> list[tuple[dict, dict, str, list[str], li
         dist.barrier()
         if dist.get_global_rank() == 0:
             shutil.copytree(Path(folder) / "saved", copy, symlinks=True)
-            damage(copy / f"ep1-ba6-rank{rank}.pt", how)
+            _damage_local(copy, rank, how)
         dist.barrier()
         error = error_of(fit, "local", None, "2ep", load=str(copy / "ep1-ba6-rank{rank}.pt"),
                          expected=(CheckpointError,))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             resumed = fit("local", str(copy), "2ep", autoresume=True)  # from ba3, and saves ba6 again
-        out.append((resumed, from_ba3, error, [str(w.message) for w in caught if "autoresume" in str(w.message)],
+        out.append((resumed, error, [str(w.message) for w in caught if "autoresume" in str(w.message)],
                     sorted(os.listdir(copy))))
-    return out
+    return from_ba3, out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_autoresume_of_local_files_falls_back_past_a_damaged_one(tmp_path: Path) -> None:
-    results = run_distributed(_past_local_damage, world_size=2, args=(str(tmp_path),), timeout=130)
-    for rank, cases in enumerate(results):
-        for n, (((damaged, _), said), (resumed, from_ba3, error, warned, listed)) in enumerate(
-                zip(LOCAL_DAMAGE.items(), cases)):
+    results = run_distributed(_past_local_damage, world_size=2, args=(str(tmp_path),), timeout=180)
+    for rank, (from_ba3, cases) in enumerate(results):
+        for n, ((damaged, _), (loading, resuming, aside)) in enumerate(LOCAL_DAMAGE.items()):
+            resumed, error, warned, listed = cases[n]
             ck, template = (re.escape(str(tmp_path / f"copy{n}" / name))
                             for name in (f"ep1-ba6-rank{damaged}.pt", "ep1-ba6-rank{rank}.pt"))
-            loading, resuming = (s.replace("{ck}", ck).replace("{template}", template) for s in said)
+            loading, resuming = (s.replace("{ck}", ck).replace("{template}", template) for s in (loading, resuming))
             assert re.fullmatch(rf"rank {damaged}: {loading}", error), error  # load_path: one line, on every rank
-            # every rank goes back to ba3, rank 0 says why, and each sets its own file of ba6 aside
+            # every rank goes back to ba3 and rank 0 says why; the resumed run saves ba6 again
             assert_fell_back(rank, resumed, from_ba3, warned, listed, said=resuming, older="ep0-ba3-rank0.pt",
                              newest="ep1-ba6-rank0.pt")
+            assert {r for r in (0, 1) if f"ep1-ba6-rank{r}.pt.damaged" in listed} == aside, (n, listed)
+            assert {"ep1-ba6-rank1.pt", "ep2-ba8-rank0.pt", "ep2-ba8-rank1.pt"} <= set(listed), (n, listed)
+            assert [os.readlink(tmp_path / f"copy{n}" / f"latest-rank{r}.pt") for r in (0, 1)] == \
+                ["ep2-ba8-rank0.pt", "ep2-ba8-rank1.pt"]

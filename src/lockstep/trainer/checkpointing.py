@@ -234,10 +234,11 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
 
 
 def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
-    """Rank 0 (each rank, for per-rank files), once every rank has loaded ``resumed``: rename the damaged checkpoint the latest
-    pointer names with a ``.damaged`` suffix (kept to look at, and out of the way of the run's next
-    save of that step) and point the pointer at ``resumed``. What it did, for the warning; it never
-    raises, since no other rank would know (the run goes on, and its next save moves the pointer)."""
+    """Rank 0 (each rank, for per-rank files), once every rank has loaded ``resumed``: rename the
+    damaged checkpoint the latest pointer names with a ``.damaged`` suffix (kept to look at, and out
+    of the way of the run's next save of that step) and point the pointer at ``resumed``. What it
+    did, for the warning; it never raises, since no other rank would know (the run goes on, and its
+    next save moves the pointer)."""
     pointer = saver.latest
     assert pointer is not None  # autoresume needs save_latest_filename
     done = ""
@@ -256,30 +257,35 @@ def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
 
 
 def _older_checkpoints(saver: CheckpointSaver, *, per_rank: bool) -> list[Path]:
-    """The run's checkpoints other than the latest pointer's (and those set aside), newest first,
-    the same steps on every rank (the loads that try them are collectives). One file serves every
-    rank: rank 0's list. Per-rank files: each rank's own file of each step that every rank has, in
-    the order of rank 0's."""
+    """The run's checkpoints, newest first, the same steps on every rank (the loads that try them
+    are collectives), but for those set aside. One file serves every rank: rank 0's list, without
+    the one its latest pointer names. Per-rank files: each rank's own file of each step that every
+    rank has, in the order of rank 0's (the ranks' pointers may name different steps, so none is
+    left out: a damaged step fails its load again)."""
     rank = dist.get_global_rank()
     if not per_rank:
-        found: list[Any] = [[str(p) for p in _listed(saver)] if rank == 0 else None]
+        found: list[Any] = [[str(p) for p in _listed(saver, but_newest=True)] if rank == 0 else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(found, src=0)
         return [Path(p) for p in found[0]]
-    mine = {templates.time_values(saver.config.save_filename, saver.place, p.name): p for p in _listed(saver)}
+    template, place = saver.config.save_filename, saver.place
+    mine = {templates.time_values(template, place, p.relative_to(saver.folder).as_posix()): p
+            for p in _listed(saver, but_newest=False)}
     mine.pop(None, None)  # not a name of this run's template
     every = dist.all_gather_object(list(mine))
     common = set(every[0]).intersection(*every[1:])
     return [mine[key] for key in every[0] if key in common]
 
 
-def _listed(saver: CheckpointSaver) -> list[Path]:
-    """This rank's view of the run's checkpoints in its folder, newest first, but for the one its
-    latest pointer names and those set aside."""
+def _listed(saver: CheckpointSaver, *, but_newest: bool) -> list[Path]:
+    """This rank's checkpoints of the run in its folder (``save_filename`` may name subfolders),
+    newest first, but for those set aside and, ``but_newest``, the one its latest pointer names."""
     pointer = saver.latest
-    newest = os.path.basename(os.readlink(pointer)) if pointer is not None and pointer.is_symlink() else None
+    newest = None
+    if but_newest and pointer is not None and pointer.is_symlink():
+        newest = (pointer.parent / os.readlink(pointer)).resolve()
     paths = [p for p in saver.folder.glob(saver.filename_glob())
-             if p.name != newest and not p.name.endswith(DAMAGED)]
+             if not p.name.endswith(DAMAGED) and (newest is None or p.resolve() != newest)]
     return sorted(paths, key=_mtime, reverse=True)
 
 

@@ -17,6 +17,7 @@ from lockstep.objectstore import ObjectStore, ObjectStoreTransientError, S3Objec
 sys.modules[f"{__name__}.dist"] = dist
 sys.modules[f"{__name__}.object_store"] = objectstore
 
-__all__ = ["ObjectStore", "ObjectStoreTransientError", "S3ObjectStore", "StringEnum", "configure_deterministic_mode", "dist",
-           "ensure_tuple", "format_name_with_dist", "format_name_with_dist_and_time", "get_device", "get_free_tcp_port", "get_random_seed", "is_model_fsdp", "map_collection",
-           "model_eval_mode", "parse_uri", "partial_format", "reproducibility", "seed_all"]
+__all__ = ["ObjectStore", "ObjectStoreTransientError", "S3ObjectStore", "StringEnum", "configure_deterministic_mode",
+           "dist", "ensure_tuple", "format_name_with_dist", "format_name_with_dist_and_time", "get_device",
+           "get_free_tcp_port", "get_random_seed", "is_model_fsdp", "map_collection", "model_eval_mode", "parse_uri",
+           "partial_format", "reproducibility", "seed_all"]
