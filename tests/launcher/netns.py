@@ -14,13 +14,16 @@ sockets). :meth:`Hosts.heal` brings the port back.
 Cleanup always runs: :meth:`Hosts.close` (the ``hosts`` fixture's finalizer, and an atexit hook
 for a test process that dies otherwise) kills every process started in a host, whether through
 :meth:`Hosts.popen` or not, and deletes the namespaces, which deletes their veths. A test process
-killed by SIGKILL runs neither: each ``x`` records its owner's pid, and the first ``Hosts`` of a
-later process deletes the namespaces of owners that are gone (:func:`sweep`).
+killed by SIGKILL runs neither: an owner holds a lock on ``x`` (a ``flock`` on a file, which the
+kernel drops when its holder dies) from before it makes the namespaces until they are deleted, and
+the first ``Hosts`` of a later process deletes the namespaces of every ``x`` whose lock it can take
+(:func:`sweep`).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import random
 import re
@@ -38,7 +41,8 @@ import pytest
 _PREFIX = "lst"
 _HOSTS_PER_NETWORK = 62  # a /26 per network
 _OWNERS = Path(tempfile.gettempdir()) / "lockstep-netns"
-"""One file per claimed ``x``, holding the pid of the process that made its namespaces."""
+"""One lock file per ``x``: its owner holds a ``flock`` on it (the files stay, so that a lock is
+always taken on the one file every process opens)."""
 _swept = False
 
 
@@ -67,12 +71,13 @@ class Hosts:
         self.count, self.networks = count, networks
         self._procs: list[subprocess.Popen[Any]] = []
         self._made: list[str] = []
+        self._lock: int | None = None
         global _swept
         if not _swept:
             sweep()
             _swept = True
-        self.x = self._claim()
         atexit.register(self.close)
+        self.x = self._claim()
         try:
             self._build()
         except BaseException:
@@ -99,13 +104,22 @@ class Hosts:
     # -- building -------------------------------------------------------------------------------
 
     def _claim(self) -> int:
+        """Take the lock of a free ``x``, then make its switch namespace."""
         for x in random.sample(range(256), 256):
+            existed = (_OWNERS / str(x)).exists()
+            lock = _lock(x, create=True)
+            if lock is None:
+                continue  # a live owner
+            if not existed and x in _namespaces():  # made by something that takes no lock: not ours
+                os.close(lock)
+                continue
+            _delete_namespaces_of(x)  # left by an owner that died: its lock is free
             made = _ip("netns", "add", f"{_PREFIX}{x}sw", check=False)
             if made.returncode == 0:
+                self._lock = lock
                 self._made.append(f"{_PREFIX}{x}sw")
-                _OWNERS.mkdir(exist_ok=True)
-                (_OWNERS / str(x)).write_text(str(os.getpid()))
                 return x
+            os.close(lock)
             if "exists" not in made.stderr:
                 raise RuntimeError(f"ip netns add: {made.stderr.strip()}")
         raise RuntimeError("no free 10.77.x.0/24 for namespace hosts: every lst<x>sw namespace exists")
@@ -170,9 +184,10 @@ class Hosts:
         self._procs.clear()
         for ns in reversed(self._made):
             _delete(ns)
-        if self._made:
-            (_OWNERS / str(self.x)).unlink(missing_ok=True)
         self._made.clear()
+        if self._lock is not None:  # after the namespaces are gone
+            os.close(self._lock)
+            self._lock = None
         atexit.unregister(self.close)
 
 
@@ -192,35 +207,53 @@ def _delete(ns: str) -> None:
     _ip("netns", "del", ns, check=False)
 
 
-def sweep() -> list[str]:
-    """Delete the namespaces of test processes that died without cleaning up (SIGKILL); the
-    names deleted. Namespaces whose owner is alive, or not yet recorded, are left alone."""
-    swept = []
+def _lock(x: int, *, create: bool) -> int | None:
+    """A descriptor holding the lock of ``x``; None while another process holds it, or when it has
+    no lock file and ``create`` is false."""
+    _OWNERS.mkdir(exist_ok=True)
+    try:
+        fd = os.open(_OWNERS / str(x), os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _namespaces() -> dict[int, list[str]]:
+    """The test hosts' namespaces that exist, by their ``x``."""
+    found: dict[int, list[str]] = {}
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         match = re.fullmatch(rf"{_PREFIX}(\d+)(sw|h\d+)", line.split()[0]) if line.strip() else None
-        if match is None:
-            continue
-        owner = _OWNERS / match[1]
-        try:
-            pid = int(owner.read_text())
-        except (OSError, ValueError):
-            continue
-        if not _alive(pid):
-            _delete(match[0])
-            swept.append(match[0])
-    for x in {re.fullmatch(rf"{_PREFIX}(\d+)\w+", name)[1] for name in swept}:  # type: ignore[index]
-        (_OWNERS / x).unlink(missing_ok=True)
+        if match:
+            found.setdefault(int(match[1]), []).append(match[0])
+    return found
+
+
+def _delete_namespaces_of(x: int) -> list[str]:
+    """Delete the namespaces of ``x`` (the caller holds its lock): hosts first, the switch last."""
+    names = sorted(_namespaces().get(x, []), key=lambda name: name.endswith("sw"))
+    for name in names:
+        _delete(name)
+    return names
+
+
+def sweep() -> list[str]:
+    """Delete the namespaces of test processes that died without cleaning up (SIGKILL): those of
+    every ``x`` that has a lock file and whose lock is free. The names deleted; a live owner's, and
+    namespaces of an ``x`` no owner ever locked, are never touched."""
+    swept = []
+    for x in _namespaces():
+        lock = _lock(x, create=False)
+        if lock is not None:
+            try:
+                swept += _delete_namespaces_of(x)
+            finally:
+                os.close(lock)
     return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def make_hosts(count: int, networks: int = 1) -> Iterator[Hosts]:
