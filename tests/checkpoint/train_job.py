@@ -61,7 +61,7 @@ def die_in_write(tags: set[str]) -> None:
         check(path)
         return write_temp(content, path)
 
-    def doomed_tensors(temp: Path, tensors, group) -> dict:
+    def doomed_tensors(temp: Path, tensors, group) -> tuple:
         check(temp)
         return write_tensors(temp, tensors, group)
 

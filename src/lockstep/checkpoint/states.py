@@ -283,6 +283,8 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
     full_reader = _gathering_reader
     _parts: dict[str, list[int]] = {}
     """Every rank's records of the last save's files (:meth:`write_parts`), for :meth:`seal`."""
+    _reads: list[list[str]] = []
+    """Each rank's files to read of the last save (:meth:`write_parts`), for :meth:`seal`."""
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = self._restore_buffer_dtypes(get_model_state_dict(self.model))
@@ -295,23 +297,29 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
         tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
         return tensors, [r or {} for _, r in split]
 
-    def write_parts(self, temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> None:
+    def write_parts(self, temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> dict[str, list[int]]:
         """Every rank's shards, durable in ``temp`` on return, and every rank's record of them."""
-        self._parts = integrity.gather(self.write_tensors(temp, tensors, group), group)
+        records, reads = self.write_tensors(temp, tensors, group)
+        self._parts, self._reads = integrity.gather(records, group, reads)
+        return self._parts
 
     @staticmethod
-    def write_tensors(temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> dict[str, list[int]]:
+    def write_tensors(temp: Path, tensors: dict[str, Any],
+                      group: ProcessGroup | None) -> tuple[dict[str, list[int]], set[str]]:
         """Every rank writes its shards into ``temp`` and fsyncs them (a collective over ``group``);
-        returns the size and CRC32 of each file this rank wrote (:func:`integrity.record`)."""
+        returns the size and CRC32 of each file this rank wrote (:func:`integrity.record`), and the
+        files this rank reads to load them back at this world size (:func:`_reads`)."""
         import torch.distributed.checkpoint as dcp
 
         writer = _RecordingWriter(temp, sync_files=True)
-        dcp.save(tensors, storage_writer=writer, process_group=group)
-        return writer.parts
+        metadata = dcp.save(tensors, storage_writer=writer, process_group=group)
+        return writer.parts, _reads(tensors, metadata)
 
     def seal(self, temp: Path, meta: dict[str, Any]) -> None:
-        """Rank 0, before lockstep.pt is written: record every rank's files and DCP's .metadata."""
+        """Rank 0, before lockstep.pt is written: record every rank's files and DCP's .metadata,
+        and the files each rank reads."""
         meta["lockstep"]["parts"] = {**self._parts, **integrity.record(temp, [integrity.DCP_METADATA])}
+        meta["lockstep"]["reads"] = self._reads
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
@@ -332,6 +340,19 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
             for i, optimizer in enumerate(self.optimizers):
                 saved = join_tensors(tensors["optimizers"][str(i)], content["optimizers"][i])
                 set_optimizer_state_dict(self.model, optimizer, saved)
+
+
+def _reads(tensors: dict[str, Any], metadata: Any) -> set[str]:
+    """The files of a DCP folder that this rank reads to load ``tensors`` (as saved, so as a run
+    of the same world size and sharding asks for them): DCP's load plan for them, and .metadata.
+    Besides its own file, that may be the file of another rank that DCP had write a tensor every
+    rank holds (an optimizer's ``step``)."""
+    import torch.distributed.checkpoint as dcp
+
+    planner = dcp.DefaultLoadPlanner()
+    planner.set_up_planner(tensors, metadata, is_coordinator=False)
+    files = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+    return files | {integrity.DCP_METADATA}
 
 
 def split_tensors(sd: Any) -> tuple[Any, Any]:
