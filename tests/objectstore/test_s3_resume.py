@@ -119,8 +119,8 @@ def _skip_without_deepspeed(kind: str) -> None:
 def _assert_downloaded_what_its_ranks_read(store: S3ObjectStore, cwd: Path, bucket: str, key: str,
                                            ranks: tuple[int, ...]) -> None:
     """The node in ``cwd`` holds, of the folder checkpoint ``key`` it resumed from, lockstep.pt and
-    exactly the parts its ``ranks`` read (as its lockstep.pt records), and of DeepSpeed's per-rank
-    optimizer files only its ranks' own."""
+    exactly the parts its ``ranks`` read (as its lockstep.pt records): of the per-rank files (DCP
+    shards, DeepSpeed optimizer partitions), its ranks' own and no other."""
     local = cwd / ".lockstep" / "s3" / bucket / key
     present = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
     reads = torch.load(local / "lockstep.pt", weights_only=False)["lockstep"]["reads"]
@@ -128,8 +128,7 @@ def _assert_downloaded_what_its_ranks_read(store: S3ObjectStore, cwd: Path, buck
     every = {k.rsplit(f"{key}/", 1)[1] for k in store.list_objects(f"{key}/")}
     ranked = {n: int(m[1] or m[2]) for n in every if (m := re.search(r"^__(\d+)_\d+\.distcp$|pp_rank_(\d+)_", n))}
     assert {n for n, r in ranked.items() if r in ranks} <= present  # each rank's own files
-    if any("pp_rank_" in n for n in every):  # DeepSpeed: no other rank's optimizer partition
-        assert not {n for n, r in ranked.items() if r not in ranks} & present
+    assert not {n for n, r in ranked.items() if r not in ranks} & present  # and no other rank's
 
 
 def _temp_folders(cwd: Path) -> list[Path]:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint import integrity, staging
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SINGLE, Layout, FolderLayout
+from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SHARDED_META, SINGLE, Layout, FolderLayout
 
 
 class ReplicatedLayout(Layout):
@@ -292,8 +292,10 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
 
     @staticmethod
     def folder_parts(temp: Path, model: dict[str, Any], optimizers: list[Any]) -> tuple[dict[str, Any], list[Any]]:
-        """(what DCP writes: every tensor, the optimizers' non-tensor parts, which go in lockstep.pt)."""
-        split = [split_tensors(o) for o in optimizers]
+        """(what DCP writes: the model's tensors and the optimizers' sharded ones; the optimizers'
+        other parts, which go in lockstep.pt). An optimizer's plain tensors (``step``) are the same
+        on every rank: in DCP, one rank's file would hold them, which every rank would then read."""
+        split = [split_tensors(o, sharded_only=True) for o in optimizers]
         tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
         return tensors, [r or {} for _, r in split]
 
@@ -320,6 +322,7 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
         and the files each rank reads."""
         meta["lockstep"]["parts"] = {**self._parts, **integrity.record(temp, [integrity.DCP_METADATA])}
         meta["lockstep"]["reads"] = self._reads
+        meta["lockstep"]["optimizer_plain_tensors"] = SHARDED_META
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
@@ -327,8 +330,10 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
 
         model, optimizers = self.gather()  # the live tensors, which DCP fills in place
         tensors: dict[str, Any] = {"model": model}
-        if not weights_only:
-            tensors["optimizers"] = {str(i): split_tensors(o)[0] or {} for i, o in enumerate(optimizers)}
+        if not weights_only:  # plain tensors in lockstep.pt, except in checkpoints saved before they went there
+            in_meta = (content.get("lockstep") or {}).get("optimizer_plain_tensors") == SHARDED_META
+            tensors["optimizers"] = {str(i): split_tensors(o, sharded_only=in_meta)[0] or {}
+                                     for i, o in enumerate(optimizers)}
         try:
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder),
                      planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
@@ -355,16 +360,18 @@ def _reads(tensors: dict[str, Any], metadata: Any) -> set[str]:
     return files | {integrity.DCP_METADATA}
 
 
-def split_tensors(sd: Any) -> tuple[Any, Any]:
-    """(the tensors, the rest) of a nested dict: DCP stores the first, lockstep.pt the second."""
+def split_tensors(sd: Any, *, sharded_only: bool = False) -> tuple[Any, Any]:
+    """(the tensors, the rest) of a nested dict: DCP stores the first, lockstep.pt the second.
+    ``sharded_only``: tensors that are not DTensors (an optimizer's ``step``, the same on every
+    rank) go with the rest."""
     if isinstance(sd, dict) and not sd:
         return None, {}
     if isinstance(sd, dict):
-        parts = {k: split_tensors(v) for k, v in sd.items()}
+        parts = {k: split_tensors(v, sharded_only=sharded_only) for k, v in sd.items()}
         tensors = {k: t for k, (t, _) in parts.items() if t is not None}
         rest = {k: r for k, (_, r) in parts.items() if r is not None}
         return tensors or None, rest or None
-    if isinstance(sd, torch.Tensor):
+    if isinstance(sd, torch.Tensor) and (isinstance(sd, DTensor) or not sharded_only):
         return sd, None
     return None, sd
 
