@@ -76,7 +76,8 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
             del writer.save  # the class's own again
         return captured, [{} for _ in optimizers]
 
-    def write_parts(self, temp: Path, captured: list[tuple[str, Any]], group: ProcessGroup | None) -> dict[str, list[int]]:
+    def write_parts(self, temp: Path, captured: list[tuple[str, Any]],
+                    group: ProcessGroup | None) -> dict[str, list[int]]:
         """This rank's files, durable, and its record of them; every rank's are written, and their
         records here, on return (on a node whose disk rank 0 does not see, only these records tell
         rank 0 of this rank's files)."""

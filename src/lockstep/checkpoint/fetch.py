@@ -38,8 +38,7 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
               device: torch.device | str = "cpu", weights_only: bool = False) -> str:
     """Download what this rank loads of ``load_path`` (a collective); the local template to load.
     With ``object_store``, ``path`` is an object name in it (as Composer's ``load_object_store``).
-    ``weights_only`` (``load_weights_only``): a DeepSpeed checkpoint's full weights are rebuilt from
-    every rank's parts, so every rank downloads all of them."""
+    ``weights_only``: ``load_weights_only`` (see :func:`download_folder`)."""
     if object_store is None:
         store, key_template = store_for_uri(path, "load_path")
         local_root = os.path.join(remote.STAGING_ROOT, parse_uri(path)[1])
@@ -52,7 +51,7 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
     folder = error is None and layout_name in FOLDER_LAYOUTS and own == zero and not _exists(store, zero)
     if all(_agreement.gather_small_objects(folder)):  # a folder checkpoint: each rank its parts
         download_folder(store, zero, Path(local_root, zero), what=f"load_path {path!r}", device=device,
-                        every_part=weights_only and layout_name == DEEPSPEED)
+                        weights_only=weights_only)
         return os.path.join(local_root, key_template)
     if error is None:
         try:
@@ -169,10 +168,11 @@ def _folder_from_pointer(saver: CheckpointSaver) -> None:
 
 
 def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, device: torch.device | str = "cpu",
-                    every_part: bool = False) -> bool:
+                    weights_only: bool = False) -> bool:
     """Download the folder checkpoint ``key`` into ``local`` (a collective): of its parts, those
-    this rank reads (all of them with ``every_part``, or when it is loaded at another world size
-    than the one that saved it), each by one of the ranks that share ``local`` and read it.
+    this rank reads (all of them when it is loaded at another world size than the one that saved
+    it, or, with ``weights_only``, when it is a DeepSpeed checkpoint, whose full weights are rebuilt
+    from every rank's partition), each by one of the ranks that share ``local`` and read it.
     Returns whether this rank is the first of those that share ``local``."""
     error, names, data = None, [], b""
     try:
@@ -180,6 +180,7 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
         seen = os.stat(local)
         data = store.read_bytes(f"{key}/{SHARDED_META}")
         meta = payload.metadata(files.read_bytes(data, local / SHARDED_META), local) or {}
+        every_part = weights_only and payload.layout_of(meta) == DEEPSPEED
         reads = None if every_part else integrity.reads_of(meta, dist.get_global_rank(), dist.get_world_size())
         names = sorted(reads if reads is not None else set(_names_under(store, key)) - {SHARDED_META})
     except Exception as e:

@@ -8,15 +8,16 @@ size and CRC32 of every file it wrote (:func:`record`), the records meet on ever
 The folder's ``lockstep.pt`` also records, as ``reads``, the parts each rank reads when it resumes
 at the world size that saved (:func:`assign`): its own files and those every rank shares (DCP's
 ``.metadata``, DeepSpeed's model states), and for DCP any other rank's file that holds a tensor
-this rank loads (DCP writes each replicated tensor, an optimizer's ``step``, once). A node with a
-disk of its own, which downloads the checkpoint from a bucket, fetches only its ranks' reads.
+this rank loads (DCP writes a tensor that every rank holds alike, such as a model buffer, in one
+rank's file only). A node with a disk of its own, which downloads the checkpoint from a bucket,
+fetches only its ranks' reads.
 
 Before any rank loads any of it, every rank checks that each part it reads is there at its
 recorded size, and the CRC32 of its turn of them, so that each part is checked once, by one of its
 readers: about 1/N of the bytes (:func:`check_parts`); the loader agrees on the outcome, so either
-every rank loads or none does, and a damaged file is an error that names it. A DCP folder saved before parts were recorded is checked for what it shows
-itself: its ``.metadata`` loads, and every file that names is there and holds the bytes it says
-(:func:`check_dcp_files`).
+every rank loads or none does, and a damaged file is an error that names it. A DCP folder saved
+before parts were recorded is checked for what it shows itself: its ``.metadata`` loads, and
+every file that names is there and holds the bytes it says (:func:`check_dcp_files`).
 """
 
 from __future__ import annotations
