@@ -141,7 +141,8 @@ def _temp_folders(cwd: Path) -> list[Path]:
 def test_kill_9_during_uploads_then_autoresume_on_other_nodes_is_exact(reference, bucket: str, tmp_path: Path,
                                                                        kind: str) -> None:
     """Two nodes of one rank each (no shared disk) are killed with kill -9 while their uploads run;
-    the job comes back with node 0 on its old disk and node 1 on a fresh one, and ends exact."""
+    the job comes back with node 1 on a fresh disk (and node 0 on its old one, whose copy of a folder
+    checkpoint lacks node 1's parts; under DDP on a fresh one too), and ends exact."""
     _skip_without_deepspeed(kind)
     folder, extra = f"s3://{bucket}/runs/job", KINDS[kind]
     store = S3ObjectStore(bucket)
@@ -155,35 +156,39 @@ def test_kill_9_during_uploads_then_autoresume_on_other_nodes_is_exact(reference
     pointer = store.read_bytes("runs/job/latest-rank0.pt.symlink").decode()  # it may have moved on since
     if kind == "local":  # each rank moves its own pointer: as if killed between rank 0's move and rank 1's
         store.delete_object("runs/job/latest-rank1.pt.symlink")
-    out = _finish(_nodes((first[0], tmp_path / "b1"), folder, tmp_path / "second.pt", *extra, per_node=1))
-    resumed_at = int(re.search(r"attempt 0 resumed at batch (\d+)", out)[1])
-    in_bucket = int(pointer.rsplit("-ba", 1)[1].split("-")[0])
-    if kind == "ddp":  # rank 0 sends its newest local checkpoint, which may be newer than the bucket's
-        assert resumed_at >= in_bucket >= 4, out
-    else:  # node 1 has no local files: both take the bucket's newest complete checkpoint
-        assert resumed_at == in_bucket >= 4, out
+    # a DDP rank 0 on its old disk would send its local file to rank 1 (no bucket): both nodes fresh
+    node0 = tmp_path / "b0" if kind == "ddp" else first[0]
+    out = _finish(_nodes((node0, tmp_path / "b1"), folder, tmp_path / "second.pt", *extra, per_node=1))
+    # node 1 has no local files: both take the bucket's newest complete checkpoint
+    assert f"attempt 0 resumed at batch {int(pointer.rsplit('-ba', 1)[1].split('-')[0])}" in out, out
     assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), reference(kind))
     assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
+    if kind == "ddp":  # each node downloaded rank 0's file for its own ranks
+        for node in ("b0", "b1"):
+            assert (tmp_path / node / ".lockstep" / "s3" / bucket / pointer).is_file()
     if kind in ("sharded", "zero2"):  # node 1 downloaded only what rank 1 reads, and left no part behind
         _assert_downloaded_what_its_ranks_read(store, tmp_path / "b1", bucket, pointer, (1,))
         assert not _temp_folders(tmp_path / "b1")
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("kind", ["sharded", "zero2"])
+@pytest.mark.parametrize("kind, via", [("sharded", "load_path"), ("zero2", "autoresume")])
 def test_two_nodes_of_two_without_a_shared_disk_resume_through_the_bucket(bucket: str, tmp_path: Path,
-                                                                         kind: str) -> None:
+                                                                         kind: str, via: str) -> None:
     """Two nodes of two ranks (world size 4), each in its own working directory, train 12 batches
-    through the bucket; with the bucket's pointer set back to batch 4, two fresh nodes resume from it
-    and end with the uninterrupted run's parameters, each node having downloaded only the parts its
-    own ranks read."""
+    through the bucket; two fresh nodes resume from its batch-4 checkpoint (by autoresume, with the
+    bucket's pointer set back to it; or by load_path, saving to another folder) and end with the
+    uninterrupted run's parameters, each node having downloaded only the parts its own ranks read."""
     _skip_without_deepspeed(kind)
     folder, store, extra = f"s3://{bucket}/nodes/job", S3ObjectStore(bucket), KINDS[kind]
     _finish(_nodes((tmp_path / "a0", tmp_path / "a1"), folder, tmp_path / "clean.pt", *extra))
     assert not _temp_folders(tmp_path / "a1"), "node 1 left its part of a checkpoint folder behind"
     assert store.read_bytes("nodes/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
     name = next(k.split("/")[2] for k in store.list_objects("nodes/job/") if "-ba4-" in k)
-    store.upload_bytes("nodes/job/latest-rank0.pt.symlink", f"nodes/job/{name}".encode())
+    if via == "autoresume":
+        store.upload_bytes("nodes/job/latest-rank0.pt.symlink", f"nodes/job/{name}".encode())
+    else:
+        folder, extra = f"s3://{bucket}/nodes/again", [*extra, "--load", f"s3://{bucket}/nodes/job/{name}"]
     out = _finish(_nodes((tmp_path / "b0", tmp_path / "b1"), folder, tmp_path / "second.pt", *extra))
     assert "attempt 0 resumed at batch 4" in out, out
     assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
