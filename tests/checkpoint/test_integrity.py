@@ -68,3 +68,34 @@ def test_a_folder_saved_without_records_is_checked_through_its_metadata(tmp_path
     damage(folder / target, how)
     with pytest.raises(DamagedCheckpoint, match=rf"^checkpoint {folder} is damaged: {says}: load an older "):
         integrity.check_sharded(folder, {})
+
+
+def test_recorded_reads_each_rank_checks_what_it_reads_each_part_once(tmp_path: Path) -> None:
+    """A folder whose lockstep.pt records what each rank reads (as on nodes without a shared disk,
+    each holding only its ranks' reads): each rank checks sizes of its reads only, so a part that
+    only another rank reads may be absent; each part's CRC32 is checked by exactly one of its readers."""
+    folder = _dcp_folder(tmp_path / "ck")
+    parts = _parts(folder)
+    names = sorted(parts)
+    reads = [[names[0], names[1]], [names[0], names[2]], [names[0], names[3], names[4]]]
+    meta = {"parts": parts, "reads": reads}
+    sizes = {n: s for n, (s, _) in parts.items()}
+    assigned = [integrity.assign(sizes, meta, rank, 3) for rank in range(3)]
+    assert [sorted(reading) for reading, _ in assigned] == [sorted(r) for r in reads]
+    checked = [n for _, turns in assigned for n in turns]
+    assert sorted(checked) == names  # each part once
+    assert all(n in reads[rank] for rank, (_, turns) in enumerate(assigned) for n in turns)
+    assert integrity.reads_of(meta, 1, 3) == set(reads[1])
+    assert integrity.reads_of(meta, 1, 4) is None  # another world size: every rank reads every part
+    (folder / names[1]).unlink()  # only rank 0 reads it
+    for rank in (1, 2):
+        integrity.check_parts(folder, parts, (rank, 3), meta)
+    with pytest.raises(DamagedCheckpoint, match=rf"{names[1]} is missing"):
+        integrity.check_parts(folder, parts, (0, 3), meta)
+
+
+def test_part_rank_names_each_ranks_own_files() -> None:
+    assert integrity.part_rank("__3_0.distcp") == 3
+    assert integrity.part_rank("deepspeed/zero_pp_rank_2_mp_rank_00_optim_states.pt") == 2
+    assert [integrity.part_rank(n) for n in (".metadata", "lockstep.pt", "deepspeed/mp_rank_00_model_states.pt")] \
+        == [None, None, None]

@@ -61,7 +61,7 @@ def die_in_write(tags: set[str]) -> None:
         check(path)
         return write_temp(content, path)
 
-    def doomed_tensors(temp: Path, tensors, group) -> dict:
+    def doomed_tensors(temp: Path, tensors, group) -> tuple:
         check(temp)
         return write_tensors(temp, tensors, group)
 
@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--local", action="store_true", help="FSDP with per-rank local checkpoints")
     p.add_argument("--zero", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--load", default=None, help="load_path, for when autoresume finds nothing")
     p.add_argument("--progress", type=Path)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--direct", action="store_true",
@@ -115,7 +116,7 @@ def main() -> None:
     trainer = Trainer(model=model, train_dataloader=data, max_duration=f"{args.batches}ba",
                       optimizers=opt, schedulers=torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
                       progress_bar=False, seed=7, save_folder=args.folder, save_interval=args.save_interval,
-                      run_name="job", autoresume=True,
+                      run_name="job", autoresume=True, load_path=args.load,
                       fsdp_config={"state_dict_type": "sharded"} if args.sharded else
                       {"state_dict_type": "local"} if args.local else None,
                       deepspeed_config=None if args.zero is None else {"zero_optimization": {"stage": args.zero}},

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +76,19 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
             del writer.save  # the class's own again
         return captured, [{} for _ in optimizers]
 
-    def write_parts(self, temp: Path, captured: list[tuple[str, Any]], group: ProcessGroup | None) -> None:
-        """This rank's files and its record of them; every rank's are written, and their records
-        here, on return."""
+    def write_parts(self, temp: Path, captured: list[tuple[str, Any]],
+                    group: ProcessGroup | None) -> dict[str, list[int]]:
+        """This rank's files, durable, and its record of them; every rank's are written, and their
+        records here, on return (on a node whose disk rank 0 does not see, only these records tell
+        rank 0 of this rank's files)."""
         self.write_captured(captured)
-        mine = integrity.record(temp, {os.path.relpath(path, temp) for path, _ in captured})
-        self._parts = integrity.gather(mine, group)
+        names = {os.path.relpath(path, temp) for path, _ in captured}
+        for name in names:
+            with open(temp / name, "rb") as f:
+                os.fsync(f.fileno())
+        mine = integrity.record(temp, names)
+        self._parts, _ = integrity.gather(mine, group)
+        return self._parts
 
     def write_captured(self, captured: list[tuple[str, Any]]) -> None:
         """Write the captured state dicts as the engine would have (its serialization). DeepSpeed's
@@ -95,10 +103,15 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
                 writer.save(state_dict, path)
 
     def seal(self, temp: Path, meta: dict[str, Any]) -> None:
-        """Rank 0, once every rank has written: fsync every file and folder; record their sizes and CRC32s."""
-        self._sizes = _sync_tree(temp)
+        """Rank 0, once every rank has written: fsync every file and folder it sees; record the
+        sizes of every rank's files (those of ranks on other nodes from their records), their
+        CRC32s, and which files each rank reads to resume (:func:`reads`)."""
+        self._sizes = {**_sync_tree(temp), **{name: size for name, (size, _) in self._parts.items()}}
         meta["lockstep"]["files"] = self._sizes
         meta["lockstep"]["parts"] = self._parts
+        meta["lockstep"]["reads"] = reads(self._sizes, torch.distributed.get_world_size()
+                                          if torch.distributed.is_initialized() else 1,
+                                          elastic=bool(self.engine.zero_elastic_checkpoint()))
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Resume exactly: the engine loads its model and optimizer states (same world size and stage)."""
@@ -129,6 +142,16 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
             refresh()
 
 
+def reads(names: Iterable[str], world_size: int, *, elastic: bool = False) -> list[list[str]]:
+    """The files of a DeepSpeed checkpoint folder each rank reads to resume at ``world_size``: at
+    ZeRO stages 1 and 2 (unless ``elastic_checkpoint``) and 3, the engine reads its own rank's
+    optimizer partition and the files of the whole checkpoint (model states)."""
+    every = sorted(names)
+    if elastic:
+        return [every for _ in range(world_size)]
+    return [[n for n in every if integrity.part_rank(n) in (None, rank)] for rank in range(world_size)]
+
+
 def _sync_tree(folder: Path) -> dict[str, int]:
     """fsync every file under ``folder`` (written by any rank) and its folders; return their sizes."""
     sizes = {}
@@ -142,23 +165,28 @@ def _sync_tree(folder: Path) -> dict[str, int]:
     return sizes
 
 
-def check_folder(folder: Path, meta: dict[str, Any], *, share: tuple[int, int] = (0, 1)) -> None:
-    """Raise CheckpointError unless the engine's files are all there, whole, and safe to unpickle
-    (:class:`DamagedCheckpoint` when their bytes are bad); this rank checks the CRCs of its
-    ``share`` (index, of how many) of them, every size and every pickle's globals."""
+def check_folder(folder: Path, meta: dict[str, Any], *, share: tuple[int, int] = (0, 1), every: bool = False) -> None:
+    """Raise CheckpointError unless the engine's files that this rank reads are all there, whole,
+    and safe to unpickle (:class:`DamagedCheckpoint` when their bytes are bad); ``share`` is (this
+    rank, of how many): it checks the size and pickle globals of every file it reads (every file,
+    unless the folder records each rank's reads at this world size) and the CRCs of its turn of
+    them (:func:`integrity.assign`). ``every``: this rank reads every file (to rebuild full weights)."""
+    if every:
+        meta = {key: value for key, value in meta.items() if key != "reads"}
     sizes = meta.get("files") or {}
     if not any(name.startswith(f"{TAG}/") for name in sizes):
         raise CheckpointError(f"{folder} records no DeepSpeed files in {SHARDED_META}: not a complete "
                               f"DeepSpeed checkpoint")
-    for name, size in sorted(sizes.items()):
-        integrity.check_size(folder, name, size)
+    reading, _ = integrity.assign(sizes, meta, *share)  # every file, unless each rank's reads are recorded
+    for name in reading:
+        integrity.check_size(folder, name, sizes[name])
     parts = meta.get("parts")
     if parts:
-        integrity.check_parts(folder, parts, share)
+        integrity.check_parts(folder, parts, share, meta)
     else:  # saved before parts were recorded: the zip records' own CRCs
         for name in files.share({n: s for n, s in sizes.items() if n.endswith(".pt")}, *share):
             files.verify(folder / name)
-    for name in sorted(n for n in sizes if n.endswith(".pt")):
+    for name in sorted(n for n in reading if n.endswith(".pt")):
         path = folder / name
         try:
             unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))

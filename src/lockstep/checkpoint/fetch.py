@@ -1,21 +1,31 @@
 """Checkpoints that start in a bucket: ``load_path='s3://...'`` (or an object name in
-``load_object_store``) and autoresume on a machine whose staging folder is empty. The files are
+``load_object_store``) and autoresume on a machine whose staging folder lacks them. The files are
 downloaded into the local staging folder, then the loader reads them as it reads any local
-checkpoint. Each rank downloads only what it reads: its own file of per-rank checkpoints; one rank
-per machine the files every rank there reads."""
+checkpoint. Each rank downloads only what it reads: its own file of per-rank checkpoints; of a
+folder checkpoint (FSDP ``sharded``, DeepSpeed) the parts its ``lockstep.pt`` records that it reads
+at this world size (every part at another), each part once per staging folder, by one of the ranks
+there that read it; of a single-file checkpoint, one rank per staging folder the file every rank
+there reads. Every file appears whole or not at all (downloaded to a temporary name, then renamed).
+
+Autoresume takes the local checkpoint when every rank finds there all it reads. Otherwise (a fresh
+node, or nodes without a shared disk, where no node's staging folder holds every rank's parts of a
+folder checkpoint) it downloads the checkpoint the bucket's pointer names, which every rank has
+uploaded in full, and points the local pointer at it.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import string
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lockstep import _agreement, dist
-from lockstep.checkpoint import files, remote, templates
+from lockstep.checkpoint import files, integrity, payload, remote, templates
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.layout import LOCAL
+from lockstep.checkpoint.layout import DEEPSPEED, FOLDER_LAYOUTS, LOCAL, SHARDED_META
 from lockstep.objectstore import ObjectStore, parse_uri, store_for_uri
 
 if TYPE_CHECKING:
@@ -25,9 +35,10 @@ if TYPE_CHECKING:
 
 
 def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, run_name: str,
-              device: torch.device | str = "cpu") -> str:
+              device: torch.device | str = "cpu", weights_only: bool = False) -> str:
     """Download what this rank loads of ``load_path`` (a collective); the local template to load.
-    With ``object_store``, ``path`` is an object name in it (as Composer's ``load_object_store``)."""
+    With ``object_store``, ``path`` is an object name in it (as Composer's ``load_object_store``).
+    ``weights_only``: ``load_weights_only`` (see :func:`download_folder`)."""
     if object_store is None:
         store, key_template = store_for_uri(path, "load_path")
         local_root = os.path.join(remote.STAGING_ROOT, parse_uri(path)[1])
@@ -37,6 +48,11 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
     own = templates.format_name(key_template, templates.place_values(run_name))
     zero = templates.format_name(key_template, templates.place_values(run_name, rank=0))
     error = remote.object_store_problem(store, os.path.dirname(own), f"load_path {path!r}")
+    folder = error is None and layout_name in FOLDER_LAYOUTS and own == zero and not _exists(store, zero)
+    if all(_agreement.gather_small_objects(folder)):  # a folder checkpoint: each rank its parts
+        download_folder(store, zero, Path(local_root, zero), what=f"load_path {path!r}", device=device,
+                        weights_only=weights_only)
+        return os.path.join(local_root, key_template)
     if error is None:
         try:
             if layout_name == LOCAL or (own != zero and _exists(store, own)):
@@ -50,18 +66,27 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
 
 
 def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> None:
-    """Before autoresume reads the local staging folder (a collective): when no rank has a latest
-    pointer there, download the checkpoint the bucket's pointer names, and point the local one at
-    it. Local checkpoints come first: they are at least as new as the bucket's."""
+    """Before autoresume reads the local staging folder (a collective): unless the local files
+    serve every rank, download the checkpoint the bucket's pointer names, and point the local
+    pointer at it. Local checkpoints come first, being at least as new as the bucket's: a single
+    file on any rank (the loader sends it to the others), per-rank files on every rank, a folder
+    checkpoint with every part each rank reads on that rank's disk."""
     template, folder = saver.latest_template, saver.remote
     assert template is not None and folder is not None
     from lockstep.checkpoint.loader import candidates
 
-    local = any(p.exists() or p.is_symlink() for p in candidates(template, run_name))
-    if any(_agreement.gather_small_objects(local)):
-        return
+    own, zero = candidates(template, run_name)
     if layout_name == LOCAL:
-        _per_rank_files(saver, run_name)
+        if not all(_agreement.gather_small_objects(own.exists() or own.is_symlink())):
+            _per_rank_files(saver, run_name)
+        return
+    if layout_name in FOLDER_LAYOUTS:
+        pointer = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
+        if not all(_agreement.gather_small_objects(pointer is not None and _holds_reads(pointer))):
+            _folder_from_pointer(saver)
+        return
+    local = own.exists() or own.is_symlink() or zero.exists() or zero.is_symlink()
+    if any(_agreement.gather_small_objects(local)):  # the loader sends rank 0's file to ranks without it
         return
     error = None
     if dist.get_local_rank() == 0:
@@ -72,21 +97,129 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> No
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)
 
 
-def _from_pointer(saver: CheckpointSaver) -> None:
+def _pointer_target(saver: CheckpointSaver) -> str | None:
+    """The key the bucket's latest pointer names; None when there is no pointer (nothing saved yet)."""
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
     key = folder.key_of(str(pointer.relative_to(saver.folder))) + remote.POINTER_SUFFIX
     try:
         target = folder.store.read_bytes(key).decode().strip()
     except FileNotFoundError:
-        return  # nothing saved yet: a fresh start
-    prefix = folder.key_of("")
-    if not target.startswith(prefix):
+        return None
+    if not target.startswith(folder.key_of("")):
         raise CheckpointError(f"the latest pointer {folder.store.get_uri(key)} names {target!r}, which is not "
                               f"in the save_folder")
-    local = saver.folder / target[len(prefix):]
+    return target
+
+
+def _from_pointer(saver: CheckpointSaver) -> None:
+    """A single-file checkpoint: download the one the bucket's pointer names, and point the local
+    pointer at it."""
+    folder, pointer = saver.remote, saver.latest
+    assert folder is not None and pointer is not None
+    target = _pointer_target(saver)
+    if target is None:
+        return  # nothing saved yet: a fresh start
+    local = saver.folder / target[len(folder.key_of("")):]
     _download(folder.store, target, local)
     files.point_latest(pointer, local)
+
+
+def _holds_reads(pointer: Path) -> bool:
+    """Whether the folder checkpoint ``pointer`` names holds, on this rank's disk, every part this
+    rank reads. Not on a node whose disk rank 0 does not see (rank 0 published the folder on its
+    own), nor on rank 0's node then (the other nodes' parts are only in the bucket)."""
+    try:
+        target = files.resolve_pointer(pointer)
+        meta = payload.metadata(files.read(target / SHARDED_META), target) or {}
+        reads = integrity.reads_of(meta, dist.get_global_rank(), dist.get_world_size())
+        names = reads if reads is not None else set(meta.get("parts") or {}) | set(meta.get("files") or {})
+        return all((target / name).is_file() for name in names)
+    except Exception:  # damaged or foreign: the bucket's copy is whole
+        return False
+
+
+def _folder_from_pointer(saver: CheckpointSaver) -> None:
+    """Every rank: download the parts it reads of the folder checkpoint the bucket's pointer names
+    (a collective); then one rank of each staging folder points the local pointer at it. Nothing
+    when the bucket has no pointer yet."""
+    folder, pointer = saver.remote, saver.latest
+    assert folder is not None and pointer is not None
+    what = f"autoresume from {folder.uri}"
+    target, error = None, None
+    if dist.get_global_rank() == 0:
+        try:
+            target = _pointer_target(saver)
+        except Exception as e:
+            error = f"{what}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    target = _agreement.gather_small_objects(target)[0]
+    if target is None:
+        return  # nothing saved in the bucket yet: the local files as they are
+    local = saver.folder / target[len(folder.key_of("")):]
+    first = download_folder(folder.store, target, local, what=what, device=saver._device)
+    error = None
+    if first:
+        try:
+            files.point_latest(pointer, local)
+        except OSError as e:
+            error = f"{what}: could not point {pointer} at {local}: {e}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # every pointer moved
+
+
+def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, device: torch.device | str = "cpu",
+                    weights_only: bool = False) -> bool:
+    """Download the folder checkpoint ``key`` into ``local`` (a collective): of its parts, those
+    this rank reads (all of them when it is loaded at another world size than the one that saved
+    it, or, with ``weights_only``, when it is a DeepSpeed checkpoint, whose full weights are rebuilt
+    from every rank's partition), each by one of the ranks that share ``local`` and read it.
+    Returns whether this rank is the first of those that share ``local``."""
+    error, names, data = None, [], b""
+    try:
+        local.mkdir(parents=True, exist_ok=True)
+        seen = os.stat(local)
+        data = store.read_bytes(f"{key}/{SHARDED_META}")
+        meta = payload.metadata(files.read_bytes(data, local / SHARDED_META), local) or {}
+        every_part = weights_only and payload.layout_of(meta) == DEEPSPEED
+        reads = None if every_part else integrity.reads_of(meta, dist.get_global_rank(), dist.get_world_size())
+        names = sorted(reads if reads is not None else set(_names_under(store, key)) - {SHARDED_META})
+    except Exception as e:
+        error = f"{what}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=device)
+    place = (socket.gethostname(), seen.st_dev, seen.st_ino)  # the same folder on the same machine
+    every = _agreement.gather_small_objects((place, names))
+    sharing = [rank for rank, (where, _) in enumerate(every) if where == place]
+    readers: dict[str, list[int]] = {}
+    for rank in sharing:
+        for name in every[rank][1]:
+            readers.setdefault(name, []).append(rank)
+    rank = dist.get_global_rank()
+    try:
+        for i, name in enumerate(sorted(readers)):
+            if readers[name][i % len(readers[name])] == rank:
+                store.download_object(f"{key}/{name}", local / name, overwrite=True)
+        if rank == sharing[0]:
+            _write_whole(local / SHARDED_META, data)
+    except Exception as e:
+        error = f"{what}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=device)  # every part is in place
+    return rank == sharing[0]
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write ``path`` under a temporary name, then rename it: no reader ever sees part of it."""
+    temp = files.temp_path(path)
+    temp.write_bytes(data)
+    os.replace(temp, path)
+
+
+def _names_under(store: ObjectStore, key: str) -> list[str]:
+    """The names (relative to ``key``) of the objects under the folder ``key``."""
+    base = getattr(store, "prefix", "") + key.rstrip("/") + "/"
+    found = store.list_objects(key.rstrip("/") + "/")
+    if not found:
+        raise FileNotFoundError(f"{store.get_uri(key)} does not exist")
+    return [full[len(base):] if full.startswith(base) else os.path.basename(full) for full in found]
 
 
 def _per_rank_files(saver: CheckpointSaver, run_name: str) -> None:

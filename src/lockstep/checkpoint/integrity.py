@@ -5,16 +5,25 @@ DeepSpeed: the engine's files) is written by every rank. Each rank's writer thre
 size and CRC32 of every file it wrote (:func:`record`), the records meet on every rank
 (:func:`gather`), and rank 0 keeps them in the folder's ``lockstep.pt`` as ``parts``.
 
-Before any rank loads any of it, every rank checks that every part is there at its recorded size,
-and the CRC32 of its own share of the parts, about 1/N of the bytes (:func:`check_parts`); the
-loader agrees on the outcome, so either every rank loads or none does, and a damaged file is an
-error that names it. A DCP folder saved before parts were recorded is checked for what it shows
-itself: its ``.metadata`` loads, and every file that names is there and holds the bytes it says
-(:func:`check_dcp_files`).
+The folder's ``lockstep.pt`` also records, as ``reads``, the parts each rank reads when it resumes
+at the world size that saved (:func:`assign`): its own files and those every rank shares (DCP's
+``.metadata``, DeepSpeed's model states), and for DCP any other rank's file that holds a tensor
+this rank loads (DCP writes a tensor that every rank holds alike, such as a model buffer, in one
+rank's file only). A node with a disk of its own, which downloads the checkpoint from a bucket,
+fetches only its ranks' reads.
+
+Before any rank loads any of it, every rank checks that each part it reads is there at its
+recorded size, and the CRC32 of its turn of them, so that each part is checked once, by one of its
+readers: about 1/N of the bytes (:func:`check_parts`); the loader agrees on the outcome, so either
+every rank loads or none does, and a damaged file is an error that names it. A DCP folder saved
+before parts were recorded is checked for what it shows itself: its ``.metadata`` loads, and
+every file that names is there and holds the bytes it says (:func:`check_dcp_files`).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +36,44 @@ from lockstep.checkpoint.zipwriter import crc32
 DCP_METADATA = ".metadata"
 """DCP's index of a sharded folder: which file holds which bytes of which tensor."""
 _CHUNK = 4 << 20
+_OWNED = re.compile(r"(?:^__(\d+)_\d+\.distcp$)|(?:pp_rank_(\d+)_)")
+"""Names of the files one rank writes into a folder checkpoint: DCP's ``__{rank}_{n}.distcp`` and
+DeepSpeed's ``*_pp_rank_{rank}_*``."""
+
+
+def part_rank(name: str) -> int | None:
+    """The rank whose own file ``name`` (a path in a folder checkpoint) is; None for a file of the
+    whole checkpoint (lockstep.pt, DCP's .metadata, DeepSpeed's model states), which rank 0 writes."""
+    match = _OWNED.search(os.path.basename(name))
+    return None if match is None else int(match.group(1) or match.group(2))
+
+
+def reads_of(meta: Mapping[str, Any], rank: int, world_size: int) -> set[str] | None:
+    """The parts (names relative to the folder, lockstep.pt aside) that ``rank`` reads to resume the
+    checkpoint whose header is ``meta``; None when every rank reads every part: another world size
+    than the one that saved (DCP reshards), or a checkpoint saved before reads were recorded."""
+    reads = meta.get("reads")
+    if not reads or len(reads) != world_size or not 0 <= rank < world_size:
+        return None
+    return set(reads[rank])
+
+
+def assign(sizes: Mapping[str, int], meta: Mapping[str, Any], rank: int,
+           world_size: int) -> tuple[list[str], list[str]]:
+    """(the parts named in ``sizes`` that this rank reads, those of them whose CRC32 it checks):
+    each part is checked by one of the ranks that read it, in turn, so that every part is checked
+    once. Without recorded reads every rank reads every part, and the ranks split the checks by
+    size (:func:`files.share`)."""
+    reads = meta.get("reads") if reads_of(meta, rank, world_size) is not None else None
+    if reads is None:
+        return sorted(sizes), share(dict(sizes), rank, world_size)
+    readers: dict[str, list[int]] = {}
+    for reader, names_read in enumerate(reads):
+        for name in names_read:
+            readers.setdefault(name, []).append(reader)
+    mine = sorted(n for n in sizes if rank in readers.get(n, ()))
+    turns = [n for i, n in enumerate(sorted(sizes)) if n in readers and readers[n][i % len(readers[n])] == rank]
+    return mine, turns
 
 
 def crc32_of(path: Path) -> int:
@@ -45,14 +92,16 @@ def record(folder: Path, names: Iterable[str]) -> dict[str, list[int]]:
     return {name: [(folder / name).stat().st_size, crc32_of(folder / name)] for name in sorted(names)}
 
 
-def gather(mine: dict[str, list[int]], group: Any) -> dict[str, list[int]]:
-    """Every rank's records, on every rank (a collective over ``group``, None without a process
-    group): a rank returns once every rank has written and recorded its parts."""
+def gather(mine: dict[str, list[int]], group: Any,
+           reads: Iterable[str] = ()) -> tuple[dict[str, list[int]], list[list[str]]]:
+    """Every rank's records, and every rank's ``reads`` (the parts it reads to resume), on every
+    rank (a collective over ``group``, None without a process group): a rank returns once every
+    rank has written and recorded its parts."""
     if group is None:
-        return dict(mine)
+        return dict(mine), [sorted(reads)]
     every: list[Any] = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(every, mine, group=group)
-    return {name: part for records in every for name, part in records.items()}
+    torch.distributed.all_gather_object(every, (mine, sorted(reads)), group=group)
+    return {name: part for records, _ in every for name, part in records.items()}, [r for _, r in every]
 
 
 def damaged(folder: Path, name: str, what: str) -> DamagedCheckpoint:
@@ -75,13 +124,17 @@ def check_size(folder: Path, name: str, size: int, *, at_least: bool = False) ->
         raise damaged(folder, name, f"is {actual} bytes, expected {size} (overwritten?)")
 
 
-def check_parts(folder: Path, parts: Mapping[str, Sequence[int]], mine: tuple[int, int] = (0, 1)) -> None:
-    """Raise :class:`DamagedCheckpoint` naming the first part of ``folder`` that is missing or of
-    another size than recorded, or, among this rank's share (``mine``: index, of how many), fails
-    its CRC32. Every rank checks every size (a stat each), so each sees a file its node lacks."""
-    for name, (size, _) in sorted(parts.items()):
-        check_size(folder, name, size)
-    for name in share({name: size for name, (size, _) in parts.items()}, *mine):
+def check_parts(folder: Path, parts: Mapping[str, Sequence[int]], mine: tuple[int, int] = (0, 1),
+                meta: Mapping[str, Any] | None = None) -> None:
+    """Raise :class:`DamagedCheckpoint` naming the first part of ``folder`` that this rank reads
+    (``mine``: its rank, of how many; ``meta``: the header that records what each rank reads) and
+    that is missing or of another size than recorded, or, among those it checks (:func:`assign`),
+    fails its CRC32. Each rank stats every part it reads, so each sees a file its node lacks."""
+    sized = {name: size for name, (size, _) in parts.items()}
+    reading, checking = assign(sized, meta or {}, *mine)
+    for name in reading:
+        check_size(folder, name, sized[name])
+    for name in checking:
         if crc32_of(folder / name) != parts[name][1]:
             raise damaged(folder, name, "fails its CRC32 check (flipped bytes?)")
 
@@ -109,7 +162,7 @@ def check_sharded(folder: Path, meta: Mapping[str, Any], mine: tuple[int, int] =
     DCP's ``.metadata`` says (a folder saved before parts were recorded)."""
     parts = meta.get("parts")
     if parts:
-        check_parts(folder, parts, mine)
+        check_parts(folder, parts, mine, meta)
     else:
         check_dcp_files(folder)
 

@@ -94,9 +94,10 @@ class FolderLayout(Layout, Protocol):
         optimizers' parts that go in lockstep.pt instead), from what :meth:`gather` returned."""
         ...
 
-    def write_parts(self, temp: Path, parts: Any, group: ProcessGroup | None) -> None:
+    def write_parts(self, temp: Path, parts: Any, group: ProcessGroup | None) -> dict[str, list[int]]:
         """Every rank (a collective over ``group``): write ``parts``; every rank's are durable in
-        ``temp`` on return."""
+        ``temp`` on return (on the disks of the ranks that wrote them). Returns every rank's records
+        of its files (``{name: [size, CRC32]}``, :func:`lockstep.checkpoint.integrity.record`)."""
         ...
 
     def seal(self, temp: Path, meta: dict[str, Any]) -> None:

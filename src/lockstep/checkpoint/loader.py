@@ -352,7 +352,7 @@ def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_on
         meta = opened.meta
         if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
             from lockstep.checkpoint.deepspeed import check_folder
-            check_folder(target, meta or {}, share=share)
+            check_folder(target, meta or {}, share=share, every=weights_only)
         elif opened.layout == SHARDED:  # before DCP reads any of them, on any rank
             integrity.check_sharded(target, meta or {}, share)
     if meta is None:

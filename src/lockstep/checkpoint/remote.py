@@ -18,7 +18,6 @@ writer to :meth:`Uploader.publish` it, after which older checkpoints beyond
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep import idle
+from lockstep.checkpoint import integrity
 from lockstep.objectstore import ObjectStore, S3ObjectStore, parse_uri
 from lockstep.objectstore.probe import problem
 from lockstep.objectstore.uri import check_uri, is_uri
@@ -39,10 +39,6 @@ POINTER_SUFFIX = ".symlink"
 """Composer's suffix of a latest pointer object: it holds the key of the checkpoint it names."""
 _UPLOADING = ".uploading"
 """In the staging folder: the hard links that uploads read from."""
-_OWNED = re.compile(r"(?:^__(\d+)_\d+\.distcp$)|(?:pp_rank_(\d+)_)")
-"""Names of the files one rank writes into a folder checkpoint: DCP's ``__{rank}_{n}.distcp`` and
-DeepSpeed's ``*_pp_rank_{rank}_*``. Other files (lockstep.pt, DCP's .metadata, DeepSpeed's
-unsharded model states) are rank 0's."""
 
 
 def local_template(uri_template: str) -> str:
@@ -52,11 +48,10 @@ def local_template(uri_template: str) -> str:
 
 
 def owner_of(file_name: str) -> int:
-    """The rank that writes ``file_name`` into a folder checkpoint."""
-    match = _OWNED.search(file_name)
-    if match is None:
-        return 0
-    return int(match.group(1) or match.group(2))
+    """The rank that writes ``file_name`` into a folder checkpoint, and uploads it: the rank whose
+    own file it is (:func:`integrity.part_rank`), else rank 0."""
+    owner = integrity.part_rank(file_name)
+    return 0 if owner is None else owner
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import shutil
 import string
 import threading
 from collections.abc import Callable, Collection
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle, progress
-from lockstep.checkpoint import files, ownership, payload, remote, staging, templates, writable
+from lockstep.checkpoint import files, integrity, ownership, payload, remote, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -341,11 +342,14 @@ class CheckpointSaver:
     def _write_folder(self, temp: Path, parts: Any, meta: dict[str, Any] | None, path: Path,
                       history: list[str], layout: FolderLayout) -> None:
         try:
-            layout.write_parts(temp, parts, self._writer_group)
+            written = layout.write_parts(temp, parts, self._writer_group)
             if self.uploader is not None and meta is None:
                 self._upload_folder_part(temp, path)
             if self.uploader is not None and self._writer_group is not None:
                 torch.distributed.barrier(group=self._writer_group)  # rank 0 renames the folder after every rank linked its files
+                if meta is None and not _sees_rank_zero(temp, written):
+                    # another node's disk: rank 0 never publishes this copy, and its uploads read links
+                    shutil.rmtree(temp, ignore_errors=True)
             if meta is not None:  # rank 0, once every rank's part is written
                 layout.seal(temp, meta)
                 files.save_durably(meta, temp / SHARDED_META)
@@ -473,6 +477,13 @@ class CheckpointSaver:
             return
         while len(self.history) > keep:
             files.remove(self.folder / self.history.pop(0))
+
+
+def _sees_rank_zero(temp: Path, written: Collection[str]) -> bool:
+    """Whether ``temp`` is the copy of a folder checkpoint that rank 0 publishes: it holds a file
+    rank 0 wrote (among ``written``, every rank's files). When rank 0 wrote none, assume it is."""
+    own = [name for name in written if integrity.part_rank(name) == 0]
+    return not own or any((temp / name).exists() for name in own)
 
 
 def _with_short_lock_turns(write: Callable[..., None], *args: Any) -> None:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint import integrity, staging
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SINGLE, Layout, FolderLayout
+from lockstep.checkpoint.layout import INDEX, LOCAL, NAME, SHARDED, SHARDED_META, SINGLE, Layout, FolderLayout
 
 
 class ReplicatedLayout(Layout):
@@ -283,6 +283,8 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
     full_reader = _gathering_reader
     _parts: dict[str, list[int]] = {}
     """Every rank's records of the last save's files (:meth:`write_parts`), for :meth:`seal`."""
+    _reads: list[list[str]] = []
+    """Each rank's files to read of the last save (:meth:`write_parts`), for :meth:`seal`."""
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model = self._restore_buffer_dtypes(get_model_state_dict(self.model))
@@ -290,28 +292,37 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
 
     @staticmethod
     def folder_parts(temp: Path, model: dict[str, Any], optimizers: list[Any]) -> tuple[dict[str, Any], list[Any]]:
-        """(what DCP writes: every tensor, the optimizers' non-tensor parts, which go in lockstep.pt)."""
-        split = [split_tensors(o) for o in optimizers]
+        """(what DCP writes: the model's tensors and the optimizers' sharded ones; the optimizers'
+        other parts, which go in lockstep.pt). An optimizer's plain tensors (``step``) are the same
+        on every rank: in DCP, one rank's file would hold them, which every rank would then read."""
+        split = [split_tensors(o, sharded_only=True) for o in optimizers]
         tensors = {"model": model, "optimizers": {str(i): t or {} for i, (t, _) in enumerate(split)}}
         return tensors, [r or {} for _, r in split]
 
-    def write_parts(self, temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> None:
+    def write_parts(self, temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> dict[str, list[int]]:
         """Every rank's shards, durable in ``temp`` on return, and every rank's record of them."""
-        self._parts = integrity.gather(self.write_tensors(temp, tensors, group), group)
+        records, reads = self.write_tensors(temp, tensors, group)
+        self._parts, self._reads = integrity.gather(records, group, reads)
+        return self._parts
 
     @staticmethod
-    def write_tensors(temp: Path, tensors: dict[str, Any], group: ProcessGroup | None) -> dict[str, list[int]]:
+    def write_tensors(temp: Path, tensors: dict[str, Any],
+                      group: ProcessGroup | None) -> tuple[dict[str, list[int]], set[str]]:
         """Every rank writes its shards into ``temp`` and fsyncs them (a collective over ``group``);
-        returns the size and CRC32 of each file this rank wrote (:func:`integrity.record`)."""
+        returns the size and CRC32 of each file this rank wrote (:func:`integrity.record`), and the
+        files this rank reads to load them back at this world size (:func:`_reads`)."""
         import torch.distributed.checkpoint as dcp
 
         writer = _RecordingWriter(temp, sync_files=True)
-        dcp.save(tensors, storage_writer=writer, process_group=group)
-        return writer.parts
+        metadata = dcp.save(tensors, storage_writer=writer, process_group=group)
+        return writer.parts, _reads(tensors, metadata)
 
     def seal(self, temp: Path, meta: dict[str, Any]) -> None:
-        """Rank 0, before lockstep.pt is written: record every rank's files and DCP's .metadata."""
+        """Rank 0, before lockstep.pt is written: record every rank's files and DCP's .metadata,
+        and the files each rank reads."""
         meta["lockstep"]["parts"] = {**self._parts, **integrity.record(temp, [integrity.DCP_METADATA])}
+        meta["lockstep"]["reads"] = self._reads
+        meta["lockstep"]["optimizer_plain_tensors"] = SHARDED_META
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Load a DCP folder into the live (sharded) model and optimizers, at any world size."""
@@ -319,8 +330,10 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
 
         model, optimizers = self.gather()  # the live tensors, which DCP fills in place
         tensors: dict[str, Any] = {"model": model}
-        if not weights_only:
-            tensors["optimizers"] = {str(i): split_tensors(o)[0] or {} for i, o in enumerate(optimizers)}
+        if not weights_only:  # plain tensors in lockstep.pt, except in checkpoints saved before they went there
+            in_meta = (content.get("lockstep") or {}).get("optimizer_plain_tensors") == SHARDED_META
+            tensors["optimizers"] = {str(i): split_tensors(o, sharded_only=in_meta)[0] or {}
+                                     for i, o in enumerate(optimizers)}
         try:
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder),
                      planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
@@ -334,16 +347,31 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
                 set_optimizer_state_dict(self.model, optimizer, saved)
 
 
-def split_tensors(sd: Any) -> tuple[Any, Any]:
-    """(the tensors, the rest) of a nested dict: DCP stores the first, lockstep.pt the second."""
+def _reads(tensors: dict[str, Any], metadata: Any) -> set[str]:
+    """The files of a DCP folder that this rank reads to load ``tensors`` (as saved, so as a run
+    of the same world size and sharding asks for them): DCP's load plan for them, and .metadata.
+    Besides its own file, that may be the file of another rank that DCP had write a tensor every
+    rank holds (an optimizer's ``step``)."""
+    import torch.distributed.checkpoint as dcp
+
+    planner = dcp.DefaultLoadPlanner()
+    planner.set_up_planner(tensors, metadata, is_coordinator=False)
+    files = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+    return files | {integrity.DCP_METADATA}
+
+
+def split_tensors(sd: Any, *, sharded_only: bool = False) -> tuple[Any, Any]:
+    """(the tensors, the rest) of a nested dict: DCP stores the first, lockstep.pt the second.
+    ``sharded_only``: tensors that are not DTensors (an optimizer's ``step``, the same on every
+    rank) go with the rest."""
     if isinstance(sd, dict) and not sd:
         return None, {}
     if isinstance(sd, dict):
-        parts = {k: split_tensors(v) for k, v in sd.items()}
+        parts = {k: split_tensors(v, sharded_only=sharded_only) for k, v in sd.items()}
         tensors = {k: t for k, (t, _) in parts.items() if t is not None}
         rest = {k: r for k, (_, r) in parts.items() if r is not None}
         return tensors or None, rest or None
-    if isinstance(sd, torch.Tensor):
+    if isinstance(sd, torch.Tensor) and (isinstance(sd, DTensor) or not sharded_only):
         return sd, None
     return None, sd
 

@@ -194,7 +194,7 @@ def _load(config: CheckpointConfig, state: State, layout: Layout, saver: Checkpo
         path = config.load_path
         if remote.is_remote(path) or config.load_object_store is not None:  # downloaded first
             path = fetch.load_path(path, config.load_object_store, layout_name=layout.name, run_name=state.run_name,
-                                   device=state.device)
+                                   device=state.device, weights_only=config.load_weights_only)
         loaded = loader.load(path, state, layout, run_name=state.run_name,
                              weights_only=config.load_weights_only, strict=config.load_strict_model_weights,
                              ignore=config.load_ignore_keys)
