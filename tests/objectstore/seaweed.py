@@ -111,7 +111,9 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
                f"-master.port={master}", f"-volume.port={volume}", "-filer", f"-filer.port={filer}",
                "-s3", f"-s3.port={s3}", f"-s3.config={folder / 'identities.json'}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
-               "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+               # 7 volumes a bucket: an explicit ceiling (the default follows the free disk: 11 buckets
+               # on a 74 GB disk, then "no free volumes left"); the volume files are sparse
+               "-master.volumeSizeLimitMB=1024", "-volume.max=1000",
                f"-filer.localSocket={folder / 'filer.sock'}", f"-s3.localSocket={folder / 's3.sock'}"]
     if idle and shutil.which("chrt"):
         command = ["chrt", "--idle", "0", *command]
