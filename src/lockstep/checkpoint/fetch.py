@@ -16,9 +16,7 @@ uploaded in full, and points the local pointer at it.
 from __future__ import annotations
 
 import os
-import re
 import socket
-import string
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -247,7 +245,7 @@ def _per_rank_files(saver: CheckpointSaver, run_name: str) -> None:
         for rank, key in enumerate(targets):
             if key is None:
                 continue
-            times = _time_fields(template, templates.place_values(run_name, rank=rank), key[len(prefix):])
+            times = templates.time_fields(template, templates.place_values(run_name, rank=rank), key[len(prefix):])
             if times is None:
                 raise CheckpointError(f"the latest pointer of rank {rank} names {key!r}, which save_filename="
                                       f"{template!r} does not make")
@@ -261,24 +259,6 @@ def _per_rank_files(saver: CheckpointSaver, run_name: str) -> None:
     except Exception as e:
         error = f"autoresume from {folder.uri}: {_line(e)}"
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)
-
-
-def _time_fields(template: str, place: dict[str, object], name: str) -> dict[str, int] | None:
-    """The time fields (``{batch}``, ...) of ``name``, which ``template`` made with ``place``."""
-    pattern, seen = [], set()
-    for literal, field, spec, _ in string.Formatter().parse(template):
-        pattern.append(re.escape(literal))
-        if field is None:
-            continue
-        if field in place:
-            pattern.append(re.escape(format(place[field], spec or "")))
-        elif field in seen:
-            pattern.append(f"(?P={field})")
-        else:
-            seen.add(field)
-            pattern.append(f"(?P<{field}>\\d+)")
-    match = re.fullmatch("".join(pattern), name)
-    return None if match is None else {k: int(v) for k, v in match.groupdict().items()}
 
 
 def _exists(store: ObjectStore, key: str) -> bool:

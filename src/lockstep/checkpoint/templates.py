@@ -58,10 +58,10 @@ def format_name(template: str, place: dict[str, Any], timestamp: Timestamp | Non
     return template.format(**values)
 
 
-def time_values(template: str, place: dict[str, Any], name: str) -> tuple[int, ...] | None:
-    """The time fields of ``name``, a name ``template`` made with ``place``'s values, in the
-    template's order; None when ``name`` is not one of its names. Two ranks' per-rank files of
-    one save have the same time values."""
+def time_fields(template: str, place: dict[str, Any], name: str) -> dict[str, int] | None:
+    """The time fields of ``name`` (``{'epoch': 1, 'batch': 6}``), a name ``template`` made with
+    ``place``'s values, in the template's order; None when ``name`` is not one of its names. Two
+    ranks' per-rank files of one save have the same time fields."""
     pattern, fields = [], []
     for literal, field, spec, _ in string.Formatter().parse(template):
         pattern.append(re.escape(literal))
@@ -79,4 +79,4 @@ def time_values(template: str, place: dict[str, Any], name: str) -> tuple[int, .
     for field, text in zip(fields, match.groups()):
         if values.setdefault(field, int(text)) != int(text):  # one field written twice, two values
             return None
-    return tuple(values.values())
+    return values

@@ -269,9 +269,11 @@ def _older_checkpoints(saver: CheckpointSaver, *, per_rank: bool) -> list[Path]:
             dist.broadcast_object_list(found, src=0)
         return [Path(p) for p in found[0]]
     template, place = saver.config.save_filename, saver.place
-    mine = {templates.time_values(template, place, p.relative_to(saver.folder).as_posix()): p
-            for p in _listed(saver, but_newest=False)}
-    mine.pop(None, None)  # not a name of this run's template
+    mine = {}
+    for path in _listed(saver, but_newest=False):
+        times = templates.time_fields(template, place, path.relative_to(saver.folder).as_posix())
+        if times is not None:  # else not a name of this run's template
+            mine[tuple(times.items())] = path
     every = dist.all_gather_object(list(mine))
     common = set(every[0]).intersection(*every[1:])
     return [mine[key] for key in every[0] if key in common]
