@@ -6,7 +6,6 @@ import copy
 import glob
 import os
 import shutil
-import string
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -167,7 +166,7 @@ class CheckpointSaver:
 
     def filename_glob(self) -> str:
         """A glob, relative to :attr:`folder`, of every checkpoint name ``save_filename`` makes."""
-        return _glob(self.config.save_filename, self.place)
+        return templates.glob_of(self.config.save_filename, self.place)
 
     def _refuse_existing(self) -> None:
         """Before training: refuse a folder that already holds checkpoints this run would mix with."""
@@ -498,20 +497,6 @@ def _writer_group() -> torch.distributed.ProcessGroup | None:
     if not torch.distributed.is_initialized():
         return None
     return torch.distributed.new_group(backend="gloo")
-
-
-def _glob(template: str, place: dict[str, Any]) -> str:
-    """The template with its place fields filled in and its time fields as ``*``."""
-    parts = []
-    for literal, field, spec, _ in string.Formatter().parse(template):
-        parts.append(glob.escape(literal))
-        if field is None:
-            continue
-        if field in place:
-            parts.append(glob.escape(format(place[field], spec or "")))
-        else:
-            parts.append("*")
-    return "".join(parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import re
 import string
+from collections.abc import Callable
 from typing import Any
 
 from lockstep import dist
@@ -58,21 +60,17 @@ def format_name(template: str, place: dict[str, Any], timestamp: Timestamp | Non
     return template.format(**values)
 
 
+def glob_of(template: str, place: dict[str, Any]) -> str:
+    """A glob of every name ``template`` makes with ``place``'s values (its time fields as ``*``)."""
+    return _filled(template, place, glob.escape, "*")[0]
+
+
 def time_fields(template: str, place: dict[str, Any], name: str) -> dict[str, int] | None:
     """The time fields of ``name`` (``{'epoch': 1, 'batch': 6}``), a name ``template`` made with
     ``place``'s values, in the template's order; None when ``name`` is not one of its names. Two
     ranks' per-rank files of one save have the same time fields."""
-    pattern, fields = [], []
-    for literal, field, spec, _ in string.Formatter().parse(template):
-        pattern.append(re.escape(literal))
-        if field is None:
-            continue
-        if field in place:
-            pattern.append(re.escape(format(place[field], spec or "")))
-        else:
-            pattern.append(r"(\d+)")
-            fields.append(field)
-    match = re.fullmatch("".join(pattern), name)
+    pattern, fields = _filled(template, place, re.escape, r"(\d+)")
+    match = re.fullmatch(pattern, name)
     if match is None:
         return None
     values: dict[str, int] = {}
@@ -80,3 +78,20 @@ def time_fields(template: str, place: dict[str, Any], name: str) -> dict[str, in
         if values.setdefault(field, int(text)) != int(text):  # one field written twice, two values
             return None
     return values
+
+
+def _filled(template: str, place: dict[str, Any], escape: Callable[[str], str],
+            wildcard: str) -> tuple[str, list[str]]:
+    """``template`` with its text escaped, its place fields filled in and each time field as
+    ``wildcard``; and the time fields, in order."""
+    parts, fields = [], []
+    for literal, field, spec, _ in string.Formatter().parse(template):
+        parts.append(escape(literal))
+        if field is None:
+            continue
+        if field in place:
+            parts.append(escape(format(place[field], spec or "")))
+        else:
+            parts.append(wildcard)
+            fields.append(field)
+    return "".join(parts), fields
