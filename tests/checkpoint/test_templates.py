@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lockstep.checkpoint import templates
-from lockstep.checkpoint.saver import _glob
+from lockstep.checkpoint.templates import glob_of
 from lockstep.time import Timestamp
 
 
@@ -39,4 +39,14 @@ def test_bad_templates() -> None:
 
 def test_glob_fills_place_fields_and_stars_time_fields() -> None:
     place = {"run_name": "r[1]", "rank": 0}
-    assert _glob("{run_name}-ep{epoch}-ba{batch}-rank{rank}.pt", place) == "r[[]1]-ep*-ba*-rank0.pt"
+    assert glob_of("{run_name}-ep{epoch}-ba{batch}-rank{rank}.pt", place) == "r[[]1]-ep*-ba*-rank0.pt"
+
+
+def test_time_fields_read_back_what_a_template_wrote() -> None:
+    place = {"run_name": "r.1", "rank": 1}
+    assert templates.time_fields("ep{epoch}-ba{batch}-rank{rank}.pt", place, "ep0-ba3-rank1.pt") == \
+        {"epoch": 0, "batch": 3}
+    assert templates.time_fields("ep{epoch}-ba{batch}-rank{rank}.pt", place, "ep0-ba3-rank0.pt") is None
+    assert templates.time_fields("{run_name}/ba{batch:05d}/{batch}.pt", place, "r.1/ba00012/12.pt") == {"batch": 12}
+    assert templates.time_fields("{run_name}/ba{batch:05d}/{batch}.pt", place, "r.1/ba00012/13.pt") is None
+    assert templates.time_fields("{run_name}/ba{batch}.pt", place, "rx1/ba4.pt") is None  # '.' is no wildcard
