@@ -20,6 +20,6 @@ demo-digits: setup
 # pytest exits 5 when it collects nothing; that is not a failure of the suite. DeepSpeed is
 # installed here, so its tests must run rather than skip.
 test: setup
-	LOCKSTEP_REQUIRE_DEEPSPEED=1 $(VENV)/bin/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	LOCKSTEP_REQUIRE_DEEPSPEED=1 $(VENV)/bin/python -m pytest -q --durations=25; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 .PHONY: setup demo demo-digits test

@@ -19,7 +19,7 @@ def test_precision_members_are_their_names_and_match_in_any_case() -> None:
     assert Precision("AMP_BF16") is Precision("Amp_Bf16") is Precision(Precision.AMP_BF16) is Precision.AMP_BF16
     assert Precision.FP32 == "fp32" and f"{Precision.AMP_FP16}" == str(Precision.AMP_FP16) == "amp_fp16"
     assert TrainerMode("EVAL") is TrainerMode.EVAL == "eval" and issubclass(TrainerMode, StringEnum)
-    assert Batch is not None and Dataset is torch.utils.data.Dataset[Batch] and JSON is not None
+    assert Batch is not None and Dataset == torch.utils.data.Dataset[Batch] and JSON is not None
 
 
 def test_the_trainer_takes_a_precision_member() -> None:
