@@ -3,8 +3,8 @@ local disk, which keys they get, and the uploads that take them there.
 
 Checkpoints are first written and published locally exactly as to a local ``save_folder`` (in
 ``.lockstep/s3/BUCKET/PREFIX`` under the working directory), then each rank uploads the files it
-wrote, on a thread of its own, in parts and in parallel for large files (the client's transfer
-manager), each file tried up to ``num_attempts`` times with growing pauses. Files are uploaded from
+wrote, from a child process of its own (see :mod:`lockstep.objectstore.writer`), in parts and in
+parallel for large files (the client's transfer manager), each file tried up to ``num_attempts`` times with growing pauses. Files are uploaded from
 hard links made as soon as they are published, so that the local rotation may delete a checkpoint
 whose upload is still running.
 
@@ -21,16 +21,15 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep import idle
 from lockstep.checkpoint import integrity
 from lockstep.objectstore import ObjectStore, S3ObjectStore, parse_uri
 from lockstep.objectstore.probe import problem
 from lockstep.objectstore.uri import check_uri, is_uri
+from lockstep.objectstore.writer import Action, Outcome, StoreWriter
 
 STAGING_ROOT = os.path.join(".lockstep", "s3")
 """Where checkpoints of a bucket's save_folder are staged: ``STAGING_ROOT/BUCKET/PREFIX``, relative
@@ -86,21 +85,18 @@ class RemoteFolder:
         return found[0] if found else None
 
 
-class UploadFailed(RuntimeError):
-    """An object that could not be uploaded (or deleted) after every attempt."""
-
-
 class Uploader:
-    """This rank's uploads, one checkpoint after the other, on a thread of its own."""
+    """This rank's uploads, one checkpoint after the other, by a child process of its own
+    (:class:`~lockstep.objectstore.writer.StoreWriter`). Create it on the thread that lives as long
+    as the process (the child dies with that thread)."""
 
     def __init__(self, folder: RemoteFolder, rank: int, *, num_attempts: int = 3, backoff_s: float = 0.5) -> None:
         if num_attempts < 1:
             raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
-        self.folder, self.rank, self.num_attempts, self.backoff_s = folder, rank, num_attempts, backoff_s
+        self.folder, self.rank = folder, rank
         # links left by this rank's process of an earlier attempt, killed while it uploaded
         shutil.rmtree(folder.local / _UPLOADING / f"rank{rank}", ignore_errors=True)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-upload", initializer=idle.yield_to_training)
-        self._jobs: list[Future[None]] = []
+        self._writer = StoreWriter(folder.store.bucket, num_attempts=num_attempts, backoff_s=backoff_s)
         self._lock = threading.Lock()
         self._done: list[str] = []
         self._failure: str | None = None
@@ -112,9 +108,9 @@ class Uploader:
     def upload(self, name: str, files: Sequence[tuple[Path, str]]) -> None:
         """Upload ``files`` (each a published local file and its name relative to the folder) as
         this rank's parts of checkpoint ``name``. Hard links are made here (on the caller's thread,
-        straight after the files are published); the upload runs on the upload thread."""
+        straight after the files are published); the child process uploads from them."""
         staged = self.folder.local / _UPLOADING / f"rank{self.rank}" / f"{name}.{time.monotonic_ns()}"
-        links = []
+        links: list[Action] = []
         try:
             for source, relative in files:
                 link = staged / relative
@@ -123,62 +119,40 @@ class Uploader:
                     os.link(source, link)
                 except OSError:  # a file system without hard links: a copy, which costs its bytes once more
                     shutil.copyfile(source, link)
-                links.append((link, relative))
+                links.append(("upload", self.folder.key_of(relative), str(link.resolve())))
         except OSError as e:
             shutil.rmtree(staged, ignore_errors=True)
             self._fail(f"could not stage {name} for upload: {e}")
             return
-        self._submit(self._upload, name, staged, links)
+        self._writer.submit(links, cleanup=str(staged.resolve()), then=lambda outcome: self._uploaded(name, outcome))
 
-    def _upload(self, name: str, staged: Path, links: list[tuple[Path, str]]) -> None:
-        try:
-            for link, relative in links:
-                key, started = self.folder.key_of(relative), time.perf_counter()
-                self._attempt(f"upload {link.name} to {self.folder.store.get_uri(key)}",
-                              lambda: self.folder.store.upload_object(key, link, callback=_idle_thread))
-                self.timings.append((link.stat().st_size, time.perf_counter() - started))
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
+    def _uploaded(self, name: str, outcome: Outcome) -> None:
         with self._lock:
-            self._done.append(name)
+            self.timings.extend(outcome.timings)
+            if outcome.error is None and not outcome.skipped:
+                self._done.append(name)
+        if outcome.error is not None:
+            self._fail(outcome.error)
 
     def publish(self, name: str, target_key: str, pointer_key: str | None, remove: Sequence[str]) -> None:
         """Once every rank's parts of ``name`` are in the bucket: point the bucket's latest pointer
         (``pointer_key``) at ``target_key``, then delete the checkpoints ``remove`` (names relative
         to the folder) from the bucket."""
-        self._submit(self._publish, name, target_key, pointer_key, list(remove))
-
-    def _publish(self, name: str, target_key: str, pointer_key: str | None, remove: list[str]) -> None:
-        store = self.folder.store
         if pointer_key is not None:
-            self._attempt(f"write the latest pointer {store.get_uri(pointer_key)}",
-                          lambda: store.upload_bytes(pointer_key, target_key.encode()))
-        self.published = name
-        for old in remove:
-            prefix = self.folder.key_of(old)
-            for key in [prefix] + store.list_objects(prefix + "/"):
-                self._attempt(f"delete {store.get_uri(key)}", lambda key=key: store.delete_object(key))
+            self._writer.submit([("put", pointer_key, target_key)], then=lambda outcome: self._pointed(name, outcome))
+        else:
+            self.published = name
+        if remove:
+            self._writer.submit([("delete_tree", self.folder.key_of(old)) for old in remove], then=self._settled)
 
-    def _attempt(self, what: str, action: Callable[[], None]) -> None:
-        for attempt in range(self.num_attempts):
-            try:
-                action()
-                return
-            except Exception as e:
-                if attempt + 1 == self.num_attempts:
-                    raise UploadFailed(f"could not {what} after {self.num_attempts} attempts: "
-                                       f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
-                time.sleep(self.backoff_s * 2 ** attempt)
+    def _pointed(self, name: str, outcome: Outcome) -> None:
+        if outcome.error is None and not outcome.skipped:
+            self.published = name
+        self._settled(outcome)
 
-    def _submit(self, job: Callable[..., None], *args: object) -> None:
-        def run() -> None:
-            if self._failure is not None:
-                return  # the job fails at the next save anyway; nothing after a lost part is published
-            try:
-                job(*args)
-            except BaseException as e:
-                self._fail(str(e) if isinstance(e, UploadFailed) else f"{type(e).__name__}: {e}")
-        self._jobs = [j for j in self._jobs if not j.done()] + [self._pool.submit(run)]
+    def _settled(self, outcome: Outcome) -> None:
+        if outcome.error is not None:
+            self._fail(outcome.error)
 
     def _fail(self, message: str) -> None:
         with self._lock:
@@ -192,22 +166,11 @@ class Uploader:
 
     def drain(self) -> None:
         """Return once every upload handed over so far has ended."""
-        for job in list(self._jobs):
-            job.result()
+        self._writer.wait()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-_idled = threading.local()
-
-
-def _idle_thread(done: int, total: int) -> None:
-    """The upload's progress callback, which runs on the client's transfer threads: the first call
-    on each makes it take CPU only where training leaves a core idle (see ``idle``)."""
-    if not getattr(_idled, "done", False):
-        _idled.done = True
-        idle.yield_to_training()
+        """End the upload process once it has done what it was given."""
+        self._writer.close()
 
 
 def is_remote(path: object) -> bool:

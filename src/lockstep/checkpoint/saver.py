@@ -147,6 +147,13 @@ class CheckpointSaver:
             self._claimed = False
             ownership.release(self.folder, self.run_name, self._rank)
 
+    def close(self) -> None:
+        """Release the folder and end the upload process, once it has done what it was given
+        (``Trainer.close``; no save follows)."""
+        self.release()
+        if self.uploader is not None:
+            self.uploader.close()
+
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,
         starting fresh, refuse a folder that holds checkpoints this run would mix with."""

@@ -545,7 +545,7 @@ class Trainer:
             self._closed = True
             self._events.close()
             if self.saver is not None:
-                self.saver.release()
+                self.saver.close()
 
 
 def _nothing() -> None:

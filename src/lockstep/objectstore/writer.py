@@ -1,0 +1,246 @@
+"""A bucket's writes (uploads, small objects, deletions) done in order by a child process, so that
+they share neither the interpreter lock nor the CPU priority of the process that asks for them.
+
+A training rank that uploads on threads of its own holds its interpreter lock for every chunk the
+client reads, signs and sends; its training thread then waits for the lock on every torch call. A
+child process has a lock of its own, and runs (every thread of it) under ``SCHED_IDLE`` where Linux
+allows, taking only CPU that training leaves idle. This is how Composer's ``RemoteUploaderDownloader``
+uploads too (``use_procs``).
+
+The child is ``python -m lockstep.objectstore.writer``; it reads one JSON job per line on its
+standard input and answers one JSON line per job on a pipe of its own. Jobs run one after the
+other, each action tried up to ``num_attempts`` times with growing pauses. Once a job fails for
+good the later ones are not run (a later job, such as a latest pointer, may name what the failed
+one lost); each is answered as skipped. The child dies with the process that started it (Linux's
+parent-death signal), and ends when its input closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import lockstep
+
+Action = tuple[str, ...]
+"""``("upload", key, path)``, ``("put", key, text)``, or ``("delete_tree", key)``: the object and
+every object under ``key + "/"``."""
+
+
+@dataclass
+class Outcome:
+    """What became of a job."""
+
+    error: str | None = None
+    """Why it failed (None: it was done)."""
+    skipped: bool = False
+    """Not run: an earlier job had failed."""
+    timings: list[tuple[int, float]] = field(default_factory=list)
+    """(bytes, seconds) of each file the job uploaded."""
+
+
+class StoreWriter:
+    """A child process doing ``bucket``'s writes, in the order they are submitted."""
+
+    def __init__(self, bucket: str, *, num_attempts: int = 3, backoff_s: float = 0.5, idle: bool = True) -> None:
+        if num_attempts < 1:
+            raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
+        self.bucket = bucket
+        read, write = os.pipe()
+        env = dict(os.environ)
+        # the child imports lockstep from where this process did, whatever sys.path held then
+        source = str(Path(lockstep.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "lockstep.objectstore.writer", bucket, str(write), str(os.getpid()),
+                 str(num_attempts), str(backoff_s), "1" if idle else "0"],
+                stdin=subprocess.PIPE, text=True, env=env, pass_fds=(write,))
+        finally:
+            os.close(write)
+        self._answers = os.fdopen(read, "r")
+        self._lock = threading.Condition()
+        self._sent = 0
+        self._outcomes: dict[int, Outcome] = {}
+        self._callbacks: dict[int, Callable[[Outcome], None]] = {}
+        self._ended: str | None = None
+        """Why the child is gone before it was closed (None: it runs, or was closed)."""
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="lockstep-store-writer", daemon=True)
+        self._reader.start()
+
+    def submit(self, actions: list[Action], *, cleanup: str | None = None,
+               then: Callable[[Outcome], None] | None = None) -> int:
+        """Queue a job of ``actions``, done in order; ``cleanup`` (a folder) is removed by the
+        child once the job ends, done or not. ``then`` is called with the job's outcome (on the
+        thread that reads the child's answers). Returns the job's number."""
+        line = json.dumps({"actions": actions, "cleanup": cleanup}) + "\n"
+        with self._lock:
+            self._sent += 1
+            job = self._sent
+            if then is not None:
+                self._callbacks[job] = then
+            if self._ended is not None or self._closing:
+                self._settle(job, Outcome(error=self._ended or f"the upload process for bucket {self.bucket!r} was closed"))
+                return job
+            try:
+                assert self._process.stdin is not None
+                self._process.stdin.write(line)
+                self._process.stdin.flush()
+            except OSError:
+                pass  # the child is gone: the thread that reads its answers settles this job with why
+        return job
+
+    def wait(self, job: int | None = None, timeout: float | None = None) -> bool:
+        """Wait until job ``job`` (default: every job submitted so far) has an outcome."""
+        with self._lock:
+            last = self._sent if job is None else job
+            return self._lock.wait_for(lambda: all(j in self._outcomes for j in range(1, last + 1)), timeout)
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._process.pid
+
+    def outcome(self, job: int) -> Outcome | None:
+        with self._lock:
+            return self._outcomes.get(job)
+
+    def close(self) -> None:
+        """Let the child finish the jobs it was given, then end it."""
+        with self._lock:
+            self._closing = True
+            stdin = self._process.stdin
+        if stdin is not None and not stdin.closed:
+            try:
+                stdin.close()
+            except OSError:
+                pass
+        self._process.wait()
+        self._reader.join()
+
+    def _read(self) -> None:
+        job = 0
+        for line in self._answers:
+            answer = json.loads(line)
+            job += 1
+            outcome = Outcome(answer.get("error"), answer.get("skipped", False),
+                              [(int(b), float(s)) for b, s in answer.get("timings", [])])
+            with self._lock:
+                self._settle(job, outcome)
+        code = self._process.wait()
+        with self._lock:
+            if not self._closing or code != 0:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                self._ended = f"the upload process for bucket {self.bucket!r} {how}"
+            for pending in range(job + 1, self._sent + 1):
+                if pending not in self._outcomes:
+                    self._settle(pending, Outcome(error=self._ended))
+
+    def _settle(self, job: int, outcome: Outcome) -> None:
+        """Record ``job``'s outcome (the lock held) and call its callback."""
+        self._outcomes[job] = outcome
+        then = self._callbacks.pop(job, None)
+        if then is not None:
+            then(outcome)
+        self._lock.notify_all()
+
+
+def _run(store: Any, action: Action, timings: list[tuple[int, float]]) -> None:
+    kind, key = action[0], action[1]
+    if kind == "upload":
+        started = time.perf_counter()
+        store.upload_object(key, action[2])
+        timings.append((os.path.getsize(action[2]), time.perf_counter() - started))
+    elif kind == "put":
+        store.upload_bytes(key, action[2].encode())
+    elif kind == "delete_tree":
+        for each in [key] + store.list_objects(key + "/"):
+            store.delete_object(each)
+    else:
+        raise ValueError(f"unknown action {kind!r}")
+
+
+def _describe(store: Any, action: Action) -> str:
+    kind, key = action[0], action[1]
+    what = {"upload": f"upload {Path(action[-1]).name} to", "put": "write", "delete_tree": "delete"}[kind]
+    return f"{what} {store.get_uri(key)}"
+
+
+def _attempt(store: Any, action: Action, num_attempts: int, backoff_s: float,
+             timings: list[tuple[int, float]]) -> None:
+    for attempt in range(num_attempts):
+        try:
+            _run(store, action, timings)
+            return
+        except Exception as e:
+            if attempt + 1 == num_attempts:
+                detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise RuntimeError(f"could not {_describe(store, action)} after {num_attempts} attempts: "
+                                   f"{type(e).__name__}: {detail}") from e
+            time.sleep(backoff_s * 2 ** attempt)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when ``parent`` dies (Linux), or end now if it already has."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        sys.exit(0)
+
+
+def _serve(store: Any, jobs: TextIO, answers: TextIO, num_attempts: int, backoff_s: float) -> None:
+    failed = False
+    for line in jobs:
+        job = json.loads(line)
+        answer: dict[str, Any] = {}
+        timings: list[tuple[int, float]] = []
+        try:
+            if failed:
+                answer["skipped"] = True
+                continue
+            for action in job["actions"]:
+                _attempt(store, tuple(action), num_attempts, backoff_s, timings)
+        except Exception as e:
+            failed = True
+            answer["error"] = str(e)
+        finally:
+            if job.get("cleanup"):
+                shutil.rmtree(job["cleanup"], ignore_errors=True)
+            answer["timings"] = timings
+            answers.write(json.dumps(answer) + "\n")
+            answers.flush()
+
+
+def main(argv: list[str]) -> None:
+    bucket, fd, parent, num_attempts, backoff_s, idle_only = argv
+    _die_with_parent(int(parent))
+    if idle_only == "1":
+        from lockstep import idle
+
+        idle.yield_to_training()  # before any thread starts: the client's transfer threads inherit it
+    answers = os.fdopen(int(fd), "w")
+    # the client's own prints must not reach the answers, nor the job's output as if the rank's
+    os.dup2(2, 1)
+    from lockstep.objectstore import S3ObjectStore
+
+    _serve(S3ObjectStore(bucket), sys.stdin, answers, int(num_attempts), float(backoff_s))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

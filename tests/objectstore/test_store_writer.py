@@ -1,0 +1,107 @@
+"""The child process that does a bucket's writes (lockstep.objectstore.writer), against a real
+SeaweedFS server: order, failures, cleanup, its scheduling policy and its death with its parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lockstep.objectstore import S3ObjectStore
+from lockstep.objectstore.writer import StoreWriter
+
+pytestmark = pytest.mark.timeout(90)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie child of this process counts as gone
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_jobs_run_in_order_and_stop_at_the_first_failure(bucket: str, tmp_path: Path) -> None:
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "a.bin").write_bytes(os.urandom(3 << 20))
+    writer = StoreWriter(bucket, num_attempts=2, backoff_s=0.01)
+    try:
+        seen: list[str] = []
+        first = writer.submit([("upload", "ck/a.bin", str(staged / "a.bin")), ("put", "ck/latest", "ck/a.bin")],
+                              cleanup=str(staged), then=lambda o: seen.append("first"))
+        lost = writer.submit([("upload", "ck/b.bin", str(tmp_path / "missing.bin"))], then=lambda o: seen.append("lost"))
+        after = writer.submit([("put", "ck/latest", "ck/b.bin")], then=lambda o: seen.append("after"))
+        assert writer.wait(timeout=60)
+        assert seen == ["first", "lost", "after"]
+        done, failed, skipped = writer.outcome(first), writer.outcome(lost), writer.outcome(after)
+        assert done is not None and done.error is None and [b for b, _ in done.timings] == [3 << 20]
+        assert failed is not None and failed.error is not None
+        assert "missing.bin" in failed.error and "after 2 attempts" in failed.error and "\n" not in failed.error
+        assert skipped is not None and skipped.skipped and skipped.error is None
+        store = S3ObjectStore(bucket)
+        assert store.read_bytes("ck/latest") == b"ck/a.bin"  # the pointer after the failure was not written
+        assert store.get_object_size("ck/a.bin") == 3 << 20
+        assert not staged.exists()  # removed by the child once its job ended
+    finally:
+        writer.close()
+    assert _gone(writer.pid, 5)
+    fresh = StoreWriter(bucket)
+    try:
+        fresh.submit([("delete_tree", "ck")])
+        assert fresh.wait(timeout=30)
+        assert store.list_objects("ck") == []
+    finally:
+        fresh.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
+def test_the_child_runs_idle_only_and_its_death_fails_what_it_held(bucket: str) -> None:
+    writer = StoreWriter(bucket)
+    try:
+        deadline = time.monotonic() + 20
+        while os.sched_getscheduler(writer.pid) != os.SCHED_IDLE:
+            assert time.monotonic() < deadline, "the writer never took SCHED_IDLE"
+            time.sleep(0.05)
+        os.kill(writer.pid, signal.SIGKILL)
+        job = writer.submit([("put", "k", "v")])  # whether the child is gone yet or not
+        assert writer.wait(job, timeout=20)
+        outcome = writer.outcome(job)
+        assert outcome is not None and outcome.error is not None
+        assert f"upload process for bucket {bucket!r} was killed by signal 9" in outcome.error
+    finally:
+        writer.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_the_child_dies_with_its_parent(bucket: str, s3_env: dict[str, str]) -> None:
+    code = ("import sys, time\n"
+            "from lockstep.objectstore.writer import StoreWriter\n"
+            f"w = StoreWriter({bucket!r})\n"
+            "print(w.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT / "src")}
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(timeout=10)
+        assert _gone(child, 10), "the upload process outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
