@@ -498,10 +498,9 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def _use_train_dataloader(self, loader: Any) -> None:
-        spec = ensure_data_spec(loader)
+    def _use_train_dataloader(self, spec: DataSpec) -> None:
+        """Train on ``spec`` from now on (``fit(train_dataloader=...)``, which checked it)."""
         loader = spec.dataloader
-        data.check_distributed_sampler(loader, "train_dataloader")
         s = self.state
         self._train_spec = self._microbatches.spec = spec
         self.train_dataloader = data.shielded(loader)
