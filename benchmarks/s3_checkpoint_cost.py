@@ -8,6 +8,10 @@ a SeaweedFS server (and stops it at the end) and runs each configuration under t
 
 On a machine where training takes every core, the server itself (which here shares the machine)
 takes CPU from training; ``--idle-server`` runs it under SCHED_IDLE, closer to a server elsewhere.
+To tell the machine's share of the cost from lockstep's, a fourth configuration trains without
+saves while a plain client process (``S3ObjectStore.upload_object`` under SCHED_IDLE, as lockstep's
+upload process runs) uploads a checkpoint-sized file over and over beside it: the server's work
+and the bytes' trip are the same, lockstep's machinery is absent.
 
 "ratio" is of the medians; "paired" the median of each round's ratio to that round's no-save run.
 
@@ -26,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -86,15 +91,51 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(mode: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    with tempfile.TemporaryDirectory() as cwd:
-        out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", str(Path(__file__).resolve()), "--worker",
-                              "--mode", mode, "--bucket", args.bucket, "--steps", str(args.steps),
-                              "--every", str(args.every)], cwd=cwd, env=env, capture_output=True, text=True,
-                             timeout=1800)
+    side = None
+    if mode == "client":  # no saves, while a plain client uploads checkpoint-sized files beside training
+        side = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--side-upload", "--bucket",
+                                 args.bucket, "--mb", str(args.mb)], env=env, stdout=subprocess.PIPE, text=True)
+        assert side.stdout is not None
+        side.stdout.readline()  # ready: its file is written
+    try:
+        with tempfile.TemporaryDirectory() as cwd:
+            out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", str(Path(__file__).resolve()),
+                                  "--worker", "--mode", "none" if mode == "client" else mode, "--bucket", args.bucket,
+                                  "--steps", str(args.steps), "--every", str(args.every)],
+                                 cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+    finally:
+        if side is not None:
+            side.send_signal(signal.SIGINT)
+            rates = side.communicate(timeout=120)[0].split()
     if out.returncode != 0:
         raise SystemExit(f"{mode} run failed: {out.stderr[-3000:]}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT "):])
+    if side is not None:
+        result["upload_mb_s"] = statistics.median(float(r) for r in rates) if rates else None
+    return result
+
+
+def side_upload(args: argparse.Namespace) -> None:
+    """Upload a file of ``--mb`` MB over and over, as a plain client under SCHED_IDLE (as lockstep's
+    upload process runs), until SIGINT; print each upload's MB/s."""
+    from lockstep import idle
+    from lockstep.objectstore import S3ObjectStore
+
+    idle.yield_to_training()
+    store, rates = S3ObjectStore(args.bucket), []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "blob"
+        path.write_bytes(os.urandom(int(args.mb * 1e6)))
+        print("ready", flush=True)
+        try:
+            while True:
+                started = time.perf_counter()
+                store.upload_object(f"side/{len(rates) % 2}", path)
+                rates.append(args.mb / (time.perf_counter() - started))
+        except KeyboardInterrupt:
+            pass
+    print(" ".join(f"{r:.1f}" for r in rates), flush=True)
 
 
 def client_alone(server, bucket: str, mb: float) -> float:
@@ -116,6 +157,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
     p.add_argument("--mode", default="none", choices=["none", "local", "s3"])
+    p.add_argument("--side-upload", action="store_true")
+    p.add_argument("--mb", type=float, default=160.0, help="size of the plain client's file (--side-upload)")
     p.add_argument("--bucket", default="bench")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
@@ -126,6 +169,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.side_upload:
+        side_upload(args)
+        return
     import seaweed
 
     server = seaweed.start(idle=args.idle_server)
@@ -134,33 +180,34 @@ def main() -> None:
         env = {**os.environ, **server.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
         os.environ.update(server.env)
-        results: dict[str, list[dict]] = {"none": [], "local": [], "s3": []}
+        results: dict[str, list[dict]] = {"none": [], "local": [], "s3": [], "client": []}
         for r in range(args.rounds):
-            for mode in (["none", "local", "s3"] if r % 2 == 0 else ["s3", "local", "none"]):
+            for mode in (["none", "local", "s3", "client"] if r % 2 == 0 else ["client", "s3", "local", "none"]):
                 results[mode].append(run(mode, args, env))
                 print(f"round {r} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
         mb = statistics.median(x["checkpoint_mb"] for x in results["s3"])
         alone = client_alone(server, args.bucket, mb)
     finally:
         server.stop()
-    plain = statistics.median(x["steps_per_s"] for x in results["none"])
-    saving = statistics.median(x["steps_per_s"] for x in results["s3"])
-    local = statistics.median(x["steps_per_s"] for x in results["local"])
+    med = {mode: statistics.median(x["steps_per_s"] for x in runs) for mode, runs in results.items()}
     upload = statistics.median(x["upload_mb_s"] for x in results["s3"])
+    beside = statistics.median(x["upload_mb_s"] for x in results["client"])
     print(f"2 ranks (gloo, CPU), {args.steps} timed steps, median of {args.rounds} rounds; "
           f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
           f"every {args.every} steps")
     # each round against its own no-save run: drift between rounds cancels
-    paired = {mode: statistics.median(x["steps_per_s"] / y["steps_per_s"]
-                                      for x, y in zip(results[mode], results["none"])) for mode in ("local", "s3")}
-    print(f"{'':<34}{'steps/s':>10}{'ratio':>8}{'paired':>8}")
-    print(f"{'no saves':<34}{plain:>10.2f}{1.0:>8.3f}{1.0:>8.3f}")
-    print(f"{'save to a local folder':<34}{local:>10.2f}{local / plain:>8.3f}{paired['local']:>8.3f}")
-    print(f"{'save to s3:// every ' + str(args.every) + ' steps':<34}{saving:>10.2f}{saving / plain:>8.3f}"
-          f"{paired['s3']:>8.3f}")
-    print(f"{'upload MB/s':<34}{'':>10}")
-    print(f"{'  Trainer (rank 0, median file)':<34}{upload:>10.0f}{upload / alone:>8.3f}")
-    print(f"{'  S3ObjectStore alone':<34}{alone:>10.0f}{1.0:>8.3f}")
+    paired = {mode: statistics.median(x["steps_per_s"] / y["steps_per_s"] for x, y in zip(results[mode], results["none"]))
+              for mode in results}
+    print(f"{'':<46}{'steps/s':>10}{'ratio':>8}{'paired':>8}")
+    rows = [("none", "no saves"), ("local", "save to a local folder"),
+            ("s3", f"save to s3:// every {args.every} steps"), ("client", "no saves, a plain client uploading beside")]
+    for mode, label in rows:
+        print(f"{label:<46}{med[mode]:>10.2f}{med[mode] / med['none']:>8.3f}{paired[mode]:>8.3f}")
+    print(f"{'s3:// against the plain client beside':<46}{'':>10}{med['s3'] / med['client']:>8.3f}")
+    print(f"{'upload MB/s':<46}")
+    print(f"{'  Trainer (rank 0, median file)':<46}{upload:>10.0f}{upload / alone:>8.3f}")
+    print(f"{'  plain client beside training (median)':<46}{beside:>10.0f}{beside / alone:>8.3f}")
+    print(f"{'  S3ObjectStore alone':<46}{alone:>10.0f}{1.0:>8.3f}")
 
 
 if __name__ == "__main__":
