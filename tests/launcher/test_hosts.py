@@ -240,7 +240,7 @@ def test_sigterm_ends_a_node_cut_off_from_the_master_in_its_grace_period_and_one
 def _train(hosts: Hosts, tmp: Path, restarts: int) -> list[Node]:
     """tests/checkpoint/train_job.py on both hosts, each with a save folder of its own."""
     return [Node(hosts, n, tmp, [str(TRAIN_JOB), "--folder", str(tmp / f"saves{n}"), "--out", str(tmp / f"final{n}.pt"),
-                                 "--sleep", "0.25", "--progress", str(tmp / f"progress{n}")],
+                                 "--sleep", "0.15", "--progress", str(tmp / f"progress{n}")],
                  ["--max_restarts", str(restarts), "--rdzv_timeout", "60"]) for n in (0, 1)]
 
 
