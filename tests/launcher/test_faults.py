@@ -140,7 +140,7 @@ def test_a_node_started_before_the_master_waits_for_its_store(tmp_path: Path, wr
     """))
     port = str(_free_port())
     common = ["-n", "1", "--world_size", "2", "--master_addr", "127.0.0.1", "--master_port", port,
-              "--rdzv_timeout", "60"]
+              "--rdzv_timeout", "60", "-v"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def node(rank: int) -> subprocess.Popen:
@@ -148,7 +148,11 @@ def test_a_node_started_before_the_master_waits_for_its_store(tmp_path: Path, wr
                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     second = node(1)
-    time.sleep(2)
+    assert second.stderr is not None
+    waited = []  # node 1 says it waits for the store before the master starts
+    while not any(line.startswith("lockstep: waiting up to 60 s for the rendezvous store at") for line in waited):
+        waited.append(second.stderr.readline())
+        assert waited[-1], waited
     first = node(0)
     outs = [n.communicate(timeout=90) for n in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], outs

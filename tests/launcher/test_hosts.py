@@ -27,7 +27,6 @@ from lockstep.launcher.output import RankLogs
 from lockstep.launcher.ranks import Rank, Waiter
 from tests.checkpoint.test_faults import JOB as TRAIN_JOB
 from tests.checkpoint.test_faults import assert_bitwise
-from tests.launcher.conftest import launch
 from tests.launcher import netns
 from tests.launcher.netns import Hosts, make_hosts
 
@@ -78,20 +77,26 @@ def hosts() -> Iterator[Hosts]:
 
 
 @pytest.fixture
+def four_hosts() -> Iterator[Hosts]:
+    yield from make_hosts(4)
+
+
+@pytest.fixture
 def multihomed() -> Iterator[Hosts]:
     yield from make_hosts(2, networks=2)
 
 
 class Node:
-    """One launcher on a namespace host; its console goes to files (nothing to drain meanwhile)."""
+    """One launcher on a namespace host; its console goes to files (nothing to drain meanwhile).
+    Node ``node`` of a job runs on host ``first + node`` (the master on host ``first``)."""
 
     def __init__(self, hosts: Hosts, node: int, tmp: Path, argv: Sequence[str], extra: Sequence[str] = (),
-                 env: dict[str, str] | None = None, master_network: int = 0) -> None:
+                 env: dict[str, str] | None = None, master_network: int = 0, first: int = 0) -> None:
         self.out_path, self.err_path = tmp / f"node{node}.out", tmp / f"node{node}.err"
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = hosts.popen(node, [
+            self.proc = hosts.popen(first + node, [
                 sys.executable, "-m", "lockstep", "-n", "1", "--world_size", "2", "--node_rank", str(node),
-                "--master_addr", hosts.address(0, master_network), "--master_port", str(PORT),
+                "--master_addr", hosts.address(first, master_network), "--master_port", str(PORT),
                 "--run_directory", str(tmp / f"run{node}"), "--grace_period", str(GRACE), *extra, *argv],
                 cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=out, stderr=err)
         self.ended: float | None = None
@@ -117,10 +122,11 @@ class Node:
         return self.out_path.read_text(errors="replace")
 
 
-def _start(hosts: Hosts, tmp: Path, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> list[Node]:
+def _start(hosts: Hosts, tmp: Path, extra: Sequence[str] = (), env: dict[str, str] | None = None,
+           first: int = 0) -> list[Node]:
     script = tmp / "job.py"
     script.write_text(_JOB)
-    return [Node(hosts, n, tmp, [str(script), str(tmp)], extra, env) for n in (0, 1)]
+    return [Node(hosts, n, tmp, [str(script), str(tmp)], extra, env, first=first) for n in (0, 1)]
 
 
 def _wait_for(paths: list[Path], nodes: list[Node], timeout: float = 90) -> None:
@@ -151,85 +157,113 @@ def _wait_both(nodes: list[Node], timeout: float) -> list[int]:
 
 
 def _no_process_left(hosts: Hosts) -> None:
+    every = range(hosts.count)
     deadline = time.monotonic() + 10
-    while any(hosts.pids(h) for h in (0, 1)) and time.monotonic() < deadline:
+    while any(hosts.pids(h) for h in every) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert [hosts.pids(h) for h in (0, 1)] == [[], []]
+    assert [hosts.pids(h) for h in every] == [[] for _ in every]
 
 
-@pytest.mark.parametrize("cut", [1, 0], ids=["node-1-cut-off", "master-cut-off"])
 def test_a_partition_ends_both_nodes_within_60_s_and_the_isolated_one_says_it_lost_the_master(
-        hosts: Hosts, tmp_path: Path, cut: int) -> None:
-    # rank 1 (node 1's local rank 0, on its launcher's console) writes 1 MB after the cut: its
-    # launcher must go on draining the pipe while it waits for the store that no longer answers
-    nodes = _start(hosts, tmp_path, env={"SPILL_RANK": "1", "SPILL_BYTES": str(1 << 20)})
-    cut_at = _cut_mid_run(hosts, tmp_path, nodes, cut)
-    codes = _wait_both(nodes, timeout=70)
-    assert codes == [1, 1], [n.err for n in nodes]
-    assert all(n.ended is not None and n.ended - cut_at < 60 for n in nodes), [n.ended - cut_at for n in nodes]
-    node0, node1 = nodes[0].err, nodes[1].err
-    assert "the job failed: node 1's launcher stopped answering" in node0, node0
-    where = f"{hosts.address(0)}:{PORT}"
-    assert f"the job failed: the rendezvous store at {where}, which node 0's launcher hosts, stopped answering" \
-        in node1, node1
-    assert "lost the master, silent since " in node1 and " s ago); node 0 counts as failed" in node1, node1
-    assert (tmp_path / "spilled").exists(), (node1, len(nodes[1].out), time.monotonic() - cut_at)
-    assert "x" * (1 << 20) in nodes[1].out
+        four_hosts: Hosts, tmp_path: Path) -> None:
+    # Two jobs at once, each on a pair of hosts (most of the time goes to waiting for deadlines):
+    # in one node 1 is cut off, in the other the master. Rank 1 (node 1's local rank 0, on its
+    # launcher's console) writes 1 MB after the cut: its launcher must go on draining the pipe
+    # while it waits for the store that no longer answers.
+    hosts, jobs = four_hosts, {}
+    for cut, first in ((1, 0), (0, 2)):
+        tmp = tmp_path / f"cut{cut}"
+        tmp.mkdir()
+        jobs[cut] = (tmp, first, _start(hosts, tmp, env={"SPILL_RANK": "1", "SPILL_BYTES": str(1 << 20)}, first=first))
+    cut_at = {cut: _cut_mid_run(hosts, tmp, nodes, first + cut) for cut, (tmp, first, nodes) in jobs.items()}
+    codes = _wait_both([n for _, _, nodes in jobs.values() for n in nodes], timeout=70)
+    assert codes == [1, 1, 1, 1], [n.err for _, _, nodes in jobs.values() for n in nodes]
+    for cut, (tmp, first, nodes) in jobs.items():
+        assert all(n.ended is not None and n.ended - cut_at[cut] < 60 for n in nodes), \
+            (cut, [n.ended - cut_at[cut] for n in nodes])
+        node0, node1 = nodes[0].err, nodes[1].err
+        assert "the job failed: node 1's launcher stopped answering" in node0, (cut, node0)
+        where = f"{hosts.address(first)}:{PORT}"
+        assert f"the job failed: the rendezvous store at {where}, which node 0's launcher hosts, stopped answering" \
+            in node1, (cut, node1)
+        assert "lost the master, silent since " in node1 and " s ago); node 0 counts as failed" in node1, (cut, node1)
+        assert (tmp / "spilled").exists(), (cut, node1, len(nodes[1].out), time.monotonic() - cut_at[cut])
+        assert "x" * (1 << 20) in nodes[1].out, cut
     _no_process_left(hosts)
 
 
-def test_sigterm_ends_a_node_cut_off_from_the_master_within_its_grace_period(hosts: Hosts, tmp_path: Path) -> None:
-    # the ranks ignore SIGTERM, so only the launcher's teardown ends them: after the grace period
-    nodes = _start(hosts, tmp_path, env={"IGNORE_TERM": "1"})
-    _cut_mid_run(hosts, tmp_path, nodes, 1)
+def test_sigterm_ends_a_node_cut_off_from_the_master_in_its_grace_period_and_one_retrying_it_at_once(
+        four_hosts: Hosts, tmp_path: Path) -> None:
+    # Two jobs at once, each on a pair of hosts (most of the time goes to waiting for deadlines).
+    # In the first, node 1's launcher waits for an answer from the store when it is signalled, and
+    # the ranks ignore SIGTERM, so only the launcher's teardown ends them: after the grace period.
+    # In the second, node 1's launcher would restart and retries the master that it cannot reach.
+    hosts, waits, retries = four_hosts, tmp_path / "waits", tmp_path / "retries"
+    waits.mkdir()
+    retries.mkdir()
+    waiting = _start(hosts, waits, env={"IGNORE_TERM": "1"}, first=0)
+    retrying = _start(hosts, retries, ["--max_restarts", "1", "--rdzv_timeout", "120"], first=2)
+    _cut_mid_run(hosts, waits, waiting, 1)
+    _cut_mid_run(hosts, retries, retrying, 3)
+    deadline = time.monotonic() + 40
+
     time.sleep(1.0)  # node 1's launcher now waits for an answer from the store that will not come
     signalled = time.monotonic()
-    nodes[1].proc.send_signal(signal.SIGTERM)
-    code = nodes[1].wait(timeout=GRACE + 30)
+    waiting[1].proc.send_signal(signal.SIGTERM)
+    code = waiting[1].wait(timeout=GRACE + 30)
     took = time.monotonic() - signalled
-    err = nodes[1].err
+    err = waiting[1].err
     assert code == 128 + signal.SIGTERM, err
-    assert took < GRACE + 4, (took, err, nodes[1].out)  # + the exit of a Python that loaded torch, on a busy CI
+    assert took < GRACE + 4, (took, err, waiting[1].out)  # + the exit of a Python that loaded torch, on a busy CI
     assert "received SIGTERM, forwarding it to every rank" in err
     assert f"did not exit within the {GRACE} s grace period" in err, err
-    assert nodes[0].wait(timeout=60) == 1
-    _no_process_left(hosts)
 
-
-def test_sigterm_ends_a_node_that_retries_the_cut_off_master_for_a_restart(hosts: Hosts, tmp_path: Path) -> None:
-    nodes = _start(hosts, tmp_path, ["--max_restarts", "1", "--rdzv_timeout", "120"])
-    _cut_mid_run(hosts, tmp_path, nodes, 1)
-    deadline = time.monotonic() + 40
-    while "rejoining the master at" not in nodes[1].err:
-        assert time.monotonic() < deadline and nodes[1].proc.poll() is None, nodes[1].err
+    while "rejoining the master at" not in retrying[1].err:
+        assert time.monotonic() < deadline and retrying[1].proc.poll() is None, retrying[1].err
         time.sleep(0.1)
     time.sleep(1.0)
     signalled = time.monotonic()
-    nodes[1].proc.send_signal(signal.SIGTERM)
-    code = nodes[1].wait(timeout=30)
+    retrying[1].proc.send_signal(signal.SIGTERM)
+    code = retrying[1].wait(timeout=30)
     took = time.monotonic() - signalled
-    err = nodes[1].err
+    err = retrying[1].err
     assert code == 128 + signal.SIGTERM, err
     assert took < GRACE + 4, (took, err)
     assert "received SIGTERM while waiting for the rendezvous store" in err, err
-    nodes[0].proc.send_signal(signal.SIGTERM)  # it waits for node 1 to rejoin
-    assert nodes[0].wait(timeout=30) == 128 + signal.SIGTERM, nodes[0].err
+    retrying[0].proc.send_signal(signal.SIGTERM)  # it waits for node 1 to rejoin
+    assert retrying[0].wait(timeout=30) == 128 + signal.SIGTERM, retrying[0].err
+
+    assert waiting[0].wait(timeout=60) == 1, waiting[0].err
     _no_process_left(hosts)
 
 
 def _train(hosts: Hosts, tmp: Path, restarts: int) -> list[Node]:
     """tests/checkpoint/train_job.py on both hosts, each with a save folder of its own."""
     return [Node(hosts, n, tmp, [str(TRAIN_JOB), "--folder", str(tmp / f"saves{n}"), "--out", str(tmp / f"final{n}.pt"),
-                                 "--sleep", "0.25", "--progress", str(tmp / f"progress{n}")],
+                                 "--sleep", "0.15", "--progress", str(tmp / f"progress{n}")],
                  ["--max_restarts", str(restarts), "--rdzv_timeout", "60"]) for n in (0, 1)]
 
 
 @pytest.mark.timeout(240)
 def test_a_partition_that_heals_re_forms_the_job_and_ends_as_the_uninterrupted_run(
         hosts: Hosts, tmp_path: Path) -> None:
-    reference = launch(["-n", "2", str(TRAIN_JOB), "--folder", str(tmp_path / "clean"),
-                        "--out", str(tmp_path / "clean.pt")], cwd=REPO, timeout=120)
-    assert reference.returncode == 0, reference.stderr
+    # the uninterrupted run, on this host's loopback, trains meanwhile
+    reference = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(TRAIN_JOB), "--folder",
+                                  str(tmp_path / "clean"), "--out", str(tmp_path / "clean.pt")], cwd=REPO,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+    try:
+        _partition_and_heal(hosts, tmp_path)
+        _, reference_err = reference.communicate(timeout=60)
+    finally:
+        reference.kill()
+    assert reference.returncode == 0, reference_err
+    assert_bitwise(torch.load(tmp_path / "final0.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    _no_process_left(hosts)
+
+
+def _partition_and_heal(hosts: Hosts, tmp_path: Path) -> None:
     nodes = _train(hosts, tmp_path, restarts=2)
     progress = tmp_path / "progress0"
     deadline = time.monotonic() + 150
@@ -251,9 +285,6 @@ def test_a_partition_that_heals_re_forms_the_job_and_ends_as_the_uninterrupted_r
     assert not (tmp_path / "saves1").exists() or not any((tmp_path / "saves1").iterdir())  # no shared disk
     resumed = re.search(r"attempt [12] resumed at batch (\d+)ba", nodes[0].out)
     assert resumed and int(resumed[1]) >= 8, nodes[0].out  # from a checkpoint that node 1 never had
-    assert_bitwise(torch.load(tmp_path / "final0.pt", weights_only=True),
-                   torch.load(tmp_path / "clean.pt", weights_only=True))
-    _no_process_left(hosts)
 
 
 def test_ranks_use_the_interface_that_routes_to_the_master(multihomed: Hosts, tmp_path: Path) -> None:
@@ -368,28 +399,29 @@ def test_a_master_name_no_name_server_answers_for_ends_the_launcher_in_time_and_
     folder = Path("/etc/netns") / hosts.name(1)  # `ip netns exec` puts these files in /etc for host 1
     script = tmp_path / "job.py"
     script.write_text(_JOB)
-    unresolvable = ["--master_addr", "lockstep-master.invalid", "--rdzv_timeout", "8"]
+    unresolvable = ["--master_addr", "lockstep-master.invalid", "--rdzv_timeout", "3"]
     try:
         folder.mkdir(parents=True)
         (folder / "resolv.conf").write_text(f"nameserver {hosts.address(0)}\noptions timeout:30 attempts:2\n")
         (folder / "hosts").write_text("127.0.0.1 localhost\n")
+        # two launchers at once: one is left to give up, the other is stopped while it waits
+        (tmp_path / "term").mkdir()
         started = time.monotonic()
         node = Node(hosts, 1, tmp_path, [str(script), str(tmp_path)], unresolvable)
-        assert node.wait(timeout=60) == 1, node.err
-        took = time.monotonic() - started
-        (tmp_path / "term").mkdir()
         stopped = Node(hosts, 1, tmp_path / "term", [str(script), str(tmp_path)], unresolvable)
         time.sleep(3)  # the launcher has started and waits for the name
         signalled = time.monotonic()
         stopped.proc.send_signal(signal.SIGTERM)
         code = stopped.wait(timeout=30)
         stopping = time.monotonic() - signalled
+        assert node.wait(timeout=60) == 1, node.err
+        took = time.monotonic() - started
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             Path("/etc/netns").rmdir()  # only if no one else keeps files there
-    # the interface lookup gives up after 10 s, then the rendezvous after its 8 s (+ start-up)
-    assert took < 8 + 10 + 8, (took, node.err)
-    assert "error: the master's name 'lockstep-master.invalid' did not resolve on this host within 8 s" in node.err
+    # the interface lookup gives up after 10 s, then the rendezvous after its 3 s (+ start-up)
+    assert 10 + 3 <= took < 10 + 3 + 8, (took, node.err)
+    assert "error: the master's name 'lockstep-master.invalid' did not resolve on this host within 3 s" in node.err
     assert code == 128 + signal.SIGTERM and stopping < 3, (code, stopping, stopped.err)
     assert "received SIGTERM while waiting for the rendezvous store" in stopped.err, stopped.err

@@ -71,17 +71,32 @@ def _free_port() -> int:
 
 
 def _nodes(tmp_path: Path, extra: list[str], env: dict[str, str],
-           per_node: tuple[list[str], list[str]] = ([], []), job: str = _JOB) -> list[subprocess.Popen[str]]:
+           per_node: tuple[list[str], list[str]] = ([], []), job: str = _JOB,
+           node1_first: bool = False) -> list[subprocess.Popen[str]]:
+    """The two launchers; with ``node1_first``, node 0 starts once node 1 waits for its store
+    (node 1 runs with -v, which says so; the lines read meanwhile are not in its stderr)."""
     script = tmp_path / "job.py"
     script.write_text(job)
     port = str(_free_port())
     common = ["-n", "2", "--world_size", "4", "--master_addr", "127.0.0.1", "--master_port", port,
               "--rdzv_timeout", "60", "--stdout", str(tmp_path / "out{rank}"), *extra]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    return [subprocess.Popen([sys.executable, "-m", "lockstep", *common, *per_node[node], "--node_rank", str(node),
-                              "--run_directory", str(tmp_path / f"run{node}"), str(script), str(tmp_path)],
-                             cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for node in (0, 1)]
+
+    def start(node: int, *more: str) -> subprocess.Popen[str]:
+        argv = [*common, *per_node[node], *more, "--node_rank", str(node),
+                "--run_directory", str(tmp_path / f"run{node}")]
+        return subprocess.Popen([sys.executable, "-m", "lockstep", *argv, str(script), str(tmp_path)], cwd=tmp_path,
+                                env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    if not node1_first:
+        return [start(0), start(1)]
+    second = start(1, "-v")
+    assert second.stderr is not None
+    said: list[str] = []
+    while not said or "waiting up to" not in said[-1]:
+        said.append(second.stderr.readline())
+        assert said[-1], said
+    return [start(0), second]
 
 
 def _wait_until_training(tmp_path: Path, nodes: list[subprocess.Popen[str]]) -> None:
@@ -155,9 +170,10 @@ def test_restarts_are_agreed_across_nodes(tmp_path: Path) -> None:
 
 
 def test_a_node_that_does_not_come_back_for_a_restart_fails_the_job_clearly(tmp_path: Path) -> None:
-    # node 1 has no restarts left, so it stops; node 0 would restart and waits for it in vain
+    # node 1 has no restarts left, so it stops; node 0 would restart and waits for it in vain (node 1
+    # waits for the store before node 0 starts, so that attempt 0 does not hang on node 1's start-up)
     nodes = _nodes(tmp_path, [], {"FAIL_RANK": "3", "FAIL_CODE": "4"},
-                   per_node=(["--max_restarts", "1", "--rdzv_timeout", "4"], []))
+                   per_node=(["--max_restarts", "1", "--rdzv_timeout", "4"], []), node1_first=True)
     outs = [n.communicate(timeout=120) for n in nodes]
     assert [n.returncode for n in nodes] == [1, 4], outs
     assert "error: node(s) 1 did not join attempt 1 within 4 s (--rdzv_timeout): the job stops" in outs[0][1]

@@ -50,10 +50,11 @@ print(f"rank {rank} done", flush=True)
 """
 
 
-def _start(args: list[str], cwd: Path, env: dict[str, str], stdout=subprocess.PIPE) -> subprocess.Popen[str]:
+def _start(args: list[str], cwd: Path, env: dict[str, str], stdout=subprocess.PIPE,
+           stderr=subprocess.PIPE) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "lockstep", *args], cwd=cwd, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-                            stdout=stdout, stderr=subprocess.PIPE)
+                            stdout=stdout, stderr=stderr)
 
 
 def _sections(console: str) -> dict[int, str]:
@@ -74,19 +75,28 @@ def _sections(console: str) -> dict[int, str]:
 @pytest.mark.parametrize("how", ["sleep", "gil"])
 def test_sigquit_prints_every_ranks_stack_and_the_job_goes_on(tmp_path: Path, write_script, how: str) -> None:
     script = write_script("stall.py", _STALLING)
-    proc = _start(["-n", "2", str(script), str(tmp_path)], tmp_path, {"HOW": how})
+    where = f"stall.py\", line {16 if how == 'gil' else 18}"
+    console = tmp_path / "console.err"
+    with open(console, "w") as err_file:
+        proc = _start(["-n", "2", str(script), str(tmp_path)], tmp_path, {"HOW": how}, stderr=err_file)
     wait_for_files([tmp_path / "stopped"])
     time.sleep(0.5)  # rank 0 is in its all_reduce by now
     proc.send_signal(signal.SIGQUIT)
-    time.sleep(2.0)
+    deadline = time.monotonic() + 20  # rank 1 is released once the stacks it is asserted in are printed
+    while time.monotonic() < deadline:
+        stacks = _sections(console.read_text())
+        if set(stacks) == {0, 1} and "in all_reduce" in stacks[0] and where in stacks[1]:
+            break
+        time.sleep(0.1)
     (tmp_path / "release").write_text("1")
-    out, err = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=60)
+    err = console.read_text()
     assert proc.returncode == 0, err
     assert "rank 0 done" in out  # the job went on to its end
     stacks = _sections(err)
     assert set(stacks) == {0, 1}, err
     assert "in all_reduce" in stacks[0]
-    assert f"stall.py\", line {16 if how == 'gil' else 18}" in stacks[1], stacks[1]
+    assert where in stacks[1], stacks[1]
 
 
 def test_stall_prints_stacks_names_the_rank_that_stopped_and_exits_124(tmp_path: Path, write_script) -> None:

@@ -40,12 +40,21 @@ def _two_nodes(tmp_path: Path, env: dict[str, str], per_node: int) -> list[tuple
     return [(n.returncode, out, err) for n, (out, err) in zip(nodes, outs)]
 
 
-def test_a_rank_that_stops_just_before_a_save_is_the_stall_named(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def stopped_before_save(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], float, Path]:
+    """A job whose rank 1 stops just before the save of batch 3: its result, how long it took, and
+    its save folder (which keeps the checkpoints of batches 1 and 2)."""
+    tmp = tmp_path_factory.mktemp("stopped")
     began = time.monotonic()
-    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path,
+    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp / "ckpt")], tmp,
                     env={"STOP_RANK": "1", "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
+    return result, time.monotonic() - began, tmp / "ckpt"
+
+
+def test_a_rank_that_stops_just_before_a_save_is_the_stall_named(stopped_before_save) -> None:
+    result, took, _ = stopped_before_save
     assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
-    assert time.monotonic() - began < 60
+    assert took < 60
     err = result.stderr
     assert "rank 1 (pid" in err and "stopped first; last completed step 3" in err, err[-3000:]
     assert "rank 0 (pid" in err and "waiting in a collective; last completed step 3" in err, err[-3000:]
@@ -54,27 +63,31 @@ def test_a_rank_that_stops_just_before_a_save_is_the_stall_named(tmp_path: Path)
 
 def test_across_two_nodes_both_launchers_end_naming_the_rank_that_stopped(tmp_path: Path) -> None:
     began = time.monotonic()
-    # rank 1 stops beside rank 0, which waits for it in the save; node 1's ranks wait too
-    results = _two_nodes(tmp_path, {"STOP_RANK": "1"}, per_node=2)
+    # rank 0 stops on the master's node; node 1's rank waits for it in the save
+    results = _two_nodes(tmp_path, {"STOP_RANK": "0"}, per_node=1)
     assert [code for code, _, _ in results] == [STALL_EXIT_CODE] * 2, [err[-2000:] for _, _, err in results]
     assert time.monotonic() - began < 60
-    node0 = results[0][2]
-    assert "rank 1 (pid" in node0 and "stopped first; last completed step 3" in node0, node0[-3000:]
-    assert "rank 1" in results[1][2], results[1][2][-3000:]
+    node0, node1 = results[0][2], results[1][2]
+    assert "rank 0 (pid" in node0 and "stopped first; last completed step 3" in node0, node0[-3000:]
+    assert "look at rank 0 on this node (host" in node0, node0[-3000:]
+    assert "look at rank 0 on node 0 (host" in node1, node1[-3000:]
 
 
 def test_a_long_write_that_the_other_node_waits_for_is_not_a_stall(tmp_path: Path) -> None:
-    # each write of rank 0 takes 3 s against a 2 s stall timeout; node 1's rank waits for the last one
+    # each of the 3 writes of rank 0 takes 3 s against a 2 s stall timeout: the next save waits for the
+    # first two (training went on meanwhile), and node 1's rank waits for the last one
+    began = time.monotonic()
     results = _two_nodes(tmp_path, {"SLOW_WRITE": "3"}, per_node=1)
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    assert time.monotonic() - began >= 3 * 3  # the writes, one at a time, were slow
     assert all("finished" in out and "stall" not in err for _, out, err in results)
 
 
-def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(tmp_path: Path) -> None:
+def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(stopped_before_save, tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}
-    first = launch(["-n", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path, env=env, timeout=100)
-    assert first.returncode == 0, first.stderr[-3000:]
-    load = str(tmp_path / "ckpt" / "ep0-ba6-rank{rank}.pt")
+    saved = stopped_before_save[2]  # the job that stalled saved batch 2 before it
+    assert (saved / "ep0-ba2-rank0.pt").is_file(), sorted(p.name for p in saved.iterdir())
+    load = str(saved / "ep0-ba2-rank{rank}.pt")
     result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "again")], tmp_path,
                     env={**env, "LOAD": load, "STOP_IN_LOAD": "1"}, timeout=100)
     assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
