@@ -294,3 +294,23 @@ def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(bucket: str
 
     err = _fails(_nodes((tmp_path / "n0", tmp_path / "n1"), folder, tmp_path / "out.pt", "--sharded", per_node=1))
     assert re.search(r"rank 1: checkpoint \S+ is damaged: \.metadata fails its CRC32 check", err), err[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_single_file_copy_on_another_node_gives_way_to_the_bucket(bucket: str, tmp_path: Path) -> None:
+    """Two nodes of one rank (DDP, single-file checkpoints): node 1 keeps, from an earlier resume,
+    its copy of the bucket's batch-4 checkpoint and the local pointer to it; rank 0's node is fresh.
+    Autoresume takes the bucket's checkpoint on both nodes (rank 0 has nothing to send) and ends
+    with the uninterrupted run's parameters."""
+    folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
+    _finish(_nodes((tmp_path / "a0", tmp_path / "a1"), folder, tmp_path / "clean.pt", per_node=1))
+    name = next(k.split("/")[2] for k in store.list_objects("runs/job/") if "-ba4-" in k)
+    store.upload_bytes("runs/job/latest-rank0.pt.symlink", f"runs/job/{name}".encode())
+    kept = tmp_path / "b1" / ".lockstep" / "s3" / bucket / "runs" / "job"
+    kept.mkdir(parents=True)
+    store.download_object(f"runs/job/{name}", kept / name)
+    (kept / "latest-rank0.pt").symlink_to(name)
+    out = _finish(_nodes((tmp_path / "b0", tmp_path / "b1"), folder, tmp_path / "second.pt", per_node=1))
+    assert "attempt 0 resumed at batch 4" in out, out
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))

@@ -88,7 +88,8 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bo
         return all(seen) or _per_rank_files(saver, run_name) or not any(seen)
     if layout_name in FOLDER_LAYOUTS:
         pointer = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
-        found = _agreement.gather_small_objects((pointer is not None, pointer is not None and _holds_reads(pointer)))
+        holds = pointer is not None and _holds_reads(pointer)
+        found = _agreement.gather_small_objects((pointer is not None, holds))
         if all(holds for _, holds in found):
             return True
         return _folder_from_pointer(saver) or all(seen for seen, _ in found)
@@ -235,9 +236,10 @@ def _names_under(store: ObjectStore, key: str) -> list[str]:
 
 def _per_rank_files(saver: CheckpointSaver, run_name: str) -> bool:
     """FSDP ``local`` checkpoints: each rank downloads its own file of the newest step that any
-    rank's pointer names (False, on every rank, when the bucket has no pointer). Each rank moves its own pointer, so a job killed between two ranks'
-    moves leaves pointers one step apart; both steps are complete in the bucket (a pointer moves
-    only once every rank's file is there), so the ranks behind take their file of the newer one."""
+    rank's pointer names (False, on every rank, when the bucket has no pointer). Each rank moves
+    its own pointer, so a job killed between two ranks' moves leaves pointers one step apart; both
+    steps are complete in the bucket (a pointer moves only once every rank's file is there), so the
+    ranks behind take their file of the newer one."""
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
     prefix = folder.key_of("")
