@@ -1,8 +1,11 @@
 """Resume through the bucket under the launcher, with "nodes" that share no disk (two launchers, each
 in a working directory of its own, so each with its own local staging folder), in every layout:
 a job killed with kill -9 while its uploads run, then autoresumed with one node on a fresh disk,
-ends with the uninterrupted job's parameters, bit for bit; and two nodes of two ranks resume on
-fresh disks, each node downloading only the parts its ranks read."""
+ends with the uninterrupted job's parameters, bit for bit; two nodes of two ranks resume on
+fresh disks, each node downloading only the parts its ranks read; a job killed before any
+checkpoint reached the bucket starts fresh on its partial local copies, with each node's
+unfinished files swept; each node checks its own copy of the files every rank reads; and a
+single-file copy that only another node holds gives way to the bucket's."""
 
 from __future__ import annotations
 
