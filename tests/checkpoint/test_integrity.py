@@ -99,3 +99,23 @@ def test_part_rank_names_each_ranks_own_files() -> None:
     assert integrity.part_rank("deepspeed/zero_pp_rank_2_mp_rank_00_optim_states.pt") == 2
     assert [integrity.part_rank(n) for n in (".metadata", "lockstep.pt", "deepspeed/mp_rank_00_model_states.pt")] \
         == [None, None, None]
+
+
+def test_each_copy_of_a_part_is_checked_once_by_the_ranks_that_read_that_copy() -> None:
+    """Ranks 0, 1 on one disk and 2, 3 on another: every part that both nodes read is checked on
+    each node's copy, by one of that node's readers; with one shared copy, once in all."""
+    reads = [[".metadata", "__0_0.distcp"], [".metadata", "__1_0.distcp"],
+             [".metadata", "__2_0.distcp"], [".metadata", "__3_0.distcp", "__0_0.distcp"]]
+    meta = {"reads": reads}
+    sizes = {name: 10 for name in {n for r in reads for n in r}}
+    nodes = [[0, 1], [2, 3]]
+    for node in nodes:
+        turns = [n for rank in node for n in integrity.assign(sizes, meta, rank, 4, node)[1]]
+        assert sorted(turns) == sorted({n for rank in node for n in reads[rank]})  # each of the node's reads once
+    shared = [n for rank in range(4) for n in integrity.assign(sizes, meta, rank, 4)[1]]
+    assert sorted(shared) == sorted(sizes)
+    unrecorded = {}  # without recorded reads every rank reads every part; each node checks its copy
+    for node in nodes:
+        turns = [n for rank in node for n in integrity.assign(sizes, unrecorded, rank, 4, node)[1]]
+        assert sorted(turns) == sorted(sizes)
+    assert integrity.within((3, 4), [2, 3]) == (1, 2) and integrity.within((3, 4), None) == (3, 4)

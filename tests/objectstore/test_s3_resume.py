@@ -1,11 +1,15 @@
 """Resume through the bucket under the launcher, with "nodes" that share no disk (two launchers, each
 in a working directory of its own, so each with its own local staging folder), in every layout:
 a job killed with kill -9 while its uploads run, then autoresumed with one node on a fresh disk,
-ends with the uninterrupted job's parameters, bit for bit; and two nodes of two ranks resume on
-fresh disks, each node downloading only the parts its ranks read."""
+ends with the uninterrupted job's parameters, bit for bit; two nodes of two ranks resume on
+fresh disks, each node downloading only the parts its ranks read; a job killed before any
+checkpoint reached the bucket starts fresh on its partial local copies, with each node's
+unfinished files swept; each node checks its own copy of the files every rank reads; and a
+single-file copy that only another node holds gives way to the bucket's."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -18,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lockstep.checkpoint import integrity
 from lockstep.objectstore import S3ObjectStore
 from tests.checkpoint.test_faults import descendants
 from tests.launcher.conftest import launch, wait_gone
@@ -195,3 +200,120 @@ def test_two_nodes_of_two_without_a_shared_disk_resume_through_the_bucket(bucket
                    torch.load(tmp_path / "clean.pt", weights_only=True))
     for node, ranks in ((0, (0, 1)), (1, (2, 3))):
         _assert_downloaded_what_its_ranks_read(store, tmp_path / f"b{node}", bucket, f"nodes/job/{name}", ranks)
+
+
+def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
+    """Until ``path`` (a symlink, a file) exists; the job must stay up meanwhile."""
+    deadline = time.monotonic() + 240
+    while not (path.is_symlink() or path.exists()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.stderr.read() if p.stderr and p.poll() is not None else "" for p in procs]
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("kind", ["sharded"])  # DeepSpeed ZeRO-2 passes too; one kind keeps the suite short
+def test_killed_before_the_bucket_held_a_checkpoint_starts_fresh_and_cleans_every_node(
+        reference, bucket: str, tmp_path: Path, kind: str) -> None:
+    """Two nodes of one rank (no shared disk) are killed once node 0 has published its first
+    checkpoint locally and before any checkpoint is complete in the bucket (no pointer there): node
+    0's staging folder holds a copy without node 1's parts, node 1's none. Restarted on the same
+    disks, the job starts fresh instead of failing on that copy, and ends with the uninterrupted
+    run's parameters. What a killed job left half written on node 1, which holds no rank 0 (a
+    partial checkpoint folder, files being downloaded), is gone after the start; its published
+    files are kept."""
+    _skip_without_deepspeed(kind)
+    folder, extra, store = f"s3://{bucket}/runs/job", KINDS[kind], S3ObjectStore(bucket)
+    disks = (tmp_path / "n0", tmp_path / "n1")
+    staged = [disk / ".lockstep" / "s3" / bucket / "runs" / "job" for disk in disks]
+    # 2 s from the first save's publish to the second save, which would move the bucket's pointer
+    procs = _nodes(disks, folder, tmp_path / "first.pt", "--sleep", "0.5", *extra, per_node=1)
+    try:
+        _wait_for(staged[0] / "latest-rank0.pt", procs)
+    finally:
+        _kill_all(procs)
+    assert not store.list_objects("runs/job/latest"), "the job was killed too late: the bucket has a checkpoint"
+    first = staged[0] / "ep0-ba4-rank0.pt"
+    recorded = torch.load(first / "lockstep.pt", weights_only=False)["lockstep"]["parts"]
+    node1_parts = [n for n in recorded if re.search(r"^__1_\d+\.distcp$|pp_rank_1_", Path(n).name)]
+    assert node1_parts and not any((first / n).exists() for n in node1_parts)  # node 0's copy is partial
+
+    # what a killed job leaves on node 1: its part of a folder being written, downloads under way
+    partial = staged[1] / ".ep0-ba8-rank0.pt.tmp.4242"
+    (partial / "deepspeed").mkdir(parents=True)
+    (partial / "__1_0.distcp").write_bytes(b"x" * 100)
+    published = staged[1] / "ep0-ba2-rank0.pt"  # published (as a download of an earlier resume leaves it)
+    published.mkdir(parents=True)
+    (published / "lockstep.pt").write_bytes(b"kept")
+    downloading = [published / f"__1_0.distcp.{'a1' * 16}.tmp", published / f"lockstep.pt.{'b2' * 16}.tmp.9fA0b1C2"]
+    for path in downloading:
+        path.write_bytes(b"half")
+
+    out = _finish(_nodes(disks, folder, tmp_path / "second.pt", *extra, per_node=1))
+    assert "attempt 0 resumed at batch 0" in out, out
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), reference(kind))
+    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
+    assert not _temp_folders(disks[1]) and not any(p.exists() for p in downloading)
+    assert (published / "lockstep.pt").read_bytes() == b"kept"
+
+
+def _fails(procs: list[subprocess.Popen]) -> str:
+    """Both nodes' stderr, once both ended with a non-zero exit status."""
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        _kill_all(procs)
+    assert all(p.returncode != 0 for p in procs), [out[-3000:] for out, _ in outs]
+    return "\n".join(err for _, err in outs)
+
+
+@pytest.mark.timeout(300)
+def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(bucket: str, tmp_path: Path) -> None:
+    """Two nodes of one rank, each holding in its staging folder its own copy of what its rank
+    reads of a sharded checkpoint (as a resume from the bucket leaves it). Both ranks read DCP's
+    .metadata, which one rank alone used to check, on its own node's copy: node 1's copy, damaged
+    in transit (one flipped byte), is caught by node 1 before anything loads, naming the file."""
+    folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
+    saved = job(tmp_path / "saver", folder, tmp_path / "saved.pt", "--sharded", "--batches", "4")
+    assert saved.returncode == 0, saved.stderr
+    key = store.read_bytes("runs/job/latest-rank0.pt.symlink").decode()
+    header = store.read_bytes(f"{key}/lockstep.pt")
+    meta = torch.load(io.BytesIO(header), weights_only=False)["lockstep"]
+    sizes = {name: size for name, (size, _) in meta["parts"].items()}
+    assert ".metadata" in meta["reads"][0] and ".metadata" in meta["reads"][1]
+    # one shared copy: rank 0 checks .metadata's CRC, rank 1 only its size
+    assert ".metadata" not in integrity.assign(sizes, meta, 1, 2)[1]
+    for node in (0, 1):
+        local = tmp_path / f"n{node}" / ".lockstep" / "s3" / bucket / key
+        local.mkdir(parents=True)
+        (local / "lockstep.pt").write_bytes(header)
+        for name in meta["reads"][node]:
+            store.download_object(f"{key}/{name}", local / name)
+        (local.parent / "latest-rank0.pt").symlink_to(local.name)
+    damaged = tmp_path / "n1" / ".lockstep" / "s3" / bucket / key / ".metadata"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+
+    err = _fails(_nodes((tmp_path / "n0", tmp_path / "n1"), folder, tmp_path / "out.pt", "--sharded", per_node=1))
+    assert re.search(r"rank 1: checkpoint \S+ is damaged: \.metadata fails its CRC32 check", err), err[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_single_file_copy_on_another_node_gives_way_to_the_bucket(bucket: str, tmp_path: Path) -> None:
+    """Two nodes of one rank (DDP, single-file checkpoints): node 1 keeps, from an earlier resume,
+    its copy of the bucket's batch-4 checkpoint and the local pointer to it; rank 0's node is fresh.
+    Autoresume takes the bucket's checkpoint on both nodes (rank 0 has nothing to send) and ends
+    with the uninterrupted run's parameters."""
+    folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
+    _finish(_nodes((tmp_path / "a0", tmp_path / "a1"), folder, tmp_path / "clean.pt", per_node=1))
+    name = next(k.split("/")[2] for k in store.list_objects("runs/job/") if "-ba4-" in k)
+    store.upload_bytes("runs/job/latest-rank0.pt.symlink", f"runs/job/{name}".encode())
+    kept = tmp_path / "b1" / ".lockstep" / "s3" / bucket / "runs" / "job"
+    kept.mkdir(parents=True)
+    store.download_object(f"runs/job/{name}", kept / name)
+    (kept / "latest-rank0.pt").symlink_to(name)
+    out = _finish(_nodes((tmp_path / "b0", tmp_path / "b1"), folder, tmp_path / "second.pt", per_node=1))
+    assert "attempt 0 resumed at batch 4" in out, out
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))

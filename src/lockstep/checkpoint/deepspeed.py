@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,26 +165,29 @@ def _sync_tree(folder: Path) -> dict[str, int]:
     return sizes
 
 
-def check_folder(folder: Path, meta: dict[str, Any], *, share: tuple[int, int] = (0, 1), every: bool = False) -> None:
+def check_folder(folder: Path, meta: dict[str, Any], *, share: tuple[int, int] = (0, 1), every: bool = False,
+                 peers: Sequence[int] | None = None) -> None:
     """Raise CheckpointError unless the engine's files that this rank reads are all there, whole,
     and safe to unpickle (:class:`DamagedCheckpoint` when their bytes are bad); ``share`` is (this
     rank, of how many): it checks the size and pickle globals of every file it reads (every file,
     unless the folder records each rank's reads at this world size) and the CRCs of its turn of
-    them (:func:`integrity.assign`). ``every``: this rank reads every file (to rebuild full weights)."""
+    them (:func:`integrity.assign`), among the ranks that read this copy of the folder (``peers``;
+    None: every rank). ``every``: this rank reads every file (to rebuild full weights)."""
     if every:
         meta = {key: value for key, value in meta.items() if key != "reads"}
     sizes = meta.get("files") or {}
     if not any(name.startswith(f"{TAG}/") for name in sizes):
         raise CheckpointError(f"{folder} records no DeepSpeed files in {SHARDED_META}: not a complete "
                               f"DeepSpeed checkpoint")
-    reading, _ = integrity.assign(sizes, meta, *share)  # every file, unless each rank's reads are recorded
+    reading, _ = integrity.assign(sizes, meta, *share, peers)  # every file, unless each rank's reads are recorded
     for name in reading:
         integrity.check_size(folder, name, sizes[name])
     parts = meta.get("parts")
     if parts:
-        integrity.check_parts(folder, parts, share, meta)
+        integrity.check_parts(folder, parts, share, meta, peers)
     else:  # saved before parts were recorded: the zip records' own CRCs
-        for name in files.share({n: s for n, s in sizes.items() if n.endswith(".pt")}, *share):
+        pickles = {n: s for n, s in sizes.items() if n.endswith(".pt")}
+        for name in files.share(pickles, *integrity.within(share, peers)):
             files.verify(folder / name)
     for name in sorted(n for n in reading if n.endswith(".pt")):
         path = folder / name

@@ -10,7 +10,9 @@ there reads. Every file appears whole or not at all (downloaded to a temporary n
 Autoresume takes the local checkpoint when every rank finds there all it reads. Otherwise (a fresh
 node, or nodes without a shared disk, where no node's staging folder holds every rank's parts of a
 folder checkpoint) it downloads the checkpoint the bucket's pointer names, which every rank has
-uploaded in full, and points the local pointer at it.
+uploaded in full, and points the local pointer at it. When the bucket has no pointer yet and the
+local files serve only some ranks (a job killed before its first checkpoint was complete in the
+bucket, on nodes that share no disk), the run starts fresh.
 """
 
 from __future__ import annotations
@@ -63,36 +65,46 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
     return os.path.join(local_root, key_template)
 
 
-def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> None:
+def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bool:
     """Before autoresume reads the local staging folder (a collective): unless the local files
     serve every rank, download the checkpoint the bucket's pointer names, and point the local
     pointer at it. Local checkpoints come first, being at least as new as the bucket's: a single
-    file on any rank (the loader sends it to the others), per-rank files on every rank, a folder
-    checkpoint with every part each rank reads on that rank's disk."""
+    file on rank 0's disk (the loader sends it to ranks without it), per-rank files on every rank,
+    a folder checkpoint with every part each rank reads on that rank's disk.
+
+    Returns False (on every rank) when the run must start fresh: the bucket has no pointer (no
+    checkpoint ever reached it whole) and the local files serve only some ranks: what a job
+    killed before its first checkpoint was complete in the bucket left on the disks of its nodes,
+    which share none (a rank that sees no local pointer at all). When every rank sees one, the
+    local files are read as a local save_folder's are (a damaged newest checkpoint falls back to
+    an older one)."""
     template, folder = saver.latest_template, saver.remote
     assert template is not None and folder is not None
     from lockstep.checkpoint.loader import candidates
 
     own, zero = candidates(template, run_name)
     if layout_name == LOCAL:
-        if not all(_agreement.gather_small_objects(own.exists() or own.is_symlink())):
-            _per_rank_files(saver, run_name)
-        return
+        seen = _agreement.gather_small_objects(own.exists() or own.is_symlink())
+        return all(seen) or _per_rank_files(saver, run_name) or not any(seen)
     if layout_name in FOLDER_LAYOUTS:
         pointer = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
-        if not all(_agreement.gather_small_objects(pointer is not None and _holds_reads(pointer))):
-            _folder_from_pointer(saver)
-        return
+        holds = pointer is not None and _holds_reads(pointer)
+        found = _agreement.gather_small_objects((pointer is not None, holds))
+        if all(holds for _, holds in found):
+            return True
+        return _folder_from_pointer(saver) or all(seen for seen, _ in found)
     local = own.exists() or own.is_symlink() or zero.exists() or zero.is_symlink()
-    if any(_agreement.gather_small_objects(local)):  # the loader sends rank 0's file to ranks without it
-        return
-    error = None
+    seen = _agreement.gather_small_objects(local)
+    if seen[0]:  # the loader sends rank 0's file to ranks without it
+        return True
+    error, downloaded = None, False
     if dist.get_local_rank() == 0:
         try:
-            _from_pointer(saver)
+            downloaded = _from_pointer(saver)
         except Exception as e:
             error = f"autoresume from {folder.uri}: {_line(e)}"
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    return any(_agreement.gather_small_objects(downloaded)) or not any(seen)
 
 
 def _pointer_target(saver: CheckpointSaver) -> str | None:
@@ -110,17 +122,18 @@ def _pointer_target(saver: CheckpointSaver) -> str | None:
     return target
 
 
-def _from_pointer(saver: CheckpointSaver) -> None:
+def _from_pointer(saver: CheckpointSaver) -> bool:
     """A single-file checkpoint: download the one the bucket's pointer names, and point the local
-    pointer at it."""
+    pointer at it; False when the bucket has no pointer (nothing saved there yet)."""
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
     target = _pointer_target(saver)
     if target is None:
-        return  # nothing saved yet: a fresh start
+        return False
     local = saver.folder / target[len(folder.key_of("")):]
     _download(folder.store, target, local)
     files.point_latest(pointer, local)
+    return True
 
 
 def _holds_reads(pointer: Path) -> bool:
@@ -137,10 +150,10 @@ def _holds_reads(pointer: Path) -> bool:
         return False
 
 
-def _folder_from_pointer(saver: CheckpointSaver) -> None:
+def _folder_from_pointer(saver: CheckpointSaver) -> bool:
     """Every rank: download the parts it reads of the folder checkpoint the bucket's pointer names
     (a collective); then one rank of each staging folder points the local pointer at it. Nothing
-    when the bucket has no pointer yet."""
+    when the bucket has no pointer yet; then False."""
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
     what = f"autoresume from {folder.uri}"
@@ -153,7 +166,7 @@ def _folder_from_pointer(saver: CheckpointSaver) -> None:
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)
     target = _agreement.gather_small_objects(target)[0]
     if target is None:
-        return  # nothing saved in the bucket yet: the local files as they are
+        return False  # nothing saved in the bucket yet
     local = saver.folder / target[len(folder.key_of("")):]
     first = download_folder(folder.store, target, local, what=what, device=saver._device)
     error = None
@@ -163,6 +176,7 @@ def _folder_from_pointer(saver: CheckpointSaver) -> None:
         except OSError as e:
             error = f"{what}: could not point {pointer} at {local}: {e}"
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # every pointer moved
+    return True
 
 
 def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, device: torch.device | str = "cpu",
@@ -220,11 +234,12 @@ def _names_under(store: ObjectStore, key: str) -> list[str]:
     return [full[len(base):] if full.startswith(base) else os.path.basename(full) for full in found]
 
 
-def _per_rank_files(saver: CheckpointSaver, run_name: str) -> None:
+def _per_rank_files(saver: CheckpointSaver, run_name: str) -> bool:
     """FSDP ``local`` checkpoints: each rank downloads its own file of the newest step that any
-    rank's pointer names. Each rank moves its own pointer, so a job killed between two ranks'
-    moves leaves pointers one step apart; both steps are complete in the bucket (a pointer moves
-    only once every rank's file is there), so the ranks behind take their file of the newer one."""
+    rank's pointer names (False, on every rank, when the bucket has no pointer). Each rank moves
+    its own pointer, so a job killed between two ranks' moves leaves pointers one step apart; both
+    steps are complete in the bucket (a pointer moves only once every rank's file is there), so the
+    ranks behind take their file of the newer one."""
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
     prefix = folder.key_of("")
@@ -239,7 +254,7 @@ def _per_rank_files(saver: CheckpointSaver, run_name: str) -> None:
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)
     targets = _agreement.gather_small_objects(target)
     if all(t is None for t in targets):
-        return
+        return False
     template, newest = saver.config.save_filename, None
     try:
         for rank, key in enumerate(targets):
@@ -259,6 +274,7 @@ def _per_rank_files(saver: CheckpointSaver, run_name: str) -> None:
     except Exception as e:
         error = f"autoresume from {folder.uri}: {_line(e)}"
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    return True
 
 
 def _exists(store: ObjectStore, key: str) -> bool:

@@ -13,8 +13,10 @@ rank's file only). A node with a disk of its own, which downloads the checkpoint
 fetches only its ranks' reads.
 
 Before any rank loads any of it, every rank checks that each part it reads is there at its
-recorded size, and the CRC32 of its turn of them, so that each part is checked once, by one of its
-readers: about 1/N of the bytes (:func:`check_parts`); the loader agrees on the outcome, so either
+recorded size, and the CRC32 of its turn of them, so that each copy of a part is checked once, by
+one of the ranks that read that copy: about 1/N of the bytes when every rank reads one copy (a
+shared disk), and each node's own copy on nodes that downloaded the checkpoint to disks of their
+own (``peers``: the ranks that read this rank's copy; :func:`check_parts`); the loader agrees on the outcome, so either
 every rank loads or none does, and a damaged file is an error that names it. A DCP folder saved
 before parts were recorded is checked for what it shows itself: its ``.metadata`` loads, and
 every file that names is there and holds the bytes it says (:func:`check_dcp_files`).
@@ -58,19 +60,30 @@ def reads_of(meta: Mapping[str, Any], rank: int, world_size: int) -> set[str] | 
     return set(reads[rank])
 
 
-def assign(sizes: Mapping[str, int], meta: Mapping[str, Any], rank: int,
-           world_size: int) -> tuple[list[str], list[str]]:
+def within(mine: tuple[int, int], peers: Sequence[int] | None) -> tuple[int, int]:
+    """``mine`` (this rank, of how many ranks) as (its place among ``peers``, how many they are):
+    the ranks that read the same copy of a file split its check (``peers`` None: every rank does)."""
+    rank, _ = mine
+    if peers is None or rank not in peers:
+        return mine
+    return list(peers).index(rank), len(peers)
+
+
+def assign(sizes: Mapping[str, int], meta: Mapping[str, Any], rank: int, world_size: int,
+           peers: Sequence[int] | None = None) -> tuple[list[str], list[str]]:
     """(the parts named in ``sizes`` that this rank reads, those of them whose CRC32 it checks):
-    each part is checked by one of the ranks that read it, in turn, so that every part is checked
-    once. Without recorded reads every rank reads every part, and the ranks split the checks by
-    size (:func:`files.share`)."""
+    each copy of a part is checked by one of the ranks that read that copy, in turn, so that it is
+    checked once. ``peers``: the ranks that read this rank's copy of the folder (None: one copy,
+    which every rank reads). Without recorded reads every rank reads every part, and the ranks of
+    a copy split its checks by size (:func:`files.share`)."""
     reads = meta.get("reads") if reads_of(meta, rank, world_size) is not None else None
     if reads is None:
-        return sorted(sizes), share(dict(sizes), rank, world_size)
+        return sorted(sizes), share(dict(sizes), *within((rank, world_size), peers))
     readers: dict[str, list[int]] = {}
     for reader, names_read in enumerate(reads):
-        for name in names_read:
-            readers.setdefault(name, []).append(reader)
+        if peers is None or reader in peers:
+            for name in names_read:
+                readers.setdefault(name, []).append(reader)
     mine = sorted(n for n in sizes if rank in readers.get(n, ()))
     turns = [n for i, n in enumerate(sorted(sizes)) if n in readers and readers[n][i % len(readers[n])] == rank]
     return mine, turns
@@ -125,13 +138,14 @@ def check_size(folder: Path, name: str, size: int, *, at_least: bool = False) ->
 
 
 def check_parts(folder: Path, parts: Mapping[str, Sequence[int]], mine: tuple[int, int] = (0, 1),
-                meta: Mapping[str, Any] | None = None) -> None:
+                meta: Mapping[str, Any] | None = None, peers: Sequence[int] | None = None) -> None:
     """Raise :class:`DamagedCheckpoint` naming the first part of ``folder`` that this rank reads
-    (``mine``: its rank, of how many; ``meta``: the header that records what each rank reads) and
-    that is missing or of another size than recorded, or, among those it checks (:func:`assign`),
-    fails its CRC32. Each rank stats every part it reads, so each sees a file its node lacks."""
+    (``mine``: its rank, of how many; ``meta``: the header that records what each rank reads;
+    ``peers``: the ranks that read this copy of the folder) and that is missing or of another size
+    than recorded, or, among those it checks (:func:`assign`), fails its CRC32. Each rank stats
+    every part it reads, so each sees a file its node lacks."""
     sized = {name: size for name, (size, _) in parts.items()}
-    reading, checking = assign(sized, meta or {}, *mine)
+    reading, checking = assign(sized, meta or {}, *mine, peers)
     for name in reading:
         check_size(folder, name, sized[name])
     for name in checking:
@@ -157,12 +171,13 @@ def check_dcp_files(folder: Path) -> None:
         check_size(folder, name, end, at_least=True)
 
 
-def check_sharded(folder: Path, meta: Mapping[str, Any], mine: tuple[int, int] = (0, 1)) -> None:
+def check_sharded(folder: Path, meta: Mapping[str, Any], mine: tuple[int, int] = (0, 1),
+                  peers: Sequence[int] | None = None) -> None:
     """Check an FSDP ``sharded`` folder before any rank loads it: its recorded parts, else what
     DCP's ``.metadata`` says (a folder saved before parts were recorded)."""
     parts = meta.get("parts")
     if parts:
-        check_parts(folder, parts, mine, meta)
+        check_parts(folder, parts, mine, meta, peers)
     else:
         check_dcp_files(folder)
 

@@ -4,7 +4,9 @@ Probe, agree, decide, act. Each rank first looks on its own, without collectives
 found, at which batch, whether it reads and checks (a :class:`Probe`). One all-gather gives every
 rank the same list of probes, from which the pure function :func:`decide` picks one action, the
 same on every rank. Only then does any rank act. So a missing or damaged file is an error on every
-rank, never a rank waiting forever for a peer that gave up.
+rank, never a rank waiting forever for a peer that gave up. (Before probing, one small all-gather
+tells which ranks read the same copy of the checkpoint: those split its CRC checks, and nodes that
+read copies on disks of their own each check their own.)
 """
 
 from __future__ import annotations
@@ -153,8 +155,9 @@ def load(template: str, state: State, layout: Layout, *, run_name: str, weights_
     ``ignore`` (``load_ignore_keys``) leaves out the parts it names.
     """
     templates.check_template(template, what, time_fields=False)
+    peers = _readers_of_copy(_found(template, layout, run_name), layout)
     mine = _probe(template, state, layout, run_name=run_name, weights_only=weights_only, optional=optional,
-                  what=what)
+                  what=what, peers=peers)
     action = decide(dist.all_gather_object(mine.probe), optional=optional, per_rank_files=layout.name == LOCAL,
                     collective=layout.collective, template=template)
     opened = mine.opened
@@ -205,12 +208,49 @@ class _Local:
             files.remove(self.opened.path)
 
 
-def _probe(template: str, state: State, layout: Layout, *, run_name: str, weights_only: bool,
-           optional: bool, what: str) -> _Local:
+def _found(template: str, layout: Layout, run_name: str) -> Path | None:
+    """The file (or pointer) this rank reads: its own, else rank 0's (never under per-rank files)."""
     own, zero = candidates(template, run_name)
     if layout.name == LOCAL:  # per-rank files: rank 0's never serves another rank
         zero = own
-    path = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
+    return next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
+
+
+def _readers_of_copy(path: Path | None, layout: Layout) -> list[int] | None:
+    """The ranks that read the same copy of the checkpoint as this rank (a collective): they split
+    its CRC checks. Nodes without a shared disk each read a copy of their own (downloaded from a
+    bucket, or copied there), and each copy must be checked in full. None: every rank reads one
+    copy (or per-rank files, which no rank shares)."""
+    if dist.get_world_size() == 1 or layout.name == LOCAL:
+        return None
+    copy = _identity(path)
+    every = dist.all_gather_object(copy)
+    if copy is None or all(c == copy for c in every):
+        return None
+    return [rank for rank, c in enumerate(every) if c == copy]
+
+
+def _identity(path: Path | None) -> tuple[int, ...] | None:
+    """What tells copies of a checkpoint apart: the inode and times of its header file, which every
+    host that mounts one shared file system sees alike (a host's device numbers differ), and which
+    differ between the copies that two nodes wrote to their own disks."""
+    if path is None:
+        return None
+    try:
+        target = files.resolve_pointer(path)
+        header = target / SHARDED_META if target.is_dir() and (target / SHARDED_META).exists() else target
+        st = header.stat()
+    except (OSError, CheckpointError):
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _probe(template: str, state: State, layout: Layout, *, run_name: str, weights_only: bool,
+           optional: bool, what: str, peers: list[int] | None = None) -> _Local:
+    own, zero = candidates(template, run_name)
+    if layout.name == LOCAL:  # per-rank files: rank 0's never serves another rank
+        zero = own
+    path = _found(template, layout, run_name)
     if path is None:
         tried = str(own) if own == zero else f"{own} (nor rank 0's {zero})"
         return _Local(Probe(error=f"{what} {template!r}: {tried} does not exist"))
@@ -219,7 +259,7 @@ def _probe(template: str, state: State, layout: Layout, *, run_name: str, weight
     rank, world = dist.get_global_rank(), dist.get_world_size()
     try:
         opened = _open(path, state, layout, run_name=run_name, weights_only=weights_only, check_run_name=optional,
-                       share=(rank, world) if shared else (0, 1))
+                       share=(rank, world) if shared else (0, 1), peers=peers if shared else None)
     except CheckpointError as e:
         damaged = isinstance(e, DamagedCheckpoint)
         return _Local(Probe(found=True, shared=shared, path=str(path), error=str(e), damaged=damaged), path)
@@ -336,15 +376,18 @@ class _Opened:
 
 
 def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_only: bool,
-          check_run_name: bool, share: tuple[int, int], data: bytes | None = None) -> _Opened:
-    """Read, check and unpickle ``path`` (or, given ``data``, the file's content received from rank 0)."""
+          check_run_name: bool, share: tuple[int, int], data: bytes | None = None,
+          peers: list[int] | None = None) -> _Opened:
+    """Read, check and unpickle ``path`` (or, given ``data``, the file's content received from rank
+    0). ``share``: (this rank, of how many) that read it and split its checks; ``peers``: of those,
+    the ranks that read this rank's copy of it (None: all of them)."""
     with _agreement.long_io():  # reading a big file is not a stall, nor are ranks waiting for it
         if data is None:
             target = files.resolve_pointer(path)
             if composer.is_composer_folder(target):
                 content = composer.read_folder(target)
             else:
-                content = files.read(_meta_file(target), share=share)
+                content = files.read(_meta_file(target), share=integrity.within(share, peers))
         else:
             target, content = path, files.read_bytes(data, path)
         content = payload.normalized(content, target)
@@ -352,9 +395,9 @@ def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_on
         meta = opened.meta
         if opened.layout == DEEPSPEED:  # before DeepSpeed unpickles any of them, on any rank
             from lockstep.checkpoint.deepspeed import check_folder
-            check_folder(target, meta or {}, share=share, every=weights_only)
+            check_folder(target, meta or {}, share=share, every=weights_only, peers=peers)
         elif opened.layout == SHARDED:  # before DCP reads any of them, on any rank
-            integrity.check_sharded(target, meta or {}, share)
+            integrity.check_sharded(target, meta or {}, share, peers)
     if meta is None:
         if not weights_only:
             raise CheckpointError(f"{target} holds only model weights (a plain state_dict): pass "

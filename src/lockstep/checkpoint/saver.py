@@ -6,6 +6,7 @@ import copy
 import glob
 import os
 import shutil
+import socket
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle, progress
-from lockstep.checkpoint import files, integrity, ownership, payload, remote, staging, templates, writable
+from lockstep.checkpoint import files, integrity, leftovers, ownership, payload, remote, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -153,6 +154,32 @@ class CheckpointSaver:
         self.release()
         if self.uploader is not None:
             self.uploader.close()
+
+    def sweep_leftovers(self) -> None:
+        """When a job starts (a collective), before autoresume downloads anything, in a bucket's
+        staging folder: the first rank of each node's folder removes what a killed job left there
+        unfinished, partial checkpoint folders and files being written or downloaded
+        (:mod:`leftovers`), also on nodes whose disk rank 0 does not see. No writer of this run is
+        alive then (a live job of the run on rank 0's disk is refused by :meth:`claim`)."""
+        if self.remote is None:
+            return
+        error, place = None, None
+        try:
+            seen = os.stat(self.folder)
+            place = (socket.gethostname(), seen.st_dev, seen.st_ino)  # one folder of one machine
+        except FileNotFoundError:
+            pass  # nothing left on this disk
+        except OSError as e:
+            error = f"cannot read the staging folder {self.folder}: {e}"
+        every = _agreement.gather_small_objects((place, self._patterns()))
+        sharing = [rank for rank, (where, _) in enumerate(every) if where == place]
+        if place is not None and error is None and sharing[0] == dist.get_global_rank():
+            globs = sorted({g for rank in sharing for g in every[rank][1]})
+            try:
+                leftovers.sweep(self.folder, globs)
+            except OSError as e:
+                error = f"cannot remove what a stopped job left in the staging folder {self.folder}: {e}"
+        _agreement.raise_first_error(error, RuntimeError, device=self._device)  # every sweep is done
 
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,

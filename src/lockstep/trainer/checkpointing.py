@@ -166,6 +166,8 @@ def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver:
     if watch:  # a rank that never comes to the load's agreements is a stall the launcher names
         progress.heartbeat(state.timestamp.batch.value)
     try:
+        if saver is not None:  # before any download: what a killed job left half written on each node
+            saver.sweep_leftovers()
         loaded = _load(config, state, layout, saver, run_name_given=run_name_given)
     finally:
         if watch:  # until the first batch ends: a first step may compile for long
@@ -210,8 +212,13 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
     fails as it is. Per-rank files (FSDP ``local``) fall back to the newest step every rank has."""
     template = saver.latest_template
     assert template is not None  # CheckpointConfig: autoresume needs save_latest_filename
-    if saver.remote is not None:  # the local staging folder first, then the bucket
-        fetch.autoresume(saver, layout_name=layout.name, run_name=state.run_name)
+    if saver.remote is not None and not fetch.autoresume(saver, layout_name=layout.name, run_name=state.run_name):
+        if dist.get_global_rank() == 0:
+            warnings.warn(f"autoresume found no complete checkpoint in {saver.remote.uri} (no latest pointer "
+                          f"there yet), and the local copies in {saver.folder} do not serve every rank: they "
+                          f"are what a job stopped before its first checkpoint reached the bucket left on "
+                          f"its nodes; starting fresh", stacklevel=4)
+        return None
     try:
         return loader.load(template, state, layout, run_name=state.run_name,
                            weights_only=False, strict=config.load_strict_model_weights, optional=True,
