@@ -37,17 +37,19 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+def reference(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """The uninterrupted job's parameters under DDP and under FSDP with sharded checkpoints (one
+    launch, which trains each in turn)."""
     tmp = tmp_path_factory.mktemp("reference")
-    result = job(tmp, "clean")
+    result = job(tmp, "clean", "--layouts", "ddp,sharded")
     assert result.returncode == 0, result.stderr
-    assert "attempt 0 resumed at batch 0" in result.stdout
-    return tmp, final(tmp, "clean")
+    assert result.stdout.count("attempt 0 resumed at batch 0") == 2, result.stdout
+    return {layout: torch.load(tmp / f"clean.pt.{layout}", weights_only=True) for layout in ("ddp", "sharded")}
 
 
 @pytest.mark.timeout(240)
 def test_ranks_killed_at_random_steps_restart_and_match(reference, tmp_path: Path) -> None:
-    _, expected = reference
+    expected = reference["ddp"]
     rng = random.Random(1234)
     # three kills of alternating ranks, each later than the last checkpoint before it
     steps = sorted(rng.sample(range(2, 23), 3))
@@ -63,7 +65,7 @@ def test_ranks_killed_at_random_steps_restart_and_match(reference, tmp_path: Pat
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("direct", [False, True], ids=["page_cache", "o_direct"])
 def test_kill_9_in_the_middle_of_a_save_loses_nothing(reference, tmp_path: Path, direct: bool) -> None:
-    _, expected = reference
+    expected = reference["ddp"]
     result = job(tmp_path, "torn", "--kill-in-save", "0:12", *(["--direct"] if direct else []), restarts=1)
     assert result.returncode == 0, result.stderr
     # the torn save left the batch-8 checkpoint as the latest, and the job went on from there
@@ -74,17 +76,15 @@ def test_kill_9_in_the_middle_of_a_save_loses_nothing(reference, tmp_path: Path,
 
 
 @pytest.mark.timeout(240)
-def test_kill_9_of_either_rank_during_background_sharded_writes_loses_nothing(tmp_path: Path) -> None:
+def test_kill_9_of_either_rank_during_background_sharded_writes_loses_nothing(reference, tmp_path: Path) -> None:
     # FSDP sharded checkpoints, written by every rank's thread while training goes on: rank 1 dies
     # as it starts on ba12's shards (attempt 0), rank 0 after ba16's are written but before they
     # are published (attempt 1); each time the checkpoint before stays the latest
-    clean = job(tmp_path, "clean", "--sharded")
-    assert clean.returncode == 0, clean.stderr
     result = job(tmp_path, "torn", "--sharded", "--kill-in-write", "0:1:12", "--kill-in-save", "1:16", restarts=2)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("restarting this node's ranks") == 2, result.stderr
     assert "attempt 2 resumed at batch 12" in result.stdout, result.stdout
-    assert_bitwise(final(tmp_path, "torn"), final(tmp_path, "clean"))
+    assert_bitwise(final(tmp_path, "torn"), reference["sharded"])
     leftovers = [p.name for p in (tmp_path / "torn").iterdir() if p.name.startswith(".")]
     assert leftovers == []
 
@@ -116,7 +116,7 @@ def descendants(pid: int) -> list[int]:
 def test_sigterm_preempts_saves_and_autoresume_matches(reference, tmp_path: Path, everyone: bool) -> None:
     # everyone: a scheduler's preemption signals every process of the job at once, DataLoader
     # workers included; they must not take their rank down before its checkpoint is written
-    _, expected = reference
+    expected = reference["ddp"]
     progress = tmp_path / "progress"
     cmd = [sys.executable, "-m", "lockstep", "-n", "2", str(JOB), "--folder", str(tmp_path / "pre"),
            "--out", str(tmp_path / "pre.pt"), "--save-interval", "100ba", "--sleep", "0.05",

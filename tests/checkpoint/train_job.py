@@ -5,7 +5,9 @@ attempt A (LOCKSTEP_RESTART_COUNT); ``--kill-in-save A:B`` makes rank 0 die on a
 saving the checkpoint of batch B, after the file is written and before it is renamed;
 ``--kill-in-write A:R:B`` makes rank R die as its writer thread starts to write batch B's
 checkpoint. ``--sharded`` trains under FSDP with sharded checkpoints, ``--zero N`` under DeepSpeed
-ZeRO stage N (in both, every rank writes its part of each checkpoint).
+ZeRO stage N (in both, every rank writes its part of each checkpoint). ``--layouts ddp,sharded,...``
+trains each named layout in turn, uninterrupted, in one launch (FOLDER/LAYOUT, OUT.LAYOUT): the
+references of several tests for the cost of one launch.
 """
 
 from __future__ import annotations
@@ -92,10 +94,23 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--direct", action="store_true",
                    help="write every tensor with O_DIRECT, as the writer does with large ones")
+    p.add_argument("--layouts", default=None, help="comma-separated, of " + ", ".join(LAYOUTS))
     args = p.parse_args()
     if args.direct:
         zipwriter.DIRECT_MIN = 1
+    jobs = [args] if args.layouts is None else [
+        argparse.Namespace(**{**vars(args), "sharded": False, "local": False, "zero": None, **LAYOUTS[layout],
+                              "folder": f"{args.folder}/{layout}", "out": f"{args.out}.{layout}"})
+        for layout in args.layouts.split(",")]
+    for one in jobs:
+        train(one)
 
+
+LAYOUTS = {"ddp": {}, "sharded": {"sharded": True}, "local": {"local": True}, "zero2": {"zero": 2}}
+
+
+def train(args: argparse.Namespace) -> None:
+    """One job: train, save, and write rank 0's final weights to ``args.out``."""
     attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
     doomed = {f"-ba{b}-" for a, b in faults(args.kill_in_save) if a == attempt}
     if doomed and dist.get_global_rank() == 0:

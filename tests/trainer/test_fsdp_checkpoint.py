@@ -153,24 +153,21 @@ def test_sharded_saves_write_in_the_background_and_resume_exactly(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba3", "ep1-ba6", "latest-rank0.pt"]
 
 
-def _save_sharded(folder: str) -> None:
-    fit("sharded", folder, "6ba", dropout=False, schedule_in_samples=True)
-
-
 def _resume_sharded(folder: str) -> dict[str, torch.Tensor]:
     return fit("sharded", None, "2ep", load=os.path.join(folder, "ep0-ba3"), dropout=False, schedule_in_samples=True)
 
 
-def _uninterrupted() -> dict[str, torch.Tensor]:
-    return fit("sharded", None, "2ep", dropout=False, schedule_in_samples=True)
+def _uninterrupted(folder: str) -> dict[str, torch.Tensor]:
+    """The whole run, which saves ep0-ba3 (and ba6, ba8) on its way."""
+    return fit("sharded", folder, "2ep", dropout=False, schedule_in_samples=True)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saved_at, resumed_at", [(2, 4), (4, 2)])
 def test_sharded_checkpoint_reshards(saved_at: int, resumed_at: int, tmp_path: Path) -> None:
     # same global batch at both world sizes: the DistributedSampler yields the same global batches
-    reference = run_distributed(_uninterrupted, world_size=saved_at, timeout=120)[0]
-    run_distributed(_save_sharded, world_size=saved_at, args=(str(tmp_path),), timeout=120)
+    reference = run_distributed(_uninterrupted, world_size=saved_at, args=(str(tmp_path),), timeout=120)[0]
+    assert (tmp_path / "ep0-ba3" / "lockstep.pt").is_file()
     for resumed in run_distributed(_resume_sharded, world_size=resumed_at, args=(str(tmp_path),), timeout=120):
         assert_same_params(resumed, reference, atol=1e-5)
 
