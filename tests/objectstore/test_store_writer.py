@@ -105,3 +105,23 @@ def test_the_child_dies_with_its_parent(bucket: str, s3_env: dict[str, str]) -> 
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a forked process, as a data loader worker is")
+def test_close_ends_the_child_while_a_forked_process_holds_its_input_open(bucket: str) -> None:
+    writer = StoreWriter(bucket)
+    forked = os.fork()
+    if forked == 0:  # a data loader worker forked after the writer started: it inherits the pipe
+        time.sleep(60)
+        os._exit(0)
+    try:
+        job = writer.submit([("put", "k", "v")])
+        started = time.monotonic()
+        writer.close()
+        assert time.monotonic() - started < 20
+        outcome = writer.outcome(job)
+        assert outcome is not None and outcome.error is None
+        assert _gone(writer.pid, 5)
+    finally:
+        os.kill(forked, signal.SIGKILL)
+        os.waitpid(forked, 0)

@@ -12,7 +12,7 @@ standard input and answers one JSON line per job on a pipe of its own. Jobs run 
 other, each action tried up to ``num_attempts`` times with growing pauses. Once a job fails for
 good the later ones are not run (a later job, such as a latest pointer, may name what the failed
 one lost); each is answered as skipped. The child dies with the process that started it (Linux's
-parent-death signal), and ends when its input closes.
+parent-death signal), and ends when told to (:meth:`StoreWriter.close`) or when its input closes.
 """
 
 from __future__ import annotations
@@ -120,11 +120,13 @@ class StoreWriter:
         with self._lock:
             self._closing = True
             stdin = self._process.stdin
-        if stdin is not None and not stdin.closed:
-            try:
-                stdin.close()
-            except OSError:
-                pass
+            if stdin is not None and not stdin.closed:
+                # said, not left to the end of input: a forked data loader worker may hold the pipe open
+                try:
+                    stdin.write(json.dumps({"end": True}) + "\n")
+                    stdin.close()
+                except OSError:
+                    pass
         self._process.wait()
         self._reader.join()
 
@@ -208,6 +210,8 @@ def _serve(store: Any, jobs: TextIO, answers: TextIO, num_attempts: int, backoff
     failed = False
     for line in jobs:
         job = json.loads(line)
+        if job.get("end"):
+            return
         answer: dict[str, Any] = {}
         timings: list[tuple[int, float]] = []
         try:
