@@ -61,3 +61,25 @@ def test_overwrite_false_keeps_an_existing_object(bucket: str, tmp_path: Path) -
 def test_a_missing_bucket_is_one_line_at_construction(s3_env: dict[str, str]) -> None:
     error = error_of(_trainer, loggers=[RemoteUploaderDownloader("s3://no-such-logs-bucket")])
     assert "'no-such-logs-bucket'" in error and "does not exist" in error and "\n" not in error, error
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("use_procs", [True, False])
+def test_uploads_with_and_without_a_child_process_keep_going_after_a_failure(bucket: str, tmp_path: Path,
+                                                                            use_procs: bool) -> None:
+    """One file that may not be overwritten fails; the files after it still go up (they do not
+    depend on each other), and the failure is raised once."""
+    remote = RemoteUploaderDownloader(f"s3://{bucket}/p", use_procs=use_procs,
+                                      backend_kwargs={"client_config": {"connect_timeout": 5}})
+    trainer = _trainer(run_name="r3", loggers=[remote])
+    S3ObjectStore(bucket).upload_bytes("p/taken.txt", b"kept")
+    for name in ("taken.txt", "after.txt"):
+        (tmp_path / name).write_text(name)
+        trainer.logger.upload_file(name, tmp_path / name)
+    with pytest.raises(RuntimeError, match=f"s3://{bucket}/p/taken.txt already exists and overwrite=False"):
+        remote.wait_for_workers()
+    assert S3ObjectStore(bucket).read_bytes("p/taken.txt") == b"kept"
+    assert S3ObjectStore(bucket).read_bytes("p/after.txt") == b"after.txt"
+    assert not any((Path(remote._staging_folder())).iterdir())  # the staged copies are removed
+    remote.wait_for_workers()  # raised once
+    trainer.close()

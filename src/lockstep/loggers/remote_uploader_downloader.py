@@ -18,6 +18,7 @@ from lockstep.loggers.logger_destination import LoggerDestination
 from lockstep.objectstore import ObjectStore, S3ObjectStore
 from lockstep.objectstore.probe import problem
 from lockstep.objectstore.uri import check_uri
+from lockstep.objectstore.writer import Outcome, StoreWriter
 
 if TYPE_CHECKING:
     from lockstep.loggers.logger import Logger
@@ -35,8 +36,11 @@ class RemoteUploaderDownloader(LoggerDestination):
     an upload that fails for good raises at the next batch or epoch end, or at the end of ``fit``,
     naming the object. Every rank uploads what it is handed (``rank_zero_only=False``).
 
-    ``backend_kwargs`` go to :class:`lockstep.objectstore.S3ObjectStore`. ``use_procs`` is accepted
-    for Composer's sake: uploads run on threads (boto3 releases the interpreter lock while it sends).
+    ``backend_kwargs`` go to :class:`lockstep.objectstore.S3ObjectStore`. With ``use_procs`` (the
+    default, as Composer's) the uploads run one after the other in a child process, which shares
+    neither the interpreter lock nor the CPU priority of training
+    (:class:`~lockstep.objectstore.writer.StoreWriter`); otherwise on ``num_concurrent_uploads``
+    threads.
     """
 
     rank_zero_only = False
@@ -54,7 +58,10 @@ class RemoteUploaderDownloader(LoggerDestination):
         self._backend: S3ObjectStore | None = None
         self._staging = upload_staging_folder
         self._tempdir: tempfile.TemporaryDirectory[str] | None = None
-        self._pool = ThreadPoolExecutor(num_concurrent_uploads, thread_name_prefix="lockstep-remote-uploader")
+        self._num_concurrent_uploads = num_concurrent_uploads
+        self._pool: ThreadPoolExecutor | None = None
+        self._writer: StoreWriter | None = None
+        """The uploads' child process (``use_procs``), started with the first upload."""
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
         self._failures: list[str] = []
@@ -105,9 +112,27 @@ class RemoteUploaderDownloader(LoggerDestination):
             self._upload(name, copy, overwrite)
             self._raise_failures()
             return
-        future = self._pool.submit(self._upload, name, copy, overwrite)
+        if self.use_procs:
+            with self._lock:
+                if self._writer is None:
+                    bucket = self._backend_kwargs["bucket"]
+                    options = {k: v for k, v in self._backend_kwargs.items() if k != "bucket"}
+                    self._writer = StoreWriter(bucket, store_options=options, num_attempts=self.num_attempts,
+                                               stop_at_failure=False)
+            self._writer.submit([("upload" if overwrite else "upload_new", name, str(copy))], cleanup=str(copy),
+                                then=self._settled)
+            return
         with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._num_concurrent_uploads,
+                                                thread_name_prefix="lockstep-remote-uploader")
+            future = self._pool.submit(self._upload, name, copy, overwrite)
             self._pending = [f for f in self._pending if not f.done()] + [future]
+
+    def _settled(self, outcome: Outcome) -> None:
+        if outcome.error is not None:
+            with self._lock:
+                self._failures.append(outcome.error)
 
     def _staging_folder(self) -> str:
         if self._staging is None:
@@ -151,9 +176,11 @@ class RemoteUploaderDownloader(LoggerDestination):
     def wait_for_workers(self) -> None:
         """Return once every upload handed over so far has ended; raise if one failed."""
         with self._lock:
-            pending = list(self._pending)
+            pending, writer = list(self._pending), self._writer
         for future in pending:
             future.result()
+        if writer is not None:
+            writer.wait()
         self._raise_failures()
 
     def _raise_failures(self) -> None:
@@ -179,7 +206,10 @@ class RemoteUploaderDownloader(LoggerDestination):
         try:
             self.wait_for_workers()
         finally:
-            self._pool.shutdown(wait=True)
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
 
 
 def _first_line(error: BaseException) -> str:

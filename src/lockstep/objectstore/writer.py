@@ -32,8 +32,9 @@ from typing import Any, TextIO
 import lockstep
 
 Action = tuple[str, ...]
-"""``("upload", key, path)``, ``("put", key, text)``, or ``("delete_tree", key)``: the object and
-every object under ``key + "/"``."""
+"""``("upload", key, path)``; ``("upload_new", key, path)``, which fails if the object exists;
+``("put", key, text)``; or ``("delete_tree", key)``: the object and every object under
+``key + "/"``."""
 
 
 @dataclass
@@ -49,12 +50,21 @@ class Outcome:
 
 
 class StoreWriter:
-    """A child process doing ``bucket``'s writes, in the order they are submitted."""
+    """A child process doing ``bucket``'s writes, in the order they are submitted.
 
-    def __init__(self, bucket: str, *, num_attempts: int = 3, backoff_s: float = 0.5, idle: bool = True) -> None:
+    ``store_options`` are further keyword arguments of
+    :class:`~lockstep.objectstore.S3ObjectStore` (``prefix``, ``endpoint_url``, credentials,
+    ``client_config``, ...): they reach the child on its input, not its command line, which other
+    users of the machine can read. With ``stop_at_failure=False`` a failed job does not stop the
+    later ones (files that do not depend on each other, such as a logger's)."""
+
+    def __init__(self, bucket: str, *, store_options: dict[str, Any] | None = None, num_attempts: int = 3,
+                 backoff_s: float = 0.5, stop_at_failure: bool = True, idle: bool = True) -> None:
         if num_attempts < 1:
             raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
         self.bucket = bucket
+        settings = {"bucket": bucket, "store": store_options or {}, "num_attempts": num_attempts,
+                    "backoff_s": backoff_s, "stop_at_failure": stop_at_failure}
         read, write = os.pipe()
         env = dict(os.environ)
         # the child imports lockstep from where this process did, whatever sys.path held then
@@ -62,11 +72,13 @@ class StoreWriter:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "lockstep.objectstore.writer", bucket, str(write), str(os.getpid()),
-                 str(num_attempts), str(backoff_s), "1" if idle else "0"],
+                [sys.executable, "-m", "lockstep.objectstore.writer", str(write), str(os.getpid()), "1" if idle else "0"],
                 stdin=subprocess.PIPE, text=True, env=env, pass_fds=(write,))
         finally:
             os.close(write)
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps(settings) + "\n")
+        self._process.stdin.flush()
         self._answers = os.fdopen(read, "r")
         self._lock = threading.Condition()
         self._sent = 0
@@ -80,7 +92,7 @@ class StoreWriter:
 
     def submit(self, actions: list[Action], *, cleanup: str | None = None,
                then: Callable[[Outcome], None] | None = None) -> int:
-        """Queue a job of ``actions``, done in order; ``cleanup`` (a folder) is removed by the
+        """Queue a job of ``actions``, done in order; ``cleanup`` (a file or folder) is removed by the
         child once the job ends, done or not. ``then`` is called with the job's outcome (on the
         thread that reads the child's answers). Returns the job's number."""
         line = json.dumps({"actions": actions, "cleanup": cleanup}) + "\n"
@@ -159,6 +171,13 @@ class StoreWriter:
 
 def _run(store: Any, action: Action, timings: list[tuple[int, float]]) -> None:
     kind, key = action[0], action[1]
+    if kind == "upload_new":  # as an upload, unless the object exists
+        try:
+            store.get_object_size(key)
+        except FileNotFoundError:
+            kind = "upload"
+        else:
+            raise FileExistsError(f"{store.get_uri(key)} already exists and overwrite=False")
     if kind == "upload":
         started = time.perf_counter()
         store.upload_object(key, action[2])
@@ -174,7 +193,8 @@ def _run(store: Any, action: Action, timings: list[tuple[int, float]]) -> None:
 
 def _describe(store: Any, action: Action) -> str:
     kind, key = action[0], action[1]
-    what = {"upload": f"upload {Path(action[-1]).name} to", "put": "write", "delete_tree": "delete"}[kind]
+    what = {"upload": f"upload {Path(action[-1]).name} to", "upload_new": f"upload {Path(action[-1]).name} to",
+            "put": "write", "delete_tree": "delete"}[kind]
     return f"{what} {store.get_uri(key)}"
 
 
@@ -184,6 +204,8 @@ def _attempt(store: Any, action: Action, num_attempts: int, backoff_s: float,
         try:
             _run(store, action, timings)
             return
+        except FileExistsError:
+            raise  # no attempt would change that
         except Exception as e:
             if attempt + 1 == num_attempts:
                 detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -206,7 +228,8 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(0)
 
 
-def _serve(store: Any, jobs: TextIO, answers: TextIO, num_attempts: int, backoff_s: float) -> None:
+def _serve(store: Any, jobs: TextIO, answers: TextIO, num_attempts: int, backoff_s: float,
+           stop_at_failure: bool) -> None:
     failed = False
     for line in jobs:
         job = json.loads(line)
@@ -221,18 +244,21 @@ def _serve(store: Any, jobs: TextIO, answers: TextIO, num_attempts: int, backoff
             for action in job["actions"]:
                 _attempt(store, tuple(action), num_attempts, backoff_s, timings)
         except Exception as e:
-            failed = True
+            failed = stop_at_failure
             answer["error"] = str(e)
         finally:
-            if job.get("cleanup"):
-                shutil.rmtree(job["cleanup"], ignore_errors=True)
+            cleanup = job.get("cleanup")
+            if cleanup and os.path.isdir(cleanup):
+                shutil.rmtree(cleanup, ignore_errors=True)
+            elif cleanup:
+                Path(cleanup).unlink(missing_ok=True)
             answer["timings"] = timings
             answers.write(json.dumps(answer) + "\n")
             answers.flush()
 
 
 def main(argv: list[str]) -> None:
-    bucket, fd, parent, num_attempts, backoff_s, idle_only = argv
+    fd, parent, idle_only = argv
     _die_with_parent(int(parent))
     if idle_only == "1":
         from lockstep import idle
@@ -241,9 +267,11 @@ def main(argv: list[str]) -> None:
     answers = os.fdopen(int(fd), "w")
     # the client's own prints must not reach the answers, nor the job's output as if the rank's
     os.dup2(2, 1)
+    settings = json.loads(sys.stdin.readline())
     from lockstep.objectstore import S3ObjectStore
 
-    _serve(S3ObjectStore(bucket), sys.stdin, answers, int(num_attempts), float(backoff_s))
+    store = S3ObjectStore(settings["bucket"], **settings["store"])
+    _serve(store, sys.stdin, answers, settings["num_attempts"], settings["backoff_s"], settings["stop_at_failure"])
 
 
 if __name__ == "__main__":
