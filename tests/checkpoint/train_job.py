@@ -136,6 +136,10 @@ def train(args: argparse.Namespace) -> None:
                       {"state_dict_type": "local"} if args.local else None,
                       deepspeed_config=None if args.zero is None else {"zero_optimization": {"stage": args.zero}},
                       callbacks=[Faults(faults(args.kill), args.sleep, args.progress)])
+    uploader = trainer.saver.uploader if trainer.saver is not None else None
+    if uploader is not None:  # an upload process only on ranks that upload: DDP's rank 0, every rank of the rest
+        folder_layout = args.sharded or args.local or args.zero is not None
+        assert (uploader._writer is not None) == (folder_layout or dist.get_global_rank() == 0)
     start = trainer.state.timestamp.batch
     trainer.fit()
     weights = full_params(model)  # a collective under FSDP

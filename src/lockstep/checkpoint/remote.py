@@ -90,13 +90,17 @@ class Uploader:
     (:class:`~lockstep.objectstore.writer.StoreWriter`). Create it on the thread that lives as long
     as the process (the child dies with that thread)."""
 
-    def __init__(self, folder: RemoteFolder, rank: int, *, num_attempts: int = 3, backoff_s: float = 0.5) -> None:
+    def __init__(self, folder: RemoteFolder, rank: int, *, num_attempts: int = 3, backoff_s: float = 0.5,
+                 active: bool = True) -> None:
         if num_attempts < 1:
             raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
         self.folder, self.rank = folder, rank
         # links left by this rank's process of an earlier attempt, killed while it uploaded
         shutil.rmtree(folder.local / _UPLOADING / f"rank{rank}", ignore_errors=True)
-        self._writer = StoreWriter(folder.store.bucket, num_attempts=num_attempts, backoff_s=backoff_s)
+        self._writer = StoreWriter(folder.store.bucket, num_attempts=num_attempts, backoff_s=backoff_s) \
+            if active else None
+        """The upload process; None on a rank that uploads nothing (``active=False``: DDP's ranks but
+        rank 0), which then starts none."""
         self._lock = threading.Lock()
         self._done: list[str] = []
         self._failure: str | None = None
@@ -124,7 +128,7 @@ class Uploader:
             shutil.rmtree(staged, ignore_errors=True)
             self._fail(f"could not stage {name} for upload: {e}")
             return
-        self._writer.submit(links, cleanup=str(staged.resolve()), then=lambda outcome: self._uploaded(name, outcome))
+        self._started().submit(links, cleanup=str(staged.resolve()), then=lambda outcome: self._uploaded(name, outcome))
 
     def _uploaded(self, name: str, outcome: Outcome) -> None:
         with self._lock:
@@ -139,11 +143,11 @@ class Uploader:
         (``pointer_key``) at ``target_key``, then delete the checkpoints ``remove`` (names relative
         to the folder) from the bucket."""
         if pointer_key is not None:
-            self._writer.submit([("put", pointer_key, target_key)], then=lambda outcome: self._pointed(name, outcome))
+            self._started().submit([("put", pointer_key, target_key)], then=lambda outcome: self._pointed(name, outcome))
         else:
             self.published = name
         if remove:
-            self._writer.submit([("delete_tree", self.folder.key_of(old)) for old in remove], then=self._settled)
+            self._started().submit([("delete_tree", self.folder.key_of(old)) for old in remove], then=self._settled)
 
     def _pointed(self, name: str, outcome: Outcome) -> None:
         if outcome.error is None and not outcome.skipped:
@@ -166,11 +170,18 @@ class Uploader:
 
     def drain(self) -> None:
         """Return once every upload handed over so far has ended."""
-        self._writer.wait()
+        if self._writer is not None:
+            self._writer.wait()
 
     def close(self) -> None:
         """End the upload process once it has done what it was given."""
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def _started(self) -> StoreWriter:
+        if self._writer is None:
+            raise RuntimeError(f"rank {self.rank} was not meant to upload to {self.folder.uri} (Uploader(active=False))")
+        return self._writer
 
 
 def is_remote(path: object) -> bool:

@@ -79,7 +79,8 @@ class CheckpointSaver:
         self.uploader: remote.Uploader | None = None
         if remote.is_remote(config.save_folder):
             self.remote = remote.RemoteFolder.of(templates.format_name(config.save_folder, self.place), self.folder)
-            self.uploader = remote.Uploader(self.remote, dist.get_global_rank())
+            self.uploader = remote.Uploader(self.remote, dist.get_global_rank(),
+                                            active=self.writes or layout in FOLDER_LAYOUTS)
         self._uploaded: dict[int, tuple[str, list[str]]] = {}
         """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's
         name of it and the save history it was saved with."""
