@@ -196,8 +196,8 @@ def main() -> None:
           f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
           f"every {args.every} steps")
     # each round against its own no-save run: drift between rounds cancels
-    paired = {mode: statistics.median(x["steps_per_s"] / y["steps_per_s"] for x, y in zip(results[mode], results["none"]))
-              for mode in results}
+    paired = {mode: statistics.median(x["steps_per_s"] / y["steps_per_s"]
+                                      for x, y in zip(results[mode], results["none"])) for mode in results}
     print(f"{'':<46}{'steps/s':>10}{'ratio':>8}{'paired':>8}")
     rows = [("none", "no saves"), ("local", "save to a local folder"),
             ("s3", f"save to s3:// every {args.every} steps"), ("client", "no saves, a plain client uploading beside")]

@@ -44,7 +44,8 @@ def test_jobs_run_in_order_and_stop_at_the_first_failure(bucket: str, tmp_path: 
         seen: list[str] = []
         first = writer.submit([("upload", "ck/a.bin", str(staged / "a.bin")), ("put", "ck/latest", "ck/a.bin")],
                               cleanup=str(staged), then=lambda o: seen.append("first"))
-        lost = writer.submit([("upload", "ck/b.bin", str(tmp_path / "missing.bin"))], then=lambda o: seen.append("lost"))
+        lost = writer.submit([("upload", "ck/b.bin", str(tmp_path / "missing.bin"))],
+                             then=lambda o: seen.append("lost"))
         after = writer.submit([("put", "ck/latest", "ck/b.bin")], then=lambda o: seen.append("after"))
         assert writer.wait(timeout=60)
         assert seen == ["first", "lost", "after"]

@@ -4,9 +4,9 @@ local disk, which keys they get, and the uploads that take them there.
 Checkpoints are first written and published locally exactly as to a local ``save_folder`` (in
 ``.lockstep/s3/BUCKET/PREFIX`` under the working directory), then each rank uploads the files it
 wrote, from a child process of its own (see :mod:`lockstep.objectstore.writer`), in parts and in
-parallel for large files (the client's transfer manager), each file tried up to ``num_attempts`` times with growing pauses. Files are uploaded from
-hard links made as soon as they are published, so that the local rotation may delete a checkpoint
-whose upload is still running.
+parallel for large files (the client's transfer manager), each file tried up to ``num_attempts``
+times with growing pauses. Files are uploaded from hard links made as soon as they are published,
+so that the local rotation may delete a checkpoint whose upload is still running.
 
 The bucket's latest pointer (``<save_latest_filename>.symlink``, holding the key of the checkpoint,
 as Composer's) is moved only once every rank has uploaded every part of a checkpoint: the saver
@@ -143,7 +143,8 @@ class Uploader:
         (``pointer_key``) at ``target_key``, then delete the checkpoints ``remove`` (names relative
         to the folder) from the bucket."""
         if pointer_key is not None:
-            self._started().submit([("put", pointer_key, target_key)], then=lambda outcome: self._pointed(name, outcome))
+            self._started().submit([("put", pointer_key, target_key)],
+                                   then=lambda outcome: self._pointed(name, outcome))
         else:
             self.published = name
         if remove:
@@ -180,7 +181,8 @@ class Uploader:
 
     def _started(self) -> StoreWriter:
         if self._writer is None:
-            raise RuntimeError(f"rank {self.rank} was not meant to upload to {self.folder.uri} (Uploader(active=False))")
+            raise RuntimeError(f"rank {self.rank} was not meant to upload to {self.folder.uri} "
+                               f"(Uploader(active=False))")
         return self._writer
 
 

@@ -72,7 +72,8 @@ class StoreWriter:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "lockstep.objectstore.writer", str(write), str(os.getpid()), "1" if idle else "0"],
+                [sys.executable, "-m", "lockstep.objectstore.writer", str(write), str(os.getpid()),
+                 "1" if idle else "0"],
                 stdin=subprocess.PIPE, text=True, env=env, pass_fds=(write,))
         finally:
             os.close(write)
@@ -102,7 +103,8 @@ class StoreWriter:
             if then is not None:
                 self._callbacks[job] = then
             if self._ended is not None or self._closing:
-                self._settle(job, Outcome(error=self._ended or f"the upload process for bucket {self.bucket!r} was closed"))
+                self._settle(job, Outcome(error=self._ended or f"the upload process for bucket {self.bucket!r} "
+                                                               f"was closed"))
                 return job
             try:
                 assert self._process.stdin is not None
@@ -158,7 +160,8 @@ class StoreWriter:
                 self._ended = f"the upload process for bucket {self.bucket!r} {how}"
             for pending in range(job + 1, self._sent + 1):
                 if pending not in self._outcomes:
-                    self._settle(pending, Outcome(error=self._ended))
+                    self._settle(pending, Outcome(error=self._ended or f"the upload process for bucket "
+                                                                       f"{self.bucket!r} ended before this job"))
 
     def _settle(self, job: int, outcome: Outcome) -> None:
         """Record ``job``'s outcome (the lock held) and call its callback."""
