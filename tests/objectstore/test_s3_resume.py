@@ -5,7 +5,8 @@ ends with the uninterrupted job's parameters, bit for bit; two nodes of two rank
 fresh disks, each node downloading only the parts its ranks read; a job killed before any
 checkpoint reached the bucket starts fresh on its partial local copies, with each node's
 unfinished files swept; each node checks its own copy of the files every rank reads; and a
-single-file copy that only another node holds gives way to the bucket's."""
+single-file copy that only another node holds gives way to the bucket's; and a damaged local copy
+of the newest checkpoint is set aside and downloaded again from the bucket."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.checkpoint import integrity
+from lockstep.checkpoint import files, integrity
 from lockstep.objectstore import S3ObjectStore
 from tests.checkpoint.test_faults import descendants
 from tests.launcher.conftest import launch, wait_gone
@@ -324,3 +325,44 @@ def test_a_single_file_copy_on_another_node_gives_way_to_the_bucket(bucket: str,
     assert "attempt 0 resumed at batch 4" in out, out
     assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
                    torch.load(tmp_path / "clean.pt", weights_only=True))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind, damaged", [("ddp", ""), ("sharded", "__1_0.distcp")])
+def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, tmp_path: Path, kind: str,
+                                                                 damaged: str) -> None:
+    """One node of two ranks saves to the bucket through its staging folder; as if it had stopped
+    after batch 8 (both pointers set back to the batch-8 checkpoint, the local batch-12 one gone),
+    a byte is flipped in the local copy of a file a rank reads (the single file under DDP, rank 1's
+    shard under FSDP sharded). Autoresume sets that copy aside, downloads the bucket's, resumes from
+    batch 8 (not from the local batch-4 one) and ends with the uninterrupted run's parameters,
+    saying so once on rank 0."""
+    folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
+    cwd = tmp_path / "node"
+    first = job(cwd, folder, tmp_path / "clean.pt", *extra)
+    assert first.returncode == 0, first.stderr[-3000:]
+    staged = cwd / ".lockstep" / "s3" / bucket / "runs" / "job"
+    name = next(p.name for p in staged.glob("*-ba8-rank0.pt"))
+    store.upload_bytes("runs/job/latest-rank0.pt.symlink", f"runs/job/{name}".encode())
+    for newer in staged.glob("*-ba12-rank0.pt"):
+        files.remove(newer)
+    for pointer in staged.glob("latest-rank*.pt"):
+        pointer.unlink()
+        pointer.symlink_to(name)
+    flipped = staged / name / damaged if damaged else staged / name
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    flipped.write_bytes(bytes(data))
+
+    again = job(cwd, folder, tmp_path / "second.pt", *extra)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "attempt 0 resumed at batch 8" in again.stdout, again.stdout + again.stderr[-3000:]
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    said = re.findall(r"autoresume found the local copy of the newest checkpoint damaged \(.*\); set it aside as "
+                      rf"\S+/{re.escape(name)}\.damaged, downloaded the bucket's copy s3://{bucket}/runs/job/"
+                      rf"{re.escape(name)} again and resumed from it", again.stderr)
+    assert len(said) == 1, again.stderr[-3000:]
+    assert "skipped the newest checkpoint" not in again.stderr
+    assert (staged / f"{name}.damaged").exists()
+    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
