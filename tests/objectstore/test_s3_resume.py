@@ -351,29 +351,39 @@ def _stopped_after_batch_8(store: S3ObjectStore, cwd: Path, folder: str, out: Pa
     assert first.returncode == 0, first.stderr[-3000:]
     staged = cwd / ".lockstep" / "s3" / bucket / "runs" / "job"
     name = next(p.name for p in staged.glob("*-ba8-rank0.pt"))
-    store.upload_bytes("runs/job/latest-rank0.pt.symlink", f"runs/job/{name}".encode())
-    for newer in staged.glob("*-ba12-rank0.pt"):
+    for newer in staged.glob("*-ba12-rank*.pt"):
         files.remove(newer)
-    for pointer in staged.glob("latest-rank*.pt"):
+    for pointer in staged.glob("latest-rank*.pt"):  # FSDP local: each rank's pointer names its own file
+        own = name.replace("-rank0.pt", pointer.name[len("latest"):])
+        target = own if (staged / own).exists() else name
         pointer.unlink()
-        pointer.symlink_to(name)
+        pointer.symlink_to(target)
+        if store.list_objects(f"runs/job/{pointer.name}.symlink"):
+            store.upload_bytes(f"runs/job/{pointer.name}.symlink", f"runs/job/{target}".encode())
+    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode() == f"runs/job/{name}"
     return staged, name
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, damaged", [("ddp", ""), ("sharded", "__1_0.distcp")])
+@pytest.mark.parametrize("kind, damaged", [("ddp", ""), ("sharded", "__1_0.distcp"), ("local", ""),
+                                           ("zero2", "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt")])
 def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, tmp_path: Path, kind: str,
                                                                  damaged: str) -> None:
     """One node of two ranks saves to the bucket through its staging folder; as if it had stopped
     after batch 8 (both pointers set back to the batch-8 checkpoint, the local batch-12 one gone),
     a byte is flipped in the local copy of a file a rank reads (the single file under DDP, rank 1's
-    shard under FSDP sharded). Autoresume sets that copy aside, downloads the bucket's, resumes from
+    shard under FSDP sharded, rank 1's own file under FSDP local, rank 1's optimizer partition under
+    DeepSpeed ZeRO-2). Autoresume sets that copy aside, downloads the bucket's, resumes from
     batch 8 (not from the local batch-4 one) and ends with the uninterrupted run's parameters,
     saying so once on rank 0."""
+    _skip_without_deepspeed(kind)
     folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
     cwd = tmp_path / "node"
     staged, name = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, extra)
-    _flip_a_byte(staged / name / damaged if damaged else staged / name)
+    if kind == "local":  # rank 1's own file
+        _flip_a_byte(staged / name.replace("-rank0.pt", "-rank1.pt"))
+    else:
+        _flip_a_byte(staged / name / damaged if damaged else staged / name)
 
     again = job(cwd, folder, tmp_path / "second.pt", *extra)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -381,8 +391,9 @@ def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, t
     assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
                    torch.load(tmp_path / "clean.pt", weights_only=True))
     said = re.findall(r"autoresume found the local copy of the newest checkpoint damaged \(.*\); set it aside as "
-                      rf"\S+/{re.escape(name)}\.damaged, downloaded the bucket's copy s3://{bucket}/runs/job/"
-                      rf"{re.escape(name)} again and resumed from it", again.stderr)
+                      rf"\S+/{re.escape(name)}\.damaged(, \S+\.damaged)*, downloaded the bucket's copy "
+                      rf"s3://{bucket}/runs/job/{re.escape(name)}( \(each rank its own file\))? again and "
+                      r"resumed from it", again.stderr)
     assert len(said) == 1, again.stderr[-3000:]
     assert "skipped the newest checkpoint" not in again.stderr
     assert (staged / f"{name}.damaged").exists()

@@ -151,7 +151,8 @@ def redownload(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> tu
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # before any download
     if per_rank:
         _per_rank_files(saver, run_name)
-        uri = folder.uri
+        downloaded = files.resolve_pointer(saver.latest).relative_to(saver.folder).as_posix()
+        uri = f"{folder.store.get_uri(folder.key_of(downloaded))} (each rank its own file)"
     else:
         key = targets[0]
         local = saver.folder / key[len(folder.key_of("")):]
