@@ -5,7 +5,8 @@ ends with the uninterrupted job's parameters, bit for bit; two nodes of two rank
 fresh disks, each node downloading only the parts its ranks read; a job killed before any
 checkpoint reached the bucket starts fresh on its partial local copies, with each node's
 unfinished files swept; each node checks its own copy of the files every rank reads; and a
-single-file copy that only another node holds gives way to the bucket's."""
+single-file copy that only another node holds gives way to the bucket's; and a damaged local copy
+of the newest checkpoint is set aside and downloaded again from the bucket."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.checkpoint import integrity
+from lockstep.checkpoint import files, integrity
 from lockstep.objectstore import S3ObjectStore
 from tests.checkpoint.test_faults import descendants
 from tests.launcher.conftest import launch, wait_gone
@@ -264,22 +265,24 @@ def test_killed_before_the_bucket_held_a_checkpoint_starts_fresh_and_cleans_ever
     assert (published / "lockstep.pt").read_bytes() == b"kept"
 
 
-def _fails(procs: list[subprocess.Popen]) -> str:
-    """Both nodes' stderr, once both ended with a non-zero exit status."""
+def _succeed(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    """Each node's stdout and stderr, once both ended with exit status 0."""
     try:
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
         _kill_all(procs)
-    assert all(p.returncode != 0 for p in procs), [out[-3000:] for out, _ in outs]
-    return "\n".join(err for _, err in outs)
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    return outs
 
 
 @pytest.mark.timeout(300)
-def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(bucket: str, tmp_path: Path) -> None:
+def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(reference, bucket: str,
+                                                                    tmp_path: Path) -> None:
     """Two nodes of one rank, each holding in its staging folder its own copy of what its rank
     reads of a sharded checkpoint (as a resume from the bucket leaves it). Both ranks read DCP's
     .metadata, which one rank alone used to check, on its own node's copy: node 1's copy, damaged
-    in transit (one flipped byte), is caught by node 1 before anything loads, naming the file."""
+    in transit (one flipped byte), is caught by node 1 before anything loads, naming the file;
+    then each node sets its copy aside and downloads the bucket's, and the run ends exact."""
     folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
     saved = job(tmp_path / "saver", folder, tmp_path / "saved.pt", "--sharded", "--batches", "4")
     assert saved.returncode == 0, saved.stderr
@@ -302,8 +305,14 @@ def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(bucket: str
     data[len(data) // 2] ^= 0x10
     damaged.write_bytes(bytes(data))
 
-    err = _fails(_nodes((tmp_path / "n0", tmp_path / "n1"), folder, tmp_path / "out.pt", "--sharded", per_node=1))
-    assert re.search(r"rank 1: checkpoint \S+ is damaged: \.metadata fails its CRC32 check", err), err[-3000:]
+    (out, err), _ = _succeed(_nodes((tmp_path / "n0", tmp_path / "n1"), folder, tmp_path / "out.pt", "--sharded",
+                                    per_node=1))
+    assert "attempt 0 resumed at batch 4" in out, out
+    assert re.search(r"autoresume found the local copy of the newest checkpoint damaged \(rank 1: checkpoint \S+ is "
+                     r"damaged: \.metadata fails its CRC32 check.*downloaded the bucket's copy", err), err[-3000:]
+    assert_bitwise(torch.load(tmp_path / "out.pt", weights_only=True), reference("sharded"))
+    for node in (0, 1):  # each disk held a copy of that checkpoint
+        assert (tmp_path / f"n{node}" / ".lockstep" / "s3" / bucket / f"{key}.damaged").is_dir()
 
 
 @pytest.mark.timeout(300)
@@ -324,3 +333,90 @@ def test_a_single_file_copy_on_another_node_gives_way_to_the_bucket(bucket: str,
     assert "attempt 0 resumed at batch 4" in out, out
     assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
                    torch.load(tmp_path / "clean.pt", weights_only=True))
+
+
+def _flip_a_byte(path: Path) -> bytes:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def _stopped_after_batch_8(store: S3ObjectStore, cwd: Path, folder: str, out: Path, bucket: str,
+                           extra: list[str]) -> tuple[Path, str]:
+    """A one-node job of two ranks saved at batches 4, 8 and 12 to the bucket, then set back as if it
+    had stopped after batch 8: both pointers (the bucket's, the staging folder's) name the batch-8
+    checkpoint, and the local batch-12 one is gone. The staging folder and that checkpoint's name."""
+    first = job(cwd, folder, out, *extra)
+    assert first.returncode == 0, first.stderr[-3000:]
+    staged = cwd / ".lockstep" / "s3" / bucket / "runs" / "job"
+    name = next(p.name for p in staged.glob("*-ba8-rank0.pt"))
+    for newer in staged.glob("*-ba12-rank*.pt"):
+        files.remove(newer)
+    for pointer in staged.glob("latest-rank*.pt"):  # FSDP local: each rank's pointer names its own file
+        own = name.replace("-rank0.pt", pointer.name[len("latest"):])
+        target = own if (staged / own).exists() else name
+        pointer.unlink()
+        pointer.symlink_to(target)
+        if store.list_objects(f"runs/job/{pointer.name}.symlink"):
+            store.upload_bytes(f"runs/job/{pointer.name}.symlink", f"runs/job/{target}".encode())
+    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode() == f"runs/job/{name}"
+    return staged, name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind, damaged", [("ddp", ""), ("sharded", "__1_0.distcp"), ("local", ""),
+                                           ("zero2", "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt")])
+def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, tmp_path: Path, kind: str,
+                                                                 damaged: str) -> None:
+    """One node of two ranks saves to the bucket through its staging folder; as if it had stopped
+    after batch 8 (both pointers set back to the batch-8 checkpoint, the local batch-12 one gone),
+    a byte is flipped in the local copy of a file a rank reads (the single file under DDP, rank 1's
+    shard under FSDP sharded, rank 1's own file under FSDP local, rank 1's optimizer partition under
+    DeepSpeed ZeRO-2). Autoresume sets that copy aside, downloads the bucket's, resumes from
+    batch 8 (not from the local batch-4 one) and ends with the uninterrupted run's parameters,
+    saying so once on rank 0."""
+    _skip_without_deepspeed(kind)
+    folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
+    cwd = tmp_path / "node"
+    staged, name = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, extra)
+    if kind == "local":  # rank 1's own file
+        _flip_a_byte(staged / name.replace("-rank0.pt", "-rank1.pt"))
+    else:
+        _flip_a_byte(staged / name / damaged if damaged else staged / name)
+
+    again = job(cwd, folder, tmp_path / "second.pt", *extra)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "attempt 0 resumed at batch 8" in again.stdout, again.stdout + again.stderr[-3000:]
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    said = re.findall(r"autoresume found the local copy of the newest checkpoint damaged \(.*\); set it aside as "
+                      rf"\S+/{re.escape(name)}\.damaged(, \S+\.damaged)*, downloaded the bucket's copy "
+                      rf"s3://{bucket}/runs/job/{re.escape(name)}( \(each rank its own file\))? again and "
+                      r"resumed from it", again.stderr)
+    assert len(said) == 1, again.stderr[-3000:]
+    assert "skipped the newest checkpoint" not in again.stderr
+    assert (staged / f"{name}.damaged").exists()
+    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
+
+
+@pytest.mark.timeout(300)
+def test_when_the_bucket_copy_is_damaged_too_autoresume_falls_back_to_an_older_local_one(
+        bucket: str, tmp_path: Path) -> None:
+    """As above (DDP), with the same byte flipped in the bucket's copy too: the download does not
+    load either, so autoresume falls back to the local batch-4 checkpoint, saying both, and still
+    ends with the uninterrupted run's parameters."""
+    folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
+    cwd = tmp_path / "node"
+    staged, name = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, [])
+    store.upload_bytes(f"runs/job/{name}", _flip_a_byte(staged / name))
+
+    again = job(cwd, folder, tmp_path / "second.pt")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "attempt 0 resumed at batch 4" in again.stdout, again.stdout + again.stderr[-3000:]
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    assert len(re.findall(rf"the copy downloaded again from s3://{bucket}/runs/job/{re.escape(name)} does not "
+                          r"load either", again.stderr)) == 1, again.stderr[-3000:]
+    assert len(re.findall(r"autoresume skipped the newest checkpoint, which does not load .*; resumed from "
+                          r"\S+-ba4-rank0\.pt instead", again.stderr)) == 1, again.stderr[-3000:]

@@ -107,6 +107,83 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bo
     return any(_agreement.gather_small_objects(downloaded)) or not any(seen)
 
 
+def redownload(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> tuple[str, list[str]] | None:
+    """After the local copy of the newest checkpoint failed to load as damaged (every rank agreed,
+    before any rank loaded anything), a collective: set that copy aside with the ``.damaged``
+    suffix, on each staging folder that holds it, then download the checkpoint the bucket's
+    pointer names as :func:`autoresume` does on a fresh machine (each rank what it reads) and
+    point the local pointers at it. Returns the bucket's URI of what was downloaded and the copies
+    set aside (every rank's); None, having touched nothing, when the bucket has no pointer.
+    Raises CheckpointError, on every rank, when a download fails."""
+    folder = saver.remote
+    assert folder is not None and saver.latest is not None and saver.latest_template is not None
+    from lockstep.checkpoint.loader import candidates
+
+    what, rank = f"autoresume from {folder.uri}", dist.get_global_rank()
+    per_rank = layout_name == LOCAL
+    target, error = None, None
+    if per_rank or rank == 0:  # per-rank files: each rank's own pointer; else rank 0's
+        try:
+            target = _pointer_target(saver)
+        except Exception as e:
+            error = f"{what}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    targets = _agreement.gather_small_objects(target)
+    if all(t is None for t in targets) or (not per_rank and targets[0] is None):
+        return None
+    own, zero = candidates(saver.latest_template, run_name)
+    followed = next((p for p in ((own,) if per_rank else (own, zero)) if p.is_symlink()), None)
+    damaged = None if followed is None else followed.parent / os.readlink(followed)
+    place = (socket.gethostname(), *_identity_of(saver.folder))
+    every = _agreement.gather_small_objects((place, _absolute(followed), _absolute(damaged)))
+    sharing = [r for r, (where, _, _) in enumerate(every) if where == place]
+    first = per_rank or rank == sharing[0]  # per-rank files: no rank reads another's
+    mine = (rank,) if per_rank else sharing
+    aside: list[str] = []
+    error = None
+    if first:
+        for path in sorted({every[r][2] for r in mine if every[r][2] is not None}):
+            try:
+                if os.path.lexists(path):
+                    aside.append(str(files.set_aside(Path(path))))
+            except OSError as e:
+                error = f"{what}: could not set the damaged {path} aside: {e}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # before any download
+    if per_rank:
+        _per_rank_files(saver, run_name)
+        downloaded = files.resolve_pointer(saver.latest).relative_to(saver.folder).as_posix()
+        uri = f"{folder.store.get_uri(folder.key_of(downloaded))} (each rank its own file)"
+    else:
+        key = targets[0]
+        local = saver.folder / key[len(folder.key_of("")):]
+        if layout_name in FOLDER_LAYOUTS:
+            download_folder(folder.store, key, local, what=what, device=saver._device)
+        error = None
+        if first:
+            try:
+                if layout_name not in FOLDER_LAYOUTS:
+                    _download(folder.store, key, local)
+                for pointer in sorted({every[r][1] for r in sharing if every[r][1]} | {_absolute(zero)}):
+                    files.point_latest(Path(pointer), local)
+            except Exception as e:
+                error = f"{what}: {_line(e)}"
+        _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # every copy in place
+        uri = folder.store.get_uri(key)
+    every_aside = sorted({p for one in _agreement.gather_small_objects(aside) for p in one})
+    return uri, every_aside
+
+
+def _identity_of(path: Path) -> tuple[int, int]:
+    """The device and inode of the folder ``path`` (made if missing): what tells staging folders apart."""
+    path.mkdir(parents=True, exist_ok=True)
+    seen = os.stat(path)
+    return seen.st_dev, seen.st_ino
+
+
+def _absolute(path: Path | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
+
+
 def _pointer_target(saver: CheckpointSaver) -> str | None:
     """The key the bucket's latest pointer names; None when there is no pointer (nothing saved yet)."""
     folder, pointer = saver.remote, saver.latest

@@ -39,6 +39,19 @@ class DamagedCheckpoint(CheckpointError):
     may still be good, where one that does not fit the run would not be."""
 
 
+DAMAGED = ".damaged"
+"""The suffix autoresume gives a damaged newest checkpoint it resumed past (kept to look at)."""
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the damaged checkpoint ``path`` with the ``.damaged`` suffix, over one set aside at
+    an earlier resume; the new path."""
+    aside = path.with_name(path.name + DAMAGED)
+    remove(aside)
+    os.replace(path, aside)
+    return aside
+
+
 def temp_path(path: Path, pid: int | None = None) -> Path:
     """The temporary name beside ``path`` of a writer process (this one by default)."""
     return path.with_name(f".{path.name}.tmp.{os.getpid() if pid is None else pid}")

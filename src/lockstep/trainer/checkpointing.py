@@ -12,7 +12,7 @@ import torch
 
 from lockstep import dist, progress
 from lockstep.checkpoint import fetch, loader, remote, templates
-from lockstep.checkpoint.files import DamagedCheckpoint, point_latest, remove
+from lockstep.checkpoint.files import DAMAGED, CheckpointError, DamagedCheckpoint, point_latest, set_aside
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
 from lockstep.callbacks.load_checkpoint import LoadCheckpoint
@@ -21,9 +21,6 @@ from lockstep.checkpoint.layout import LOCAL, SINGLE, Layout
 from lockstep.core.event import Event
 from lockstep.time import Time, Timestamp
 from lockstep.trainer.data import DataPosition, rank_entry, resume_caveat
-
-DAMAGED = ".damaged"
-"""The suffix autoresume gives a damaged newest checkpoint it resumed past."""
 
 if TYPE_CHECKING:
     from lockstep.state import State
@@ -224,6 +221,10 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
                            weights_only=False, strict=config.load_strict_model_weights, optional=True,
                            what="autoresume's latest pointer")
     except DamagedCheckpoint as newest:
+        if saver.remote is not None:
+            again = _from_bucket_copy(config, state, layout, saver, newest)
+            if again is not None:
+                return again
         per_rank = layout.name == LOCAL
         for path in _older_checkpoints(saver, per_rank=per_rank):
             try:
@@ -240,6 +241,42 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
         raise
 
 
+def _from_bucket_copy(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver,
+                      newest: DamagedCheckpoint) -> loader.Loaded | None:
+    """A bucket save_folder whose local copy of the newest checkpoint is damaged: set that copy
+    aside, download the bucket's copy of the checkpoint its pointer names, and load it (a
+    collective; every rank decides alike). None, with a warning, when the bucket has none or its
+    copy does not load either: then autoresume falls back to older local checkpoints."""
+    assert saver.remote is not None and saver.latest_template is not None
+    rank, where = dist.get_global_rank(), saver.remote.uri
+    try:
+        done = fetch.redownload(saver, layout_name=layout.name, run_name=state.run_name)
+    except CheckpointError as e:  # agreed: raised on every rank
+        if rank == 0:
+            warnings.warn(f"autoresume found the local copy of the newest checkpoint damaged ({newest}) and "
+                          f"could not download it again from {where} ({e}); trying older local checkpoints",
+                          stacklevel=5)
+        return None
+    if done is None:
+        return None  # no pointer in the bucket: nothing there to download
+    uri, aside = done
+    try:
+        loaded = loader.load(saver.latest_template, state, layout, run_name=state.run_name, weights_only=False,
+                             strict=config.load_strict_model_weights, optional=True,
+                             what="autoresume's download from the bucket")
+    except DamagedCheckpoint as again:
+        if rank == 0:
+            warnings.warn(f"autoresume found the local copy of the newest checkpoint damaged ({newest}), and "
+                          f"the copy downloaded again from {uri} does not load either ({again}); trying older "
+                          f"local checkpoints", stacklevel=5)
+        return None
+    if rank == 0 and loaded is not None:
+        moved = f"set it aside as {', '.join(aside)}" if aside else "it was gone when set aside"
+        warnings.warn(f"autoresume found the local copy of the newest checkpoint damaged ({newest}); {moved}, "
+                      f"downloaded the bucket's copy {uri} again and resumed from it", stacklevel=5)
+    return loaded
+
+
 def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
     """Rank 0 (each rank, for per-rank files), once every rank has loaded ``resumed``: rename the
     damaged checkpoint the latest pointer names with a ``.damaged`` suffix (kept to look at, and out
@@ -253,10 +290,7 @@ def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
         if pointer.is_symlink():
             newest = pointer.parent / os.readlink(pointer)
             if newest.exists() and newest.resolve() != resumed.resolve():
-                aside = newest.with_name(newest.name + DAMAGED)
-                remove(aside)  # set aside at an earlier resume
-                os.replace(newest, aside)
-                done = f"; renamed the damaged one to {aside.name}"
+                done = f"; renamed the damaged one to {set_aside(newest).name}"
         point_latest(pointer, resumed)
     except OSError as e:
         done += f"; could not set the damaged one aside ({e})"
