@@ -119,16 +119,8 @@ def redownload(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> tu
     assert folder is not None and saver.latest is not None and saver.latest_template is not None
     from lockstep.checkpoint.loader import candidates
 
-    what, rank = f"autoresume from {folder.uri}", dist.get_global_rank()
     per_rank = layout_name == LOCAL
-    target, error = None, None
-    if per_rank or rank == 0:  # per-rank files: each rank's own pointer; else rank 0's
-        try:
-            target = _pointer_target(saver)
-        except Exception as e:
-            error = f"{what}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
-    targets = _agreement.gather_small_objects(target)
+    targets = _agreed_targets(saver, per_rank=per_rank)
     if all(t is None for t in targets) or (not per_rank and targets[0] is None):
         return None
     own, zero = candidates(saver.latest_template, run_name)
@@ -137,40 +129,71 @@ def redownload(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> tu
     place = (socket.gethostname(), *_identity_of(saver.folder))
     every = _agreement.gather_small_objects((place, _absolute(followed), _absolute(damaged)))
     sharing = [r for r, (where, _, _) in enumerate(every) if where == place]
-    first = per_rank or rank == sharing[0]  # per-rank files: no rank reads another's
-    mine = (rank,) if per_rank else sharing
-    aside: list[str] = []
-    error = None
-    if first:
-        for path in sorted({every[r][2] for r in mine if every[r][2] is not None}):
-            try:
-                if os.path.lexists(path):
-                    aside.append(str(files.set_aside(Path(path))))
-            except OSError as e:
-                error = f"{what}: could not set the damaged {path} aside: {e}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # before any download
+    first = per_rank or dist.get_global_rank() == sharing[0]  # per-rank files: no rank reads another's
+    mine = (dist.get_global_rank(),) if per_rank else sharing
+    aside = _set_aside_damaged(saver, sorted({every[r][2] for r in mine if every[r][2] is not None}) if first else [])
     if per_rank:
         _per_rank_files(saver, run_name)
         downloaded = files.resolve_pointer(saver.latest).relative_to(saver.folder).as_posix()
         uri = f"{folder.store.get_uri(folder.key_of(downloaded))} (each rank its own file)"
     else:
-        key = targets[0]
-        local = saver.folder / key[len(folder.key_of("")):]
-        if layout_name in FOLDER_LAYOUTS:
-            download_folder(folder.store, key, local, what=what, device=saver._device)
-        error = None
-        if first:
-            try:
-                if layout_name not in FOLDER_LAYOUTS:
-                    _download(folder.store, key, local)
-                for pointer in sorted({every[r][1] for r in sharing if every[r][1]} | {_absolute(zero)}):
-                    files.point_latest(Path(pointer), local)
-            except Exception as e:
-                error = f"{what}: {_line(e)}"
-        _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # every copy in place
-        uri = folder.store.get_uri(key)
+        pointers = sorted({every[r][1] for r in sharing if every[r][1]} | {_absolute(zero)}) if first else []
+        uri = _download_again(saver, targets[0], layout_name, pointers)
     every_aside = sorted({p for one in _agreement.gather_small_objects(aside) for p in one})
     return uri, every_aside
+
+
+def _set_aside_damaged(saver: CheckpointSaver, paths: list[str]) -> list[str]:
+    """Rename each of ``paths`` (this rank's share of the damaged copies) with the ``.damaged``
+    suffix, a collective that raises on every rank if any rank could not; the new names."""
+    assert saver.remote is not None
+    aside, error = [], None
+    for path in paths:
+        try:
+            if os.path.lexists(path):
+                aside.append(str(files.set_aside(Path(path))))
+        except OSError as e:
+            error = f"autoresume from {saver.remote.uri}: could not set the damaged {path} aside: {e}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # before any download
+    return aside
+
+
+def _download_again(saver: CheckpointSaver, key: str, layout_name: str, pointers: list[str]) -> str:
+    """Download the checkpoint ``key`` (a collective: a folder's parts by the ranks that read them,
+    a single file by the ranks given ``pointers``, the first of each staging folder), then point
+    ``pointers`` at it; its URI."""
+    folder = saver.remote
+    assert folder is not None
+    what = f"autoresume from {folder.uri}"
+    local = saver.folder / key[len(folder.key_of("")):]
+    if layout_name in FOLDER_LAYOUTS:
+        download_folder(folder.store, key, local, what=what, device=saver._device)
+    error = None
+    if pointers:
+        try:
+            if layout_name not in FOLDER_LAYOUTS:
+                _download(folder.store, key, local)
+            for pointer in pointers:
+                files.point_latest(Path(pointer), local)
+        except Exception as e:
+            error = f"{what}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # every copy in place
+    return folder.store.get_uri(key)
+
+
+def _agreed_targets(saver: CheckpointSaver, *, per_rank: bool) -> list[str | None]:
+    """Every rank's reading of the bucket's latest pointer (a collective): each rank reads its own
+    under per-rank files, else rank 0 alone (the others' entries are None). A failed read raises
+    on every rank."""
+    assert saver.remote is not None
+    target, error = None, None
+    if per_rank or dist.get_global_rank() == 0:
+        try:
+            target = _pointer_target(saver)
+        except Exception as e:
+            error = f"autoresume from {saver.remote.uri}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    return _agreement.gather_small_objects(target)
 
 
 def _identity_of(path: Path) -> tuple[int, int]:
@@ -234,14 +257,7 @@ def _folder_from_pointer(saver: CheckpointSaver) -> bool:
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
     what = f"autoresume from {folder.uri}"
-    target, error = None, None
-    if dist.get_global_rank() == 0:
-        try:
-            target = _pointer_target(saver)
-        except Exception as e:
-            error = f"{what}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
-    target = _agreement.gather_small_objects(target)[0]
+    target = _agreed_targets(saver, per_rank=False)[0]
     if target is None:
         return False  # nothing saved in the bucket yet
     local = saver.folder / target[len(folder.key_of("")):]
@@ -320,19 +336,10 @@ def _per_rank_files(saver: CheckpointSaver, run_name: str) -> bool:
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
     prefix = folder.key_of("")
-    target, error = None, None
-    try:
-        target = folder.store.read_bytes(folder.key_of(str(pointer.relative_to(saver.folder))) +
-                                         remote.POINTER_SUFFIX).decode().strip()
-    except FileNotFoundError:
-        pass
-    except Exception as e:
-        error = f"autoresume from {folder.uri}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
-    targets = _agreement.gather_small_objects(target)
+    targets = _agreed_targets(saver, per_rank=True)
     if all(t is None for t in targets):
         return False
-    template, newest = saver.config.save_filename, None
+    template, newest, error = saver.config.save_filename, None, None
     try:
         for rank, key in enumerate(targets):
             if key is None:
