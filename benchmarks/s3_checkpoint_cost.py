@@ -11,7 +11,10 @@ takes CPU from training; ``--idle-server`` runs it under SCHED_IDLE, closer to a
 To tell the machine's share of the cost from lockstep's, a fourth configuration trains without
 saves while a plain client process (``S3ObjectStore.upload_object`` under SCHED_IDLE, as lockstep's
 upload process runs) uploads a checkpoint-sized file over and over beside it: the server's work
-and the bytes' trip are the same, lockstep's machinery is absent.
+and the bytes' trip are the same, lockstep's machinery is absent. A fifth trains without saves
+beside a process that only spins under SCHED_IDLE: what any busy work beside training costs on this
+machine, however low its priority. The server's CPU seconds per 160 MB uploaded (from ``/proc``) say
+how much of the machine the bytes' trip takes.
 
 "ratio" is of the medians; "paired" the median of each round's ratio to that round's no-save run.
 
@@ -86,21 +89,30 @@ def worker(args: argparse.Namespace) -> None:
         timings = trainer.saver.uploader.timings
         result["upload_mb_s"] = statistics.median(b / s / 1e6 for b, s in timings) if timings else None
         result["checkpoint_mb"] = timings[0][0] / 1e6 if timings else None
+        result["uploaded_mb"] = sum(b for b, _ in timings) / 1e6
     if dist.get_global_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def run(mode: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(mode: str, args: argparse.Namespace, env: dict[str, str], server_pid: int) -> dict:
     side = None
-    if mode == "client":  # no saves, while a plain client uploads checkpoint-sized files beside training
-        side = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--side-upload", "--bucket",
+    if mode in ("client", "spin"):  # no saves, while a plain client uploads (or an idle process spins) beside
+        flag = "--side-upload" if mode == "client" else "--side-spin"
+        side = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), flag, "--bucket",
                                  args.bucket, "--mb", str(args.mb)], env=env, stdout=subprocess.PIPE, text=True)
         assert side.stdout is not None
         side.stdout.readline()  # ready: its file is written
+    server_before = cpu_seconds(server_pid)
     try:
         with tempfile.TemporaryDirectory() as cwd:
             out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", str(Path(__file__).resolve()),
-                                  "--worker", "--mode", "none" if mode == "client" else mode, "--bucket", args.bucket,
+                                  "--worker", "--mode", "none" if side is not None else mode, "--bucket", args.bucket,
                                   "--steps", str(args.steps), "--every", str(args.every)],
                                  cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     finally:
@@ -111,8 +123,10 @@ def run(mode: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
         raise SystemExit(f"{mode} run failed: {out.stderr[-3000:]}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
-    if side is not None:
+    result["server_cpu_s"] = cpu_seconds(server_pid) - server_before
+    if mode == "client":
         result["upload_mb_s"] = statistics.median(float(r) for r in rates) if rates else None
+        result["uploaded_mb"] = len(rates) * args.mb
     return result
 
 
@@ -138,6 +152,19 @@ def side_upload(args: argparse.Namespace) -> None:
     print(" ".join(f"{r:.1f}" for r in rates), flush=True)
 
 
+def side_spin() -> None:
+    """Spin under SCHED_IDLE until SIGINT: busy work that should take only the CPU training leaves."""
+    from lockstep import idle
+
+    idle.yield_to_training()
+    print("ready", flush=True)
+    try:
+        while True:
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
 def client_alone(server, bucket: str, mb: float) -> float:
     from lockstep.objectstore import S3ObjectStore
 
@@ -158,6 +185,7 @@ def main() -> None:
     p.add_argument("--worker", action="store_true")
     p.add_argument("--mode", default="none", choices=["none", "local", "s3"])
     p.add_argument("--side-upload", action="store_true")
+    p.add_argument("--side-spin", action="store_true")
     p.add_argument("--mb", type=float, default=160.0, help="size of the plain client's file (--side-upload)")
     p.add_argument("--bucket", default="bench")
     p.add_argument("--rounds", type=int, default=3)
@@ -172,6 +200,9 @@ def main() -> None:
     if args.side_upload:
         side_upload(args)
         return
+    if args.side_spin:
+        side_spin()
+        return
     import seaweed
 
     server = seaweed.start(idle=args.idle_server)
@@ -180,10 +211,11 @@ def main() -> None:
         env = {**os.environ, **server.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
         os.environ.update(server.env)
-        results: dict[str, list[dict]] = {"none": [], "local": [], "s3": [], "client": []}
+        modes = ["none", "local", "s3", "client", "spin"]
+        results: dict[str, list[dict]] = {mode: [] for mode in modes}
         for r in range(args.rounds):
-            for mode in (["none", "local", "s3", "client"] if r % 2 == 0 else ["client", "s3", "local", "none"]):
-                results[mode].append(run(mode, args, env))
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                results[mode].append(run(mode, args, env, server.process.pid))
                 print(f"round {r} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
         mb = statistics.median(x["checkpoint_mb"] for x in results["s3"])
         alone = client_alone(server, args.bucket, mb)
@@ -200,7 +232,8 @@ def main() -> None:
                                       for x, y in zip(results[mode], results["none"])) for mode in results}
     print(f"{'':<46}{'steps/s':>10}{'ratio':>8}{'paired':>8}")
     rows = [("none", "no saves"), ("local", "save to a local folder"),
-            ("s3", f"save to s3:// every {args.every} steps"), ("client", "no saves, a plain client uploading beside")]
+            ("s3", f"save to s3:// every {args.every} steps"), ("client", "no saves, a plain client uploading beside"),
+            ("spin", "no saves, an idle-priority spinner beside")]
     for mode, label in rows:
         print(f"{label:<46}{med[mode]:>10.2f}{med[mode] / med['none']:>8.3f}{paired[mode]:>8.3f}")
     print(f"{'s3:// against the plain client beside':<46}{'':>10}{med['s3'] / med['client']:>8.3f}")
@@ -208,6 +241,10 @@ def main() -> None:
     print(f"{'  Trainer (rank 0, median file)':<46}{upload:>10.0f}{upload / alone:>8.3f}")
     print(f"{'  plain client beside training (median)':<46}{beside:>10.0f}{beside / alone:>8.3f}")
     print(f"{'  S3ObjectStore alone':<46}{alone:>10.0f}{1.0:>8.3f}")
+    print("server CPU seconds per 160 MB uploaded")
+    for mode, label in (("s3", "  Trainer's uploads"), ("client", "  plain client beside training")):
+        per = statistics.median(x["server_cpu_s"] / x["uploaded_mb"] * 160 for x in results[mode] if x["uploaded_mb"])
+        print(f"{label:<46}{per:>10.2f}")
 
 
 if __name__ == "__main__":

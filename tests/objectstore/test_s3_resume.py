@@ -420,3 +420,30 @@ def test_when_the_bucket_copy_is_damaged_too_autoresume_falls_back_to_an_older_l
                           r"load either", again.stderr)) == 1, again.stderr[-3000:]
     assert len(re.findall(r"autoresume skipped the newest checkpoint, which does not load .*; resumed from "
                           r"\S+-ba4-rank0\.pt instead", again.stderr)) == 1, again.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(bucket: str, tmp_path: Path) -> None:
+    """FSDP sharded, as above: rank 1's local shard of the batch-8 checkpoint is damaged, and the
+    bucket has lost that shard, so downloading the checkpoint again fails after rank 0 fetched its
+    own. Autoresume says so once, leaves no folder of that download behind, keeps the damaged copy
+    it set aside, falls back to the local batch-4 checkpoint and still ends with the uninterrupted
+    run's parameters."""
+    folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
+    cwd = tmp_path / "node"
+    staged, name = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, KINDS["sharded"])
+    flipped = _flip_a_byte(staged / name / "__1_0.distcp")
+    store.delete_object(f"runs/job/{name}/__1_0.distcp")
+    again = job(cwd, folder, tmp_path / "second.pt", *KINDS["sharded"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "attempt 0 resumed at batch 4" in again.stdout, again.stdout + again.stderr[-3000:]
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    said = re.findall(rf"could not download it again from s3://{bucket}/runs/job \(.*__1_0\.distcp.*\); trying older "
+                      r"local checkpoints", again.stderr)
+    assert len(said) == 1, again.stderr[-3000:]
+    assert len(re.findall(r"autoresume skipped the newest checkpoint", again.stderr)) == 1, again.stderr[-3000:]
+    assert not [p.name for p in staged.iterdir() if ".tmp." in p.name]
+    # the part-filled download never had the checkpoint's name, so the fallback did not set it aside
+    # over the damaged copy
+    assert (staged / f"{name}.damaged" / "__1_0.distcp").read_bytes() == flipped

@@ -5,7 +5,8 @@ checkpoint. Each rank downloads only what it reads: its own file of per-rank che
 folder checkpoint (FSDP ``sharded``, DeepSpeed) the parts its ``lockstep.pt`` records that it reads
 at this world size (every part at another), each part once per staging folder, by one of the ranks
 there that read it; of a single-file checkpoint, one rank per staging folder the file every rank
-there reads. Every file appears whole or not at all (downloaded to a temporary name, then renamed).
+there reads. Every file appears whole or not at all (downloaded to a temporary name, then renamed),
+and so does a folder checkpoint downloaded where there was none.
 
 Autoresume takes the local checkpoint when every rank finds there all it reads. Otherwise (a fresh
 node, or nodes without a shared disk, where no node's staging folder holds every rank's parts of a
@@ -278,11 +279,16 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
     this rank reads (all of them when it is loaded at another world size than the one that saved
     it, or, with ``weights_only``, when it is a DeepSpeed checkpoint, whose full weights are rebuilt
     from every rank's partition), each by one of the ranks that share ``local`` and read it.
-    Returns whether this rank is the first of those that share ``local``."""
-    error, names, data = None, [], b""
+    A folder not there yet is filled under a temporary name and renamed once every part is in
+    it, so a download cut short leaves no folder under the checkpoint's name (the next job's
+    sweep removes the temporary one); into a folder already there (a node's own parts of it),
+    ``lockstep.pt`` is written last. Returns whether this rank is the first of those that share
+    ``local``."""
+    error, names, data, place = None, [], b"", None
     try:
-        local.mkdir(parents=True, exist_ok=True)
-        seen = os.stat(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        seen = os.stat(local.parent)
+        place = (socket.gethostname(), seen.st_dev, seen.st_ino)  # the same folder on the same machine
         data = store.read_bytes(f"{key}/{SHARDED_META}")
         meta = payload.metadata(files.read_bytes(data, local / SHARDED_META), local) or {}
         every_part = weights_only and payload.layout_of(meta) == DEEPSPEED
@@ -291,24 +297,49 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
     except Exception as e:
         error = f"{what}: {_line(e)}"
     _agreement.raise_first_error(error, CheckpointError, device=device)
-    place = (socket.gethostname(), seen.st_dev, seen.st_ino)  # the same folder on the same machine
-    every = _agreement.gather_small_objects((place, names))
-    sharing = [rank for rank, (where, _) in enumerate(every) if where == place]
+    every = _agreement.gather_small_objects((place, names, os.getpid(), local.is_dir()))
+    sharing = [rank for rank, (where, *_) in enumerate(every) if where == place]
+    first, rank = sharing[0], dist.get_global_rank()
+    fresh = not every[first][3]  # as the first rank of this folder saw it
+    into = files.temp_path(local, every[first][2]) if fresh else local
     readers: dict[str, list[int]] = {}
-    for rank in sharing:
-        for name in every[rank][1]:
-            readers.setdefault(name, []).append(rank)
-    rank = dist.get_global_rank()
+    for reader in sharing:
+        for name in every[reader][1]:
+            readers.setdefault(name, []).append(reader)
     try:
+        into.mkdir(parents=True, exist_ok=True)
         for i, name in enumerate(sorted(readers)):
             if readers[name][i % len(readers[name])] == rank:
-                store.download_object(f"{key}/{name}", local / name, overwrite=True)
-        if rank == sharing[0]:
-            _write_whole(local / SHARDED_META, data)
+                store.download_object(f"{key}/{name}", into / name, overwrite=True)
     except Exception as e:
         error = f"{what}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=device)  # every part is in place
-    return rank == sharing[0]
+    try:
+        _agreement.raise_first_error(error, CheckpointError, device=device)  # every part is in place
+    except CheckpointError:
+        if fresh and rank == first:
+            files.remove(into)
+        raise
+    if rank == first:
+        try:
+            _write_whole(into / SHARDED_META, data)
+            if fresh:
+                _name_download(into, local)
+        except OSError as e:
+            error = f"{what}: could not put the download in place at {local}: {e}"
+    _agreement.raise_first_error(error, CheckpointError, device=device)  # the folder has its name
+    return rank == first
+
+
+def _name_download(temp: Path, local: Path) -> None:
+    """Rename the downloaded folder ``temp`` to ``local``. Where ``local`` has appeared meanwhile
+    (a host sharing this folder over a network file system downloaded the same checkpoint), that
+    copy is kept, the same objects as this one, and this one removed."""
+    try:
+        os.rename(temp, local)
+    except OSError:
+        if not (local / SHARDED_META).is_file():
+            raise
+        files.remove(temp)
 
 
 def _write_whole(path: Path, data: bytes) -> None:
