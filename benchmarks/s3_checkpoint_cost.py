@@ -10,8 +10,9 @@ On a machine where training takes every core, the server itself (which here shar
 takes CPU from training; ``--idle-server`` runs it under SCHED_IDLE, closer to a server elsewhere.
 To tell the machine's share of the cost from lockstep's, a fourth configuration trains without
 saves while a plain client process (``S3ObjectStore.upload_object`` under SCHED_IDLE, as lockstep's
-upload process runs) uploads a checkpoint-sized file over and over beside it: the server's work
-and the bytes' trip are the same, lockstep's machinery is absent. A fifth trains without saves
+upload process runs) uploads a checkpoint-sized file beside it, starting one upload every
+``--every`` steps' worth of the no-save run's time (or as soon as the last one ended, if later):
+the server's work and the bytes' trip are the same, lockstep's machinery is absent. A fifth trains without saves
 beside a process that only spins under SCHED_IDLE: what any busy work beside training costs on this
 machine, however low its priority. The server's CPU seconds per 160 MB uploaded (from ``/proc``) say
 how much of the machine the bytes' trip takes.
@@ -42,7 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "objectstore"))
-WIDTH, LAYERS, BATCH, WARMUP = 1824, 4, 16, 5
+WIDTH, LAYERS, WARMUP = 1824, 4, 5
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -71,14 +72,14 @@ def worker(args: argparse.Namespace) -> None:
         def batch_end(self, state, logger) -> None:
             self.times.append(time.perf_counter())
 
-    n = BATCH * dist.get_world_size() * (WARMUP + args.steps)
+    n = args.batch * dist.get_world_size() * (WARMUP + args.steps)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g))
     model, clock = Wide(), Clock()
     folder = {"none": None, "local": "checkpoints/{run_name}", "s3": f"s3://{args.bucket}/{{run_name}}"}[args.mode]
     save = {} if folder is None else {
         "save_folder": folder, "save_interval": f"{args.every}ba", "save_num_checkpoints_to_keep": 2}
-    trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=BATCH, sampler=dist.get_sampler(data)),
+    trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=args.batch, sampler=dist.get_sampler(data)),
                       optimizers=torch.optim.AdamW(model.parameters(), lr=1e-4), max_duration=f"{WARMUP + args.steps}ba",
                       device="cpu", progress_bar=False, log_to_console=False, run_name=f"{args.mode}-{os.getpid()}",
                       callbacks=[clock], **save)
@@ -100,12 +101,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(mode: str, args: argparse.Namespace, env: dict[str, str], server_pid: int) -> dict:
+def run(mode: str, args: argparse.Namespace, env: dict[str, str], server_pid: int, period: float = 0.0) -> dict:
     side = None
     if mode in ("client", "spin"):  # no saves, while a plain client uploads (or an idle process spins) beside
         flag = "--side-upload" if mode == "client" else "--side-spin"
-        side = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), flag, "--bucket",
-                                 args.bucket, "--mb", str(args.mb)], env=env, stdout=subprocess.PIPE, text=True)
+        side = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), flag, "--bucket", args.bucket,
+                                 "--mb", str(args.mb), "--period", str(period)],
+                                env=env, stdout=subprocess.PIPE, text=True)
         assert side.stdout is not None
         side.stdout.readline()  # ready: its file is written
     server_before = cpu_seconds(server_pid)
@@ -113,7 +115,8 @@ def run(mode: str, args: argparse.Namespace, env: dict[str, str], server_pid: in
         with tempfile.TemporaryDirectory() as cwd:
             out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", str(Path(__file__).resolve()),
                                   "--worker", "--mode", "none" if side is not None else mode, "--bucket", args.bucket,
-                                  "--steps", str(args.steps), "--every", str(args.every)],
+                                  "--steps", str(args.steps), "--every", str(args.every),
+                                  "--batch", str(args.batch)],
                                  cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     finally:
         if side is not None:
@@ -131,8 +134,9 @@ def run(mode: str, args: argparse.Namespace, env: dict[str, str], server_pid: in
 
 
 def side_upload(args: argparse.Namespace) -> None:
-    """Upload a file of ``--mb`` MB over and over, as a plain client under SCHED_IDLE (as lockstep's
-    upload process runs), until SIGINT; print each upload's MB/s."""
+    """Upload a file of ``--mb`` MB, one upload every ``--period`` seconds (or as soon as the last
+    ended), as a plain client under SCHED_IDLE (as lockstep's upload process runs), until SIGINT;
+    print each upload's MB/s."""
     from lockstep import idle
     from lockstep.objectstore import S3ObjectStore
 
@@ -147,6 +151,7 @@ def side_upload(args: argparse.Namespace) -> None:
                 started = time.perf_counter()
                 store.upload_object(f"side/{len(rates) % 2}", path)
                 rates.append(args.mb / (time.perf_counter() - started))
+                time.sleep(max(0.0, started + args.period - time.perf_counter()))
         except KeyboardInterrupt:
             pass
     print(" ".join(f"{r:.1f}" for r in rates), flush=True)
@@ -186,11 +191,15 @@ def main() -> None:
     p.add_argument("--mode", default="none", choices=["none", "local", "s3"])
     p.add_argument("--side-upload", action="store_true")
     p.add_argument("--side-spin", action="store_true")
+    p.add_argument("--period", type=float, default=0.0, help="seconds from one side upload's start to the next")
     p.add_argument("--mb", type=float, default=160.0, help="size of the plain client's file (--side-upload)")
     p.add_argument("--bucket", default="bench")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--skip", default="", choices=["", "local", "spin", "local,spin"],
+                   help="leave out the local-folder or the spinner configuration (or both)")
+    p.add_argument("--batch", type=int, default=16, help="samples per rank and step (longer steps: saves further apart)")
     p.add_argument("--idle-server", action="store_true",
                    help="run SeaweedFS under SCHED_IDLE, as if it were on another machine")
     args = p.parse_args()
@@ -211,11 +220,13 @@ def main() -> None:
         env = {**os.environ, **server.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
         os.environ.update(server.env)
-        modes = ["none", "local", "s3", "client", "spin"]
+        modes = [m for m in ("none", "local", "s3", "client", "spin") if m not in args.skip.split(",")]
         results: dict[str, list[dict]] = {mode: [] for mode in modes}
         for r in range(args.rounds):
             for mode in (modes if r % 2 == 0 else modes[::-1]):
-                results[mode].append(run(mode, args, env, server.process.pid))
+                done = results["none"]  # the plain client uploads at the cadence of the saves
+                period = args.every / statistics.median(x["steps_per_s"] for x in done) if done else 0.0
+                results[mode].append(run(mode, args, env, server.process.pid, period))
                 print(f"round {r} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
         mb = statistics.median(x["checkpoint_mb"] for x in results["s3"])
         alone = client_alone(server, args.bucket, mb)
@@ -224,7 +235,7 @@ def main() -> None:
     med = {mode: statistics.median(x["steps_per_s"] for x in runs) for mode, runs in results.items()}
     upload = statistics.median(x["upload_mb_s"] for x in results["s3"])
     beside = statistics.median(x["upload_mb_s"] for x in results["client"])
-    print(f"2 ranks (gloo, CPU), {args.steps} timed steps, median of {args.rounds} rounds; "
+    print(f"2 ranks (gloo, CPU), batch {args.batch} a rank, {args.steps} timed steps, median of {args.rounds} rounds; "
           f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
           f"every {args.every} steps")
     # each round against its own no-save run: drift between rounds cancels
@@ -232,9 +243,9 @@ def main() -> None:
                                       for x, y in zip(results[mode], results["none"])) for mode in results}
     print(f"{'':<46}{'steps/s':>10}{'ratio':>8}{'paired':>8}")
     rows = [("none", "no saves"), ("local", "save to a local folder"),
-            ("s3", f"save to s3:// every {args.every} steps"), ("client", "no saves, a plain client uploading beside"),
+            ("s3", f"save to s3:// every {args.every} steps"), ("client", "no saves, a plain client uploading as often"),
             ("spin", "no saves, an idle-priority spinner beside")]
-    for mode, label in rows:
+    for mode, label in (row for row in rows if row[0] in modes):
         print(f"{label:<46}{med[mode]:>10.2f}{med[mode] / med['none']:>8.3f}{paired[mode]:>8.3f}")
     print(f"{'s3:// against the plain client beside':<46}{'':>10}{med['s3'] / med['client']:>8.3f}")
     print(f"{'upload MB/s':<46}")

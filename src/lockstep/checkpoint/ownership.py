@@ -63,7 +63,7 @@ def _claim_locked(folder: Path, mine: Path, run_name: str, rank: int, patterns: 
         os.close(fd)
         if e.errno not in (errno.EACCES, errno.EAGAIN):
             raise
-        return (f"run {run_name!r} is already running with save_folder {folder} ({_who(_read(mine))}): "
+        return (f"run {run_name!r} is already running with save_folder {folder} ({who(_read(mine))}): "
                 f"stop that job first, or give this one another run_name or save_folder")
     for other in sorted(folder.glob(glob.escape(PREFIX) + "*")):
         if other == mine or other in _held:
@@ -74,12 +74,12 @@ def _claim_locked(folder: Path, mine: Path, run_name: str, rank: int, patterns: 
             continue
         if record.get("run_name") == run_name:
             continue
-        clash = _clash(patterns, record.get("patterns", []))
-        if clash is not None:
+        same = clash(patterns, record.get("patterns", []))
+        if same is not None:
             os.close(fd)
             mine.unlink(missing_ok=True)
-            return (f"save_folder {folder} is in use by run {record.get('run_name')!r} ({_who(record)}), "
-                    f"which writes checkpoints named like this run's ({clash}): use "
+            return (f"save_folder {folder} is in use by run {record.get('run_name')!r} ({who(record)}), "
+                    f"which writes checkpoints named like this run's ({same}): use "
                     f"save_folder='{folder}/{{run_name}}', or put {{run_name}} in save_filename and "
                     f"save_latest_filename")
     record = {"run_name": run_name, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -110,7 +110,7 @@ def release(folder: Path, run_name: str, rank: int) -> None:
 
 
 def _path(folder: Path, run_name: str, rank: int) -> Path:
-    return folder / f"{PREFIX}{_safe(run_name)}.rank{rank}"
+    return folder / f"{PREFIX}{safe_name(run_name)}.rank{rank}"
 
 
 def _live_record(path: Path) -> dict[str, Any] | None:
@@ -131,7 +131,7 @@ def _live_record(path: Path) -> dict[str, Any] | None:
         os.close(fd)  # drops the probe's lock, if taken
 
 
-def _clash(mine: list[str], theirs: list[str]) -> str | None:
+def clash(mine: list[str], theirs: list[str]) -> str | None:
     """A pair of patterns that can name the same file, shown as one."""
     for a in mine:
         for b in theirs:
@@ -147,13 +147,15 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _who(record: dict[str, Any]) -> str:
+def who(record: dict[str, Any]) -> str:
+    """Who holds a claim, for a message: its pid and host."""
     if "pid" not in record:
         return "a live process"
     return f"pid {record['pid']} on {record.get('host', '?')}"
 
 
-def _safe(run_name: str) -> str:
+def safe_name(run_name: str) -> str:
+    """``run_name`` as a file name: characters other than letters, digits, ``-_.`` become ``_``."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in run_name)
 
 

@@ -36,6 +36,8 @@ STAGING_ROOT = os.path.join(".lockstep", "s3")
 to the working directory (autoresume looks there before it looks in the bucket)."""
 POINTER_SUFFIX = ".symlink"
 """Composer's suffix of a latest pointer object: it holds the key of the checkpoint it names."""
+LEASE_PREFIX = ".lockstep-lease."
+"""The start of the name of a job's lease object in its folder (:mod:`~lockstep.checkpoint.bucket_claim`)."""
 _UPLOADING = ".uploading"
 """In the staging folder: the hard links that uploads read from."""
 
@@ -80,8 +82,8 @@ class RemoteFolder:
         return None if found is None else f"save_folder {self.uri!r}: {found}"
 
     def holds_objects(self) -> str | None:
-        """The key of an object already under the folder, if any."""
-        found = self.store.list_objects(self.key_of(""))
+        """The key of an object already under the folder, if any (jobs' leases aside)."""
+        found = [key for key in self.store.list_objects(self.key_of("")) if not is_lease(key)]
         return found[0] if found else None
 
 
@@ -126,7 +128,7 @@ class Uploader:
                 links.append(("upload", self.folder.key_of(relative), str(link.resolve())))
         except OSError as e:
             shutil.rmtree(staged, ignore_errors=True)
-            self._fail(f"could not stage {name} for upload: {e}")
+            self.fail(f"could not stage {name} for upload: {e}")
             return
         self._started().submit(links, cleanup=str(staged.resolve()), then=lambda outcome: self._uploaded(name, outcome))
 
@@ -136,7 +138,7 @@ class Uploader:
             if outcome.error is None and not outcome.skipped:
                 self._done.append(name)
         if outcome.error is not None:
-            self._fail(outcome.error)
+            self.fail(outcome.error)
 
     def publish(self, name: str, target_key: str, pointer_key: str | None, remove: Sequence[str]) -> None:
         """Once every rank's parts of ``name`` are in the bucket: point the bucket's latest pointer
@@ -157,9 +159,10 @@ class Uploader:
 
     def _settled(self, outcome: Outcome) -> None:
         if outcome.error is not None:
-            self._fail(outcome.error)
+            self.fail(outcome.error)
 
-    def _fail(self, message: str) -> None:
+    def fail(self, message: str) -> None:
+        """Fail the job at the next save or the end of ``fit`` with ``message`` (the first such one)."""
         with self._lock:
             if self._failure is None:
                 self._failure = message
@@ -184,6 +187,11 @@ class Uploader:
             raise RuntimeError(f"rank {self.rank} was not meant to upload to {self.folder.uri} "
                                f"(Uploader(active=False))")
         return self._writer
+
+
+def is_lease(key: str) -> bool:
+    """Whether the object ``key`` is a job's lease on its folder (:mod:`~lockstep.checkpoint.bucket_claim`)."""
+    return key.rsplit("/", 1)[-1].startswith(LEASE_PREFIX)
 
 
 def is_remote(path: object) -> bool:

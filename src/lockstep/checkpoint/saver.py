@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle, progress
-from lockstep.checkpoint import files, integrity, leftovers, ownership, payload, remote, staging, templates, writable
+from lockstep.checkpoint import (bucket_claim, files, integrity, leftovers, ownership, payload, remote, staging,
+                                 templates, writable)
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -66,6 +67,8 @@ class CheckpointSaver:
         self._rank = dist.get_global_rank()
         self._claimed = False
         """Whether this rank holds a claim on the folder (see :mod:`lockstep.checkpoint.ownership`)."""
+        self._leased = False
+        """Whether rank 0 holds the bucket's lease on a bucket's folder (see :mod:`~lockstep.checkpoint.bucket_claim`)."""
         self._claim_agreed = False
         """Whether every rank agreed that the run holds the folder (the same on every rank)."""
         self.place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
@@ -116,13 +119,17 @@ class CheckpointSaver:
 
     def claim(self, error: str | None = None) -> None:
         """Claim the folder for this run until :meth:`release` (a collective; see
-        :mod:`lockstep.checkpoint.ownership`): a ValueError on every rank if any rank may not
-        write there (``error``: why, found by the caller) or another live job owns it."""
+        :mod:`lockstep.checkpoint.ownership`, and for a bucket's folder, claimed by rank 0 across
+        machines, :mod:`~lockstep.checkpoint.bucket_claim`): a ValueError on every rank if any rank
+        may not write there (``error``: why, found by the caller) or another live job owns it."""
         if self._claim_agreed:
             return
         if error is None and self.writes:
             error = ownership.claim(self.folder, self.run_name, self._rank, self._patterns())
             self._claimed = error is None
+        if error is None and self.remote is not None and self._rank == 0:
+            error = bucket_claim.claim(self.remote, self.run_name, self._patterns(), self._lease_lost)
+            self._leased = error is None
         try:
             _agreement.raise_first_error(error, ValueError, device=self._device)
         except ValueError:
@@ -148,6 +155,15 @@ class CheckpointSaver:
         if self._claimed:
             self._claimed = False
             ownership.release(self.folder, self.run_name, self._rank)
+        if self._leased:
+            assert self.remote is not None
+            self._leased = False
+            bucket_claim.release(self.remote, self.run_name, self._lease_lost)
+
+    def _lease_lost(self, message: str) -> None:
+        """Another job took the bucket's folder over: this job fails at its next save (or the end of ``fit``)."""
+        if self.uploader is not None:
+            self.uploader.fail(message)
 
     def close(self) -> None:
         """Release the folder and end the upload process, once it has done what it was given

@@ -1,0 +1,91 @@
+"""Who writes into a save folder in a bucket: the bucket's counterpart of :mod:`ownership`, for jobs
+on machines that share no disk.
+
+Rank 0 of a run holds a lease (:mod:`lockstep.objectstore.lease`) on the object
+``<save_folder>/.lockstep-lease.<run>``, recording the run, its host and pid and the glob
+patterns of its checkpoint names, for as long as it trains. A claim is refused when
+
+- the same run's lease is alive (renewed while the claimer watched it): a second job of the run
+  writing the same folder, from this machine or another; or
+- another run's live lease holds patterns that can name the same objects.
+
+A lease that lapses (its job was killed, or lost the bucket for :data:`~lockstep.objectstore.lease.LAPSE_S`)
+is taken over, so a killed job's autoresume waits at most that long. A holder whose lease was taken
+over fails at its next save, since two jobs would overwrite each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lockstep.checkpoint import ownership
+from lockstep.checkpoint.remote import LEASE_PREFIX, RemoteFolder
+from lockstep.objectstore.lease import Lease, client_for_leases, live_records
+
+_held: dict[tuple[str, str], tuple[Lease, list[Callable[[str], None]]]] = {}
+"""This process's leases: (bucket, key) -> the lease and its holders' ``on_lost``. Claims of one
+process share a lease (a notebook that builds a new Trainer before dropping the old one)."""
+
+
+def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Callable[[str], None]) -> str | None:
+    """Claim ``folder`` for ``run_name``, which writes names matching ``patterns`` (globs relative to
+    the folder). Returns why it may not (one line), or None once claimed; ``on_lost`` gets a line
+    saying so if another job takes the lease over later."""
+    key = folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name))
+    place = (folder.store.bucket, key)
+    if place in _held:
+        _held[place][1].append(on_lost)
+        return None
+    try:
+        store = client_for_leases(folder.store)
+        for record in live_records(store, folder.key_of(LEASE_PREFIX)):
+            if record.get("run_name") == run_name:
+                continue
+            same = ownership.clash(patterns, list(record.get("patterns", [])))
+            if same is not None:
+                return (f"save_folder {folder.uri} is in use by run {record.get('run_name')!r} "
+                        f"({ownership.who(record)}), which writes checkpoints named like this run's ({same}): use "
+                        f"save_folder='{folder.uri}/{{run_name}}', or put {{run_name}} in save_filename and "
+                        f"save_latest_filename")
+        record = {"run_name": run_name, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+                  "patterns": patterns}
+        callbacks = [on_lost]
+        lease = Lease(store, key, record, on_lost=lambda holder: _lost(folder, run_name, holder, callbacks))
+        holder = lease.acquire()
+    except Exception as e:
+        return f"cannot claim save_folder {folder.uri} for run {run_name!r}: {_line(e)}"
+    if holder is not None:
+        return (f"run {run_name!r} is already running with save_folder {folder.uri} ({ownership.who(holder)}, which "
+                f"renews its lease there): stop that job first, or give this one another run_name or "
+                f"save_folder")
+    _held[place] = (lease, callbacks)
+    return None
+
+
+def release(folder: RemoteFolder, run_name: str, on_lost: Callable[[str], None]) -> None:
+    """Give up a claim made by :func:`claim` (the lease goes once every claim of this process has)."""
+    place = (folder.store.bucket, folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name)))
+    held = _held.get(place)
+    if held is None or on_lost not in held[1]:
+        return
+    held[1].remove(on_lost)
+    if not held[1]:
+        del _held[place]
+        held[0].release()
+
+
+def _lost(folder: RemoteFolder, run_name: str, holder: dict[str, Any], callbacks: list[Callable[[str], None]]) -> None:
+    message = (f"another job of run {run_name!r} ({ownership.who(holder)}) took save_folder {folder.uri} over, after this "
+               f"job had not renewed its lease there for a while (the bucket unreachable, or the job stalled): "
+               f"stopping, so that the two do not overwrite each other's checkpoints")
+    for callback in list(callbacks):
+        callback(message)
+
+
+def _line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,132 @@
+"""One job at a time writes a save folder in a bucket, across machines: leases on the real server
+(exclusive, renewed, released, taken over once lapsed, and their loss told to their holder), and
+Trainers of other processes, each in a working directory of its own (so sharing no staging folder,
+as jobs on two machines), refused while a live job holds the folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep import Trainer
+from lockstep.objectstore import S3ObjectStore
+from lockstep.objectstore.lease import LAPSE_S, RENEW_S, Lease
+from tests.trainer.common import MLP, loader
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
+
+CLAIMER = """
+import sys, torch
+from lockstep import Trainer
+from tests.trainer.common import MLP, loader
+model = MLP()
+try:
+    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                      device="cpu", progress_bar=False, max_duration="2ba", run_name=sys.argv[2],
+                      save_folder=sys.argv[1], save_interval="1ba", autoresume=True)
+except ValueError as e:
+    print("REFUSED", e, flush=True)
+    sys.exit(3)
+trainer.fit()
+trainer.close()
+print("TRAINED", flush=True)
+"""
+
+
+def _claimer(cwd: Path, folder: str, run_name: str) -> subprocess.CompletedProcess:
+    """Another process (another machine: its own working directory) that builds a Trainer saving to
+    ``folder`` and trains 2 batches."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", CLAIMER, folder, run_name], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=90)
+
+
+def test_a_lease_is_exclusive_while_renewed_and_free_once_released(bucket: str) -> None:
+    store = S3ObjectStore(bucket)
+    first = Lease(store, "runs/a/.lease", {"run_name": "a", "pid": 1, "host": "one"})
+    assert first.acquire() is None
+    try:
+        started = time.monotonic()
+        holder = Lease(store, "runs/a/.lease", {"run_name": "a", "pid": 2, "host": "two"}).acquire()
+        waited = time.monotonic() - started
+        assert holder is not None and holder["pid"] == 1 and holder["host"] == "one"
+        assert waited < RENEW_S + 3, "a renewal seen while watching refuses at once"
+        time.sleep(LAPSE_S + 1)  # still renewed: never lapses
+        assert Lease(store, "runs/a/.lease", {"pid": 3}).acquire() is not None
+    finally:
+        first.release()
+    assert store.list_objects("runs/a/") == []
+    second = Lease(store, "runs/a/.lease", {"pid": 4})
+    started = time.monotonic()
+    assert second.acquire() is None
+    assert time.monotonic() - started < 1
+    second.release()
+
+
+def test_a_lapsed_lease_is_taken_over_within_the_lapse(bucket: str) -> None:
+    """A lease no holder renews any more (its job killed) is taken over once it lapses, and no later."""
+    store = S3ObjectStore(bucket)
+    store.upload_bytes("runs/b/.lease", json.dumps({"run_name": "b", "pid": 7, "host": "gone"}).encode())
+    written = time.monotonic()
+    lease = Lease(store, "runs/b/.lease", {"run_name": "b", "pid": 8})
+    try:
+        assert lease.acquire() is None
+        took = time.monotonic() - written
+        assert LAPSE_S - 1.5 <= took <= LAPSE_S + 2.5, took  # the server's clock counts whole seconds
+        assert json.loads(store.read_bytes("runs/b/.lease"))["pid"] == 8
+    finally:
+        lease.release()
+
+
+def test_a_holder_whose_lease_was_taken_over_is_told_who_took_it(bucket: str) -> None:
+    store = S3ObjectStore(bucket)
+    told: list[dict] = []
+    event = threading.Event()
+    lease = Lease(store, "runs/c/.lease", {"run_name": "c", "pid": 1},
+                  on_lost=lambda holder: (told.append(holder), event.set()))
+    assert lease.acquire() is None
+    store.upload_bytes("runs/c/.lease", json.dumps({"run_name": "c", "pid": 99, "host": "elsewhere"}).encode())
+    assert event.wait(RENEW_S + 5)
+    assert told == [{"run_name": "c", "pid": 99, "host": "elsewhere"}]
+    lease.release()  # not its lease any more: left alone
+    assert json.loads(store.read_bytes("runs/c/.lease"))["pid"] == 99
+
+
+def test_a_job_on_another_machine_is_refused_while_a_live_job_holds_the_folder(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Trainer built here holds s3://.../runs/job: another process of the same run, and one of
+    another run that writes the same names, are refused in one line naming this process; once this
+    one has trained, the same job runs (and autoresumes from its checkpoint)."""
+    monkeypatch.chdir(tmp_path)
+    folder = f"s3://{bucket}/runs/job"
+    torch.manual_seed(0)
+    model = MLP()
+    holder = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                     device="cpu", progress_bar=False, max_duration="2ba", run_name="job", save_folder=folder,
+                     save_interval="1ba")
+    try:
+        same = _claimer(tmp_path / "other-machine", folder, "job")
+        assert same.returncode == 3, same.stdout + same.stderr[-2000:]
+        line = same.stdout.strip()
+        assert len(line.splitlines()) == 1
+        assert f"run 'job' is already running with save_folder {folder} (pid {os.getpid()} on " in line, line
+        assert "stop that job first, or give this one another run_name or save_folder" in line
+        other = _claimer(tmp_path / "third-machine", folder, "other")
+        assert other.returncode == 3, other.stdout + other.stderr[-2000:]
+        assert f"save_folder {folder} is in use by run 'job' (pid {os.getpid()} on " in other.stdout, other.stdout
+        holder.fit()  # the end of fit gives the folder up
+    finally:
+        holder.close()
+    again = _claimer(tmp_path / "other-machine", folder, "job")
+    assert again.returncode == 0 and "TRAINED" in again.stdout, again.stdout + again.stderr[-2000:]
+    assert not [k for k in S3ObjectStore(bucket).list_objects("runs/job/") if ".lockstep-lease." in k]
