@@ -4,7 +4,6 @@ package) on free local ports, with one access key, stopped with SIGTERM and then
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -12,8 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 

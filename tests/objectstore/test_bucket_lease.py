@@ -1,7 +1,8 @@
 """One job at a time writes a save folder in a bucket, across machines: leases on the real server
 (exclusive, renewed, released, taken over once lapsed, and their loss told to their holder), and
 Trainers of other processes, each in a working directory of its own (so sharing no staging folder,
-as jobs on two machines), refused while a live job holds the folder."""
+as jobs on two machines), refused while a live job holds the folder; and a job whose lease another
+took over fails at its next save."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep import Trainer
+from lockstep import Callback, Trainer
 from lockstep.objectstore import S3ObjectStore
 from lockstep.objectstore.lease import LAPSE_S, RENEW_S, Lease
 from tests.trainer.common import MLP, loader
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CLAIMER = """
 import sys, torch
-from lockstep import Trainer
+from lockstep import Callback, Trainer
 from tests.trainer.common import MLP, loader
 model = MLP()
 try:
@@ -130,3 +131,39 @@ def test_a_job_on_another_machine_is_refused_while_a_live_job_holds_the_folder(
     again = _claimer(tmp_path / "other-machine", folder, "job")
     assert again.returncode == 0 and "TRAINED" in again.stdout, again.stdout + again.stderr[-2000:]
     assert not [k for k in S3ObjectStore(bucket).list_objects("runs/job/") if ".lockstep-lease." in k]
+
+
+def test_a_job_whose_lease_was_taken_over_fails_at_its_next_save(bucket: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """After batch 1, another job's record replaces this job's lease (as when a job takes over a
+    lease that this one failed to renew): the renewal finds it, and the next save fails the job in
+    one line naming the other job."""
+    monkeypatch.chdir(tmp_path)
+    store = S3ObjectStore(bucket)
+
+    class TakeOver(Callback):
+        def __init__(self) -> None:
+            self.batches = 0
+
+        def batch_end(self, state, logger) -> None:
+            self.batches += 1
+            if self.batches == 1:
+                store.upload_bytes("runs/job/.lockstep-lease.job",
+                                   json.dumps({"run_name": "job", "pid": 4242, "host": "node-3"}).encode())
+                time.sleep(RENEW_S + 2)  # a renewal meets it
+
+    torch.manual_seed(0)
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                      device="cpu", progress_bar=False, max_duration="4ba", run_name="job",
+                      save_folder=f"s3://{bucket}/runs/job", save_interval="2ba", callbacks=[TakeOver()])
+    try:
+        with pytest.raises(RuntimeError) as e:
+            trainer.fit()
+    finally:
+        trainer.close()
+    message = str(e.value)
+    assert f"another job of run 'job' (pid 4242 on node-3) took save_folder s3://{bucket}/runs/job over" in message
+    assert "\n" not in message
+    assert trainer.state.timestamp.batch.value in (2, 4)
+    assert json.loads(store.read_bytes("runs/job/.lockstep-lease.job"))["pid"] == 4242  # left to its holder
