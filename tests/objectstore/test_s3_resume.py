@@ -5,8 +5,10 @@ ends with the uninterrupted job's parameters, bit for bit; two nodes of two rank
 fresh disks, each node downloading only the parts its ranks read; a job killed before any
 checkpoint reached the bucket starts fresh on its partial local copies, with each node's
 unfinished files swept; each node checks its own copy of the files every rank reads; and a
-single-file copy that only another node holds gives way to the bucket's; and a damaged local copy
-of the newest checkpoint is set aside and downloaded again from the bucket."""
+single-file copy that only another node holds gives way to the bucket's; a damaged local copy
+of the newest checkpoint is set aside and downloaded again from the bucket (and when that download
+fails midway, nothing of it is left and an older local checkpoint serves); and a disk's older copy
+of the run gives way to the bucket's newer checkpoint."""
 
 from __future__ import annotations
 
@@ -343,10 +345,12 @@ def _flip_a_byte(path: Path) -> bytes:
 
 
 def _stopped_after_batch_8(store: S3ObjectStore, cwd: Path, folder: str, out: Path, bucket: str,
-                           extra: list[str]) -> tuple[Path, str]:
+                           extra: list[str], *, bucket_too: bool = True) -> tuple[Path, str]:
     """A one-node job of two ranks saved at batches 4, 8 and 12 to the bucket, then set back as if it
     had stopped after batch 8: both pointers (the bucket's, the staging folder's) name the batch-8
-    checkpoint, and the local batch-12 one is gone. The staging folder and that checkpoint's name."""
+    checkpoint, and the local batch-12 one is gone. Without ``bucket_too`` only the staging folder
+    is set back (a disk the job left after batch 8, while it went on elsewhere). The staging folder
+    and the batch-8 checkpoint's name."""
     first = job(cwd, folder, out, *extra)
     assert first.returncode == 0, first.stderr[-3000:]
     staged = cwd / ".lockstep" / "s3" / bucket / "runs" / "job"
@@ -358,9 +362,10 @@ def _stopped_after_batch_8(store: S3ObjectStore, cwd: Path, folder: str, out: Pa
         target = own if (staged / own).exists() else name
         pointer.unlink()
         pointer.symlink_to(target)
-        if store.list_objects(f"runs/job/{pointer.name}.symlink"):
+        if bucket_too and store.list_objects(f"runs/job/{pointer.name}.symlink"):
             store.upload_bytes(f"runs/job/{pointer.name}.symlink", f"runs/job/{target}".encode())
-    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode() == f"runs/job/{name}"
+    if bucket_too:
+        assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode() == f"runs/job/{name}"
     return staged, name
 
 
@@ -447,3 +452,22 @@ def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(buck
     # the part-filled download never had the checkpoint's name, so the fallback did not set it aside
     # over the damaged copy
     assert (staged / f"{name}.damaged" / "__1_0.distcp").read_bytes() == flipped
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["ddp", "sharded", "local"])
+def test_an_older_local_copy_gives_way_to_a_newer_checkpoint_in_the_bucket(bucket: str, tmp_path: Path,
+                                                                           kind: str) -> None:
+    """The job saved at batches 4, 8 and 12, and this disk's staging folder holds its checkpoints only
+    up to batch 8 (the job went on elsewhere): autoresume takes the bucket's batch-12 checkpoint,
+    not the older local one that serves every rank."""
+    folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
+    cwd = tmp_path / "node"
+    staged, _ = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, extra, bucket_too=False)
+    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
+    again = job(cwd, folder, tmp_path / "second.pt", *extra)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "attempt 0 resumed at batch 12" in again.stdout, again.stdout + again.stderr[-3000:]
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    assert os.readlink(staged / "latest-rank0.pt").endswith("-ba12-rank0.pt")

@@ -8,10 +8,11 @@ there that read it; of a single-file checkpoint, one rank per staging folder the
 there reads. Every file appears whole or not at all (downloaded to a temporary name, then renamed),
 and so does a folder checkpoint downloaded where there was none.
 
-Autoresume takes the local checkpoint when every rank finds there all it reads. Otherwise (a fresh
-node, or nodes without a shared disk, where no node's staging folder holds every rank's parts of a
-folder checkpoint) it downloads the checkpoint the bucket's pointer names, which every rank has
-uploaded in full, and points the local pointer at it. When the bucket has no pointer yet and the
+Autoresume takes the local checkpoint when every rank finds there all it reads, unless the
+bucket's pointer names a newer one (the job ran on other machines since this disk's copy).
+Otherwise (a fresh node, or nodes without a shared disk, where no node's staging folder holds
+every rank's parts of a folder checkpoint) it downloads the checkpoint the bucket's pointer names,
+which every rank has uploaded in full, and points the local pointer at it. When the bucket has no pointer yet and the
 local files serve only some ranks (a job killed before its first checkpoint was complete in the
 bucket, on nodes that share no disk), the run starts fresh.
 """
@@ -69,9 +70,11 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
 def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bool:
     """Before autoresume reads the local staging folder (a collective): unless the local files
     serve every rank, download the checkpoint the bucket's pointer names, and point the local
-    pointer at it. Local checkpoints come first, being at least as new as the bucket's: a single
-    file on rank 0's disk (the loader sends it to ranks without it), per-rank files on every rank,
-    a folder checkpoint with every part each rank reads on that rank's disk.
+    pointer at it, or when the bucket's pointer names a newer checkpoint than the local pointer
+    (by their names' time fields). Local checkpoints come first otherwise, being at least as new
+    as the bucket's on a disk the job last ran on: a single file on rank 0's disk (the loader
+    sends it to ranks without it), per-rank files on every rank, a folder checkpoint with every
+    part each rank reads on that rank's disk.
 
     Returns False (on every rank) when the run must start fresh: the bucket has no pointer (no
     checkpoint ever reached it whole) and the local files serve only some ranks: what a job
@@ -86,18 +89,20 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bo
     own, zero = candidates(template, run_name)
     if layout_name == LOCAL:
         seen = _agreement.gather_small_objects(own.exists() or own.is_symlink())
-        return all(seen) or _per_rank_files(saver, run_name) or not any(seen)
+        if all(seen) and not _bucket_ahead(saver, run_name, per_rank=True):
+            return True
+        return _per_rank_files(saver, run_name) or not any(seen)
     if layout_name in FOLDER_LAYOUTS:
         pointer = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
         holds = pointer is not None and _holds_reads(pointer)
         found = _agreement.gather_small_objects((pointer is not None, holds))
-        if all(holds for _, holds in found):
+        if all(holds for _, holds in found) and not _bucket_ahead(saver, run_name, per_rank=False):
             return True
         return _folder_from_pointer(saver) or all(seen for seen, _ in found)
     local = own.exists() or own.is_symlink() or zero.exists() or zero.is_symlink()
     seen = _agreement.gather_small_objects(local)
-    if seen[0]:  # the loader sends rank 0's file to ranks without it
-        return True
+    if seen[0] and not _bucket_ahead(saver, run_name, per_rank=False):
+        return True  # the loader sends rank 0's file to ranks without it
     error, downloaded = None, False
     if dist.get_local_rank() == 0:
         try:
@@ -106,6 +111,36 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bo
             error = f"autoresume from {folder.uri}: {_line(e)}"
     _agreement.raise_first_error(error, CheckpointError, device=saver._device)
     return any(_agreement.gather_small_objects(downloaded)) or not any(seen)
+
+
+def _bucket_ahead(saver: CheckpointSaver, run_name: str, *, per_rank: bool) -> bool:
+    """Whether the bucket's latest pointer names a newer checkpoint than the local one does (a
+    collective; rank 0's pointers, or under per-rank files each rank's own), by the time fields of
+    their names: a disk that holds an older copy of the run (the job ran on other machines since)
+    must not take the run back. False where a name does not tell (another save_filename)."""
+    targets = _agreed_targets(saver, per_rank=per_rank)
+    key = targets[dist.get_global_rank()] if per_rank else targets[0]
+    ahead = False
+    if key is not None and (per_rank or dist.get_global_rank() == 0):
+        assert saver.remote is not None and saver.latest is not None
+        template = saver.config.save_filename
+        try:
+            local = files.resolve_pointer(saver.latest).relative_to(saver.folder).as_posix()
+            ahead = _later(templates.time_fields(template, saver.place, key[len(saver.remote.key_of("")):]),
+                           templates.time_fields(template, saver.place, local))
+        except Exception:  # a local pointer the loader will find damaged, or a name elsewhere
+            ahead = False
+    return any(_agreement.gather_small_objects(ahead))
+
+
+def _later(a: dict[str, int] | None, b: dict[str, int] | None) -> bool:
+    """Whether the time fields ``a`` are later than ``b`` (the first unit both have that differs)."""
+    if a is None or b is None:
+        return False
+    for unit in ("batch", "sample", "token", "epoch"):
+        if unit in a and unit in b and a[unit] != b[unit]:
+            return a[unit] > b[unit]
+    return False
 
 
 def redownload(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> tuple[str, list[str]] | None:
