@@ -40,19 +40,19 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
     if place in _held:
         _held[place][1].append(on_lost)
         return None
+    here = (os.getpid(), socket.gethostname())
     try:
         store = client_for_leases(folder.store)
         for record in live_records(store, folder.key_of(LEASE_PREFIX)):
-            if record.get("run_name") == run_name:
-                continue
+            if record.get("run_name") == run_name or (record.get("pid"), record.get("host")) == here:
+                continue  # the same run is the lease's own business; this process's claims never clash
             same = ownership.clash(patterns, list(record.get("patterns", [])))
             if same is not None:
                 return (f"save_folder {folder.uri} is in use by run {record.get('run_name')!r} "
                         f"({ownership.who(record)}), which writes checkpoints named like this run's ({same}): use "
                         f"save_folder='{folder.uri}/{{run_name}}', or put {{run_name}} in save_filename and "
                         f"save_latest_filename")
-        record = {"run_name": run_name, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
-                  "patterns": patterns}
+        record = {"run_name": run_name, "host": here[1], "pid": here[0], "since": time.time(), "patterns": patterns}
         callbacks = [on_lost]
         lease = Lease(store, key, record, on_lost=lambda holder: _lost(folder, run_name, holder, callbacks))
         holder = lease.acquire()
@@ -79,9 +79,9 @@ def release(folder: RemoteFolder, run_name: str, on_lost: Callable[[str], None])
 
 
 def _lost(folder: RemoteFolder, run_name: str, holder: dict[str, Any], callbacks: list[Callable[[str], None]]) -> None:
-    message = (f"another job of run {run_name!r} ({ownership.who(holder)}) took save_folder {folder.uri} over, after this "
-               f"job had not renewed its lease there for a while (the bucket unreachable, or the job stalled): "
-               f"stopping, so that the two do not overwrite each other's checkpoints")
+    message = (f"another job of run {run_name!r} ({ownership.who(holder)}) took save_folder {folder.uri} over, "
+               f"after this job had not renewed its lease there for a while (the bucket unreachable, or the job "
+               f"stalled): stopping, so that the two do not overwrite each other's checkpoints")
     for callback in list(callbacks):
         callback(message)
 

@@ -11,12 +11,14 @@ server's, so no two machines' clocks are ever compared. A claimer that finds a l
 until it is rewritten (its holder is alive: refused) or lapses (taken over): a job killed with
 ``kill -9`` keeps its own autoresume waiting at most :data:`LAPSE_S` after its last renewal.
 
-A server that ignores the conditions (an old S3-compatible server) gets the same protocol, with
-a window of a request's length in which two claimers could both win.
+A server that ignores the conditions, or refuses them as not implemented (an old S3-compatible
+server), gets the same protocol without them: a window of a request's length in which two
+claimers could both win, and no holder told that its lease was taken over.
 """
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import json
 import threading
@@ -32,6 +34,8 @@ RENEW_S = 2.0
 """Seconds between a holder's renewals: at least two fit in :data:`LAPSE_S`, with room for a slow request."""
 _POLL_S = 0.5
 _TAKEN = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+_UNSUPPORTED = ("NotImplemented", "501")
+"""What a server that does not take conditional writes answers to one."""
 
 
 class Lease:
@@ -46,6 +50,8 @@ class Lease:
         self.on_lost = on_lost
         self._etag: str | None = None
         self._renewals = 0
+        self._conditional = True
+        """False once the server refused a conditional write as not implemented."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,14 +133,18 @@ class Lease:
         body = json.dumps({**self.record, "renewal": self._renewals}).encode()
         try:
             reply = self.store.client.put_object(Bucket=self.store.bucket, Key=self.store.get_key(self.key),
-                                                 Body=body, ContentType="application/json", **condition)
+                                                 Body=body, ContentType="application/json",
+                                                 **(condition if self._conditional else {}))
         except botocore.exceptions.ClientError as e:
-            error = e.response.get("Error", {})
+            code = str(e.response.get("Error", {}).get("Code", ""))
             status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-            if str(error.get("Code", "")) in _TAKEN or status in _TAKEN:
+            if code in _TAKEN or status in _TAKEN:
                 return False
-            if str(error.get("Code", "")) in ("NoSuchKey", "404") and "IfMatch" in condition:
+            if code in ("NoSuchKey", "404") and "IfMatch" in condition:
                 return False  # deleted meanwhile
+            if (code in _UNSUPPORTED or status in _UNSUPPORTED) and self._conditional:
+                self._conditional = False
+                return self._put(condition=condition)
             raise
         self._etag = reply.get("ETag")
         return True
@@ -151,7 +161,9 @@ class Lease:
                 return None
             raise
         body = reply["Body"].read()
-        now = email.utils.parsedate_to_datetime(reply["ResponseMetadata"]["HTTPHeaders"]["date"])
+        date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        # without the server's Date (a proxy dropped it), this machine's clock stands in for it
+        now = email.utils.parsedate_to_datetime(date) if date else datetime.datetime.now(datetime.timezone.utc)
         try:
             record = json.loads(body or b"{}")
         except ValueError:
