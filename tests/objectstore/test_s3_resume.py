@@ -8,7 +8,8 @@ unfinished files swept; each node checks its own copy of the files every rank re
 single-file copy that only another node holds gives way to the bucket's; a damaged local copy
 of the newest checkpoint is set aside and downloaded again from the bucket (and when that download
 fails midway, nothing of it is left and an older local checkpoint serves); and a disk's older copy
-of the run gives way to the bucket's newer checkpoint."""
+of the run gives way to the bucket's newer checkpoint; and two hosts whose staging folder is one
+shared folder download into it together."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import importlib.util
 import io
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,15 +90,19 @@ def reference(request, tmp_path_factory):
     return of
 
 
-def _nodes(cwds: tuple[Path, Path], folder: str, out: Path, *extra: str, per_node: int = 2) -> list[subprocess.Popen]:
+def _nodes(cwds: tuple[Path, Path], folder: str, out: Path, *extra: str, per_node: int = 2,
+           hostnames: tuple[str, str] | None = None) -> list[subprocess.Popen]:
     """Two launchers of ``per_node`` ranks each, each in its own working directory: two nodes that
-    share no disk, only the bucket."""
+    share no disk, only the bucket. With ``hostnames``, each launcher runs in a UTS namespace of its
+    own under that name (two hosts, even where the working directories are one shared folder)."""
     port = free_port()
     procs = []
     for node, cwd in enumerate(cwds):
         cwd.mkdir(parents=True, exist_ok=True)
+        host = [] if hostnames is None else ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                                             hostnames[node]]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "lockstep", "-n", str(per_node), "--world_size", str(2 * per_node),
+            [*host, sys.executable, "-m", "lockstep", "-n", str(per_node), "--world_size", str(2 * per_node),
              "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(JOB),
              "--folder", folder, "--out", str(out), *BATCHES, *extra], cwd=cwd, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
@@ -471,3 +477,28 @@ def test_an_older_local_copy_gives_way_to_a_newer_checkpoint_in_the_bucket(bucke
     assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
                    torch.load(tmp_path / "clean.pt", weights_only=True))
     assert os.readlink(staged / "latest-rank0.pt").endswith("-ba12-rank0.pt")
+
+
+@pytest.mark.timeout(300)
+def test_two_hosts_sharing_one_staging_folder_resume_from_the_bucket(bucket: str, tmp_path: Path) -> None:
+    """Two hosts (UTS namespaces of their own names) of one rank each, whose working directory is one
+    shared folder, as over a network file system: FSDP sharded saves to the bucket; with the staging
+    folder gone, autoresume on both downloads the batch-8 checkpoint, each host its rank's parts,
+    into the one folder, and ends with the uninterrupted run's parameters."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root (UTS namespaces)")
+    folder, store, shared = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), tmp_path / "nfs"
+    hosts = ("lockstep-host-a", "lockstep-host-b")
+    _finish(_nodes((shared, shared), folder, tmp_path / "clean.pt", "--sharded", per_node=1, hostnames=hosts))
+    staged = shared / ".lockstep" / "s3" / bucket / "runs" / "job"
+    name = next(p.name for p in staged.glob("*-ba8-rank0.pt"))
+    store.upload_bytes("runs/job/latest-rank0.pt.symlink", f"runs/job/{name}".encode())
+    shutil.rmtree(shared / ".lockstep")
+
+    out = _finish(_nodes((shared, shared), folder, tmp_path / "second.pt", "--sharded", per_node=1, hostnames=hosts))
+    assert "attempt 0 resumed at batch 8" in out, out
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
+                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    downloaded = staged / name
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in downloaded.iterdir()}
+    assert not [p.name for p in staged.iterdir() if ".tmp." in p.name]

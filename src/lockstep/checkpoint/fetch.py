@@ -367,14 +367,21 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
 
 def _name_download(temp: Path, local: Path) -> None:
     """Rename the downloaded folder ``temp`` to ``local``. Where ``local`` has appeared meanwhile
-    (a host sharing this folder over a network file system downloaded the same checkpoint), that
-    copy is kept, the same objects as this one, and this one removed."""
+    (another host that shares this folder over a network file system, and downloaded its own
+    ranks' parts of the same checkpoint, renamed its folder first), this folder's files are moved
+    into that one, each whole, and this one removed."""
     try:
         os.rename(temp, local)
+        return
     except OSError:
         if not (local / SHARDED_META).is_file():
             raise
-        files.remove(temp)
+    for path in sorted(temp.rglob("*")):
+        if path.is_file():
+            target = local / path.relative_to(temp)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+    files.remove(temp)
 
 
 def _write_whole(path: Path, data: bytes) -> None:
