@@ -37,7 +37,7 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
     saying so if another job takes the lease over later."""
     key = folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name))
     place = (folder.store.bucket, key)
-    if place in _held:
+    if place in _held and _held[place][0].held:
         _held[place][1].append(on_lost)
         return None
     here = (os.getpid(), socket.gethostname())
@@ -79,6 +79,9 @@ def release(folder: RemoteFolder, run_name: str, on_lost: Callable[[str], None])
 
 
 def _lost(folder: RemoteFolder, run_name: str, holder: dict[str, Any], callbacks: list[Callable[[str], None]]) -> None:
+    place = (folder.store.bucket, folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name)))
+    if place in _held and _held[place][1] is callbacks:
+        del _held[place]  # a later claim in this process must acquire the lease again
     message = (f"another job of run {run_name!r} ({ownership.who(holder)}) took save_folder {folder.uri} over, "
                f"after this job had not renewed its lease there for a while (the bucket unreachable, or the job "
                f"stalled): stopping, so that the two do not overwrite each other's checkpoints")

@@ -23,6 +23,7 @@ import email.utils
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +31,14 @@ from lockstep.objectstore.s3 import S3ObjectStore
 
 LAPSE_S = 5.0
 """Seconds without a renewal after which a lease has lapsed (the server's clock, whole seconds)."""
-RENEW_S = 2.0
-"""Seconds between a holder's renewals: at least two fit in :data:`LAPSE_S`, with room for a slow request."""
+RENEW_S = 1.0
+"""Seconds between a holder's renewals: several fit in :data:`LAPSE_S` (whose whole seconds may
+be one short), with room for a slow request."""
+_RETRY_S = 0.3
+"""Seconds before a renewal that failed (the server out of reach) is tried again."""
 _POLL_S = 0.5
+_RELEASE_WAIT_S = 8.0
+"""How long a release waits for a renewal under way; past it the lease is left to lapse."""
 _TAKEN = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
 _UNSUPPORTED = ("NotImplemented", "501")
 """What a server that does not take conditional writes answers to one."""
@@ -46,7 +52,9 @@ class Lease:
 
     def __init__(self, store: S3ObjectStore, key: str, record: dict[str, Any], *,
                  on_lost: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.store, self.key, self.record = store, key, dict(record)
+        self.store, self.key = store, key
+        self.record = {**record, "holder": uuid.uuid4().hex}
+        """What the lease object holds; ``holder`` tells this holder's writes from any other's."""
         self.on_lost = on_lost
         self._etag: str | None = None
         self._renewals = 0
@@ -71,7 +79,10 @@ class Lease:
                 if self._put(condition={"IfNoneMatch": "*"}):
                     self._start_renewing()
                     return None
-                continue  # another claimer created it between the two requests
+                if time.monotonic() - started > deadline_s:
+                    return {}
+                time.sleep(_POLL_S)  # another claimer created it between the two requests
+                continue
             etag, age, record = found
             if age >= LAPSE_S and self._put(condition={"IfMatch": etag}):
                 self._start_renewing()
@@ -86,7 +97,10 @@ class Lease:
         under way is waited for: the store's client should have short timeouts (see :func:`client_for_leases`)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(_RELEASE_WAIT_S)
+            if self._thread.is_alive():  # a renewal stuck on the network: the lease lapses by itself
+                self._etag = None
+                return
             self._thread = None
         etag, self._etag = self._etag, None
         if etag is None:
@@ -104,23 +118,24 @@ class Lease:
         self._thread.start()
 
     def _renew(self) -> None:
-        while not self._stop.wait(RENEW_S):
-            etag = self._etag
+        pause = RENEW_S
+        while not self._stop.wait(pause):
+            etag, pause = self._etag, RENEW_S
             if etag is None:
                 return
             try:
                 if self._put(condition={"IfMatch": etag}):
                     continue
-            except Exception:  # the server unreachable for now: try again; past LAPSE_S it may be taken
+                found = self._head()
+            except Exception:  # the server unreachable for now: try again soon; past LAPSE_S it may be taken
+                pause = _RETRY_S
+                continue
+            if found is not None and found[2].get("holder") == self.record["holder"]:
+                self._etag = found[0]  # our own write, whose reply was lost to a retry (or a conflict)
                 continue
             if self._stop.is_set():
                 return
             self._etag = None  # taken over (or deleted) by another claimer
-            found = None
-            try:
-                found = self._head()
-            except Exception:
-                pass
             if self.on_lost is not None:
                 self.on_lost(found[2] if found is not None else {})
             return
@@ -135,6 +150,11 @@ class Lease:
             reply = self.store.client.put_object(Bucket=self.store.bucket, Key=self.store.get_key(self.key),
                                                  Body=body, ContentType="application/json",
                                                  **(condition if self._conditional else {}))
+        except botocore.exceptions.ParamValidationError:  # a boto3 older than conditional writes
+            if not self._conditional:
+                raise
+            self._conditional = False
+            return self._put(condition=condition)
         except botocore.exceptions.ClientError as e:
             code = str(e.response.get("Error", {}).get("Code", ""))
             status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
