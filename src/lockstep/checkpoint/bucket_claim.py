@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lockstep.checkpoint import ownership
-from lockstep.checkpoint.remote import LEASE_PREFIX, RemoteFolder
+from lockstep.checkpoint.remote import LEASE_PREFIX, RemoteFolder, error_line
 from lockstep.objectstore.lease import Lease, client_for_leases, live_records
 
 _held: dict[tuple[str, str], tuple[Lease, list[Callable[[str], None]]]] = {}
@@ -57,7 +57,7 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
         lease = Lease(store, key, record, on_lost=lambda holder: _lost(folder, run_name, holder, callbacks))
         holder = lease.acquire()
     except Exception as e:
-        return f"cannot claim save_folder {folder.uri} for run {run_name!r}: {_line(e)}"
+        return f"cannot claim save_folder {folder.uri} for run {run_name!r}: {error_line(e)}"
     if holder is not None:
         return (f"run {run_name!r} is already running with save_folder {folder.uri} ({ownership.who(holder)}, which "
                 f"renews its lease there): stop that job first, or give this one another run_name or "
@@ -87,8 +87,3 @@ def _lost(folder: RemoteFolder, run_name: str, holder: dict[str, Any], callbacks
                f"stalled): stopping, so that the two do not overwrite each other's checkpoints")
     for callback in list(callbacks):
         callback(message)
-
-
-def _line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

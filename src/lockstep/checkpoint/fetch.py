@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from lockstep import _agreement, dist
 from lockstep.checkpoint import files, integrity, payload, remote, templates
 from lockstep.checkpoint.files import CheckpointError
+from lockstep.checkpoint.remote import error_line as _line
 from lockstep.checkpoint.layout import DEEPSPEED, FOLDER_LAYOUTS, LOCAL, SHARDED_META
 from lockstep.objectstore import ObjectStore, parse_uri, store_for_uri
 
@@ -321,14 +322,8 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
     ``local``."""
     error, names, data, place = None, [], b"", None
     try:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        seen = os.stat(local.parent)
-        place = (socket.gethostname(), seen.st_dev, seen.st_ino)  # the same folder on the same machine
-        data = store.read_bytes(f"{key}/{SHARDED_META}")
-        meta = payload.metadata(files.read_bytes(data, local / SHARDED_META), local) or {}
-        every_part = weights_only and payload.layout_of(meta) == DEEPSPEED
-        reads = None if every_part else integrity.reads_of(meta, dist.get_global_rank(), dist.get_world_size())
-        names = sorted(reads if reads is not None else set(_names_under(store, key)) - {SHARDED_META})
+        place = (socket.gethostname(), *_identity_of(local.parent))  # the same folder on the same machine
+        data, names = _reads_of_download(store, key, local, weights_only)
     except Exception as e:
         error = f"{what}: {_line(e)}"
     _agreement.raise_first_error(error, CheckpointError, device=device)
@@ -337,15 +332,10 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
     first, rank = sharing[0], dist.get_global_rank()
     fresh = not every[first][3]  # as the first rank of this folder saw it
     into = files.temp_path(local, every[first][2]) if fresh else local
-    readers: dict[str, list[int]] = {}
-    for reader in sharing:
-        for name in every[reader][1]:
-            readers.setdefault(name, []).append(reader)
     try:
         into.mkdir(parents=True, exist_ok=True)
-        for i, name in enumerate(sorted(readers)):
-            if readers[name][i % len(readers[name])] == rank:
-                store.download_object(f"{key}/{name}", into / name, overwrite=True)
+        for name in _turn_of(rank, {r: every[r][1] for r in sharing}):
+            store.download_object(f"{key}/{name}", into / name, overwrite=True)
     except Exception as e:
         error = f"{what}: {_line(e)}"
     try:
@@ -363,6 +353,26 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
             error = f"{what}: could not put the download in place at {local}: {e}"
     _agreement.raise_first_error(error, CheckpointError, device=device)  # the folder has its name
     return rank == first
+
+
+def _reads_of_download(store: ObjectStore, key: str, local: Path, weights_only: bool) -> tuple[bytes, list[str]]:
+    """The folder checkpoint ``key``'s ``lockstep.pt`` (its bytes) and the names of the parts this
+    rank reads of it (see :func:`download_folder`)."""
+    data = store.read_bytes(f"{key}/{SHARDED_META}")
+    meta = payload.metadata(files.read_bytes(data, local / SHARDED_META), local) or {}
+    every_part = weights_only and payload.layout_of(meta) == DEEPSPEED
+    reads = None if every_part else integrity.reads_of(meta, dist.get_global_rank(), dist.get_world_size())
+    return data, sorted(reads if reads is not None else set(_names_under(store, key)) - {SHARDED_META})
+
+
+def _turn_of(rank: int, reads: dict[int, list[str]]) -> list[str]:
+    """Of the names that the ranks sharing a folder read (``reads``, by rank), those ``rank``
+    downloads: each name once, the readers of a name taking turns across names."""
+    readers: dict[str, list[int]] = {}
+    for reader, names in reads.items():
+        for name in names:
+            readers.setdefault(name, []).append(reader)
+    return [name for i, name in enumerate(sorted(readers)) if readers[name][i % len(readers[name])] == rank]
 
 
 def _name_download(temp: Path, local: Path) -> None:
@@ -457,8 +467,5 @@ def _download(store: ObjectStore, key: str, local: Path) -> None:
         store.download_object(full[len(getattr(store, 'prefix', '')):], local / relative, overwrite=True)
 
 
-def _line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 

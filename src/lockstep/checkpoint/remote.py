@@ -194,6 +194,12 @@ def is_lease(key: str) -> bool:
     return key.rsplit("/", 1)[-1].startswith(LEASE_PREFIX)
 
 
+def error_line(error: BaseException) -> str:
+    """An error's first line (its type's name when it says nothing), for one-line messages."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def is_remote(path: object) -> bool:
     """Whether ``path`` (a save_folder or load_path) names a bucket rather than a local folder."""
     return is_uri(path)
