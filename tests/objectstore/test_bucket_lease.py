@@ -2,7 +2,7 @@
 (exclusive, renewed, released, taken over once lapsed, and their loss told to their holder), and
 Trainers of other processes, each in a working directory of its own (so sharing no staging folder,
 as jobs on two machines), refused while a live job holds the folder; and a job whose lease another
-took over fails at its next save."""
+took over fails at its next save, and writes nothing more to the bucket; claimers take turns."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from lockstep import Callback, Trainer
+from lockstep.checkpoint import bucket_claim
+from lockstep.checkpoint.remote import RemoteFolder, Uploader
 from lockstep.objectstore import S3ObjectStore
-from lockstep.objectstore.lease import LAPSE_S, RENEW_S, Lease
+from lockstep.objectstore.lease import LAPSE_S, RENEW_S, Lease, client_for_leases
 from tests.trainer.common import MLP, loader
 
 pytestmark = pytest.mark.timeout(120)
@@ -167,3 +169,98 @@ def test_a_job_whose_lease_was_taken_over_fails_at_its_next_save(bucket: str, tm
     assert "\n" not in message
     assert trainer.state.timestamp.batch.value in (2, 4)
     assert json.loads(store.read_bytes("runs/job/.lockstep-lease.job"))["pid"] == 4242  # left to its holder
+
+
+def test_a_displaced_uploaders_writes_stop_once_another_holds_the_lease(bucket: str, tmp_path: Path) -> None:
+    """An uploader guarded by its run's lease writes while the lease is its holder's (or gone);
+    once another job's record is there, its queued upload, pointer move and deletion do not land,
+    and its failure names the other job."""
+    folder = RemoteFolder.of(f"s3://{bucket}/runs/fence", tmp_path / "staging")
+    store, lease = folder.store, folder.key_of(".lockstep-lease.fence")
+    pointer = folder.key_of("latest-rank0.pt.symlink")
+    for name in ("ck1", "ck2"):
+        (tmp_path / name).write_bytes(name.encode() * 1000)
+    store.upload_bytes(lease, json.dumps({"holder": "mine", "pid": 1, "host": "here"}).encode())
+    uploader = Uploader(folder, 0)
+    uploader.guard = (lease, "mine")
+    try:
+        uploader.upload("ck1", [(tmp_path / "ck1", "ck1")])
+        uploader.drain()
+        uploader.publish("ck1", folder.key_of("ck1"), pointer, [])
+        uploader.drain()
+        assert store.read_bytes(pointer).decode() == folder.key_of("ck1")
+        store.upload_bytes(lease, json.dumps({"holder": "theirs", "pid": 4242, "host": "node-3"}).encode())
+        uploader.upload("ck2", [(tmp_path / "ck2", "ck2")])
+        uploader.publish("ck2", folder.key_of("ck2"), pointer, ["ck1"])
+        uploader.drain()
+        _, failure = uploader.state()
+    finally:
+        uploader.close()
+    assert failure is not None and "\n" not in failure
+    assert (f"did not upload ck2 to s3://{bucket}/runs/fence/ck2: another job (pid 4242 on node-3) holds "
+            f"s3://{bucket}/{lease} now") in failure, failure
+    assert store.read_bytes(pointer).decode() == folder.key_of("ck1")
+    assert sorted(store.list_objects("runs/fence/")) == sorted([folder.key_of("ck1"), pointer, lease])
+    store.delete_object(lease)  # released by its holder: nobody else's to respect
+    again = Uploader(folder, 0)
+    again.guard = (lease, "mine")
+    try:
+        again.upload("ck2", [(tmp_path / "ck2", "ck2")])
+        again.drain()
+        assert again.state() == (["ck2"], None)
+    finally:
+        again.close()
+
+
+def test_a_save_right_after_another_job_took_the_lease_does_not_reach_the_bucket(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another job's record replaces the lease just before the save of batch 2, sooner than a
+    renewal can notice: that checkpoint never lands, and the job fails by the end of ``fit``."""
+    monkeypatch.chdir(tmp_path)
+    store = S3ObjectStore(bucket)
+
+    class TakeOverBeforeSave(Callback):
+        def batch_end(self, state, logger) -> None:
+            if state.timestamp.batch.value == 2:
+                store.upload_bytes("runs/job/.lockstep-lease.job",
+                                   json.dumps({"run_name": "job", "pid": 4242, "host": "node-3"}).encode())
+
+    torch.manual_seed(0)
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                      device="cpu", progress_bar=False, max_duration="2ba", run_name="job",
+                      save_folder=f"s3://{bucket}/runs/job", save_interval="2ba", callbacks=[TakeOverBeforeSave()])
+    try:
+        with pytest.raises(RuntimeError) as e:
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert "pid 4242 on node-3" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert store.list_objects("runs/job/") == ["runs/job/.lockstep-lease.job"]
+    assert (tmp_path / ".lockstep/s3" / bucket / "runs/job/ep0-ba2-rank0.pt").exists()  # kept on the disk
+
+
+def test_claims_of_a_folder_take_turns(bucket: str, tmp_path: Path) -> None:
+    """A claimer waits while another holds the folder's claiming turn; a lease that other run took
+    meanwhile, with names that clash, refuses it once its turn comes (looking first and taking
+    after, as without turns, it would have found the folder free)."""
+    folder = RemoteFolder.of(f"s3://{bucket}/runs/shared", tmp_path)
+    store = client_for_leases(folder.store)
+    busy = Lease(store, folder.key_of(bucket_claim.CLAIMING), {"pid": 2, "host": "node-9", "claiming": "a"})
+    assert busy.acquire() is None
+    result: dict[str, str | None] = {}
+    claimer = threading.Thread(target=lambda: result.update(
+        error=bucket_claim.claim(folder, "b", ["ep*-ba*-rank0.pt"], lambda message: None)))
+    try:
+        claimer.start()
+        time.sleep(2 * RENEW_S + 1)
+        assert claimer.is_alive() and not result, "a claim waits for its turn"
+        store.upload_bytes(folder.key_of(".lockstep-lease.a"), json.dumps(
+            {"run_name": "a", "pid": 2, "host": "node-9", "patterns": ["ep*-ba*-rank0.pt"]}).encode())
+    finally:
+        busy.release()
+    claimer.join(30)
+    assert not claimer.is_alive()
+    error = result["error"]
+    assert error is not None and f"save_folder {folder.uri} is in use by run 'a' (pid 2 on node-9)" in error, error
+    assert sorted(store.list_objects("runs/shared/")) == [folder.key_of(".lockstep-lease.a")]

@@ -9,9 +9,13 @@ patterns of its checkpoint names, for as long as it trains. A claim is refused w
   writing the same folder, from this machine or another; or
 - another run's live lease holds patterns that can name the same objects.
 
+Claimers of a folder take turns (a short lease of its own, :data:`CLAIMING`) to look at its
+leases and take theirs, so that two runs that start at once cannot each miss the other.
 A lease that lapses (its job was killed, or lost the bucket for :data:`~lockstep.objectstore.lease.LAPSE_S`)
 is taken over, so a killed job's autoresume waits at most that long. A holder whose lease was taken
-over fails at its next save, since two jobs would overwrite each other's checkpoints.
+over fails at its next save, since two jobs would overwrite each other's checkpoints; before that,
+its ranks' uploads, pointer moves and deletions are guarded by the lease (:func:`guard`), so that
+none of them lands once another job's record is there.
 """
 
 from __future__ import annotations
@@ -19,16 +23,26 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from lockstep.checkpoint import ownership
 from lockstep.checkpoint.remote import LEASE_PREFIX, RemoteFolder, error_line
 from lockstep.objectstore.lease import Lease, client_for_leases, live_records
+from lockstep.objectstore.writer import Guard
 
 _held: dict[tuple[str, str], tuple[Lease, list[Callable[[str], None]]]] = {}
 """This process's leases: (bucket, key) -> the lease and its holders' ``on_lost``. Claims of one
 process share a lease (a notebook that builds a new Trainer before dropping the old one)."""
+CLAIMING = LEASE_PREFIX + "~claiming"
+"""The lease a claimer holds while it looks at the folder's leases and takes its own (no run's
+lease has this name: :func:`~lockstep.checkpoint.ownership.safe_name` never keeps a ``~``)."""
+_TURN_WAIT_S = 60.0
+"""How long a claimer waits for its turn; one claim takes at most about 10 s (a lapsed lease watched)."""
+_HOLDER = uuid.uuid4().hex
+"""This process's holder id in every lease it takes: the same across its claims of one folder, so
+that writes queued under an earlier claim stay allowed under the next."""
 
 
 def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Callable[[str], None]) -> str | None:
@@ -43,19 +57,24 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
     here = (os.getpid(), socket.gethostname())
     try:
         store = client_for_leases(folder.store)
-        for record in live_records(store, folder.key_of(LEASE_PREFIX)):
-            if record.get("run_name") == run_name or (record.get("pid"), record.get("host")) == here:
-                continue  # the same run is the lease's own business; this process's claims never clash
-            same = ownership.clash(patterns, list(record.get("patterns", [])))
-            if same is not None:
-                return (f"save_folder {folder.uri} is in use by run {record.get('run_name')!r} "
-                        f"({ownership.who(record)}), which writes checkpoints named like this run's ({same}): use "
-                        f"save_folder='{folder.uri}/{{run_name}}', or put {{run_name}} in save_filename and "
-                        f"save_latest_filename")
-        record = {"run_name": run_name, "host": here[1], "pid": here[0], "since": time.time(), "patterns": patterns}
-        callbacks = [on_lost]
-        lease = Lease(store, key, record, on_lost=lambda holder: _lost(folder, run_name, holder, callbacks))
-        holder = lease.acquire()
+        # the look at other runs' leases and the taking of this one are one step for every claimer
+        # of the folder, as the local claim's flock makes them: two runs starting at once cannot both
+        # find the folder free of the other
+        turn = Lease(store, folder.key_of(CLAIMING), {"host": here[1], "pid": here[0], "claiming": run_name})
+        if not _wait_for_turn(turn):
+            return (f"cannot claim save_folder {folder.uri} for run {run_name!r}: other jobs kept claiming it for "
+                    f"{_TURN_WAIT_S:.0f} s; try again")
+        try:
+            why = _clash(folder, store, run_name, patterns, here)
+            if why is not None:
+                return why
+            record = {"run_name": run_name, "host": here[1], "pid": here[0], "since": time.time(), "patterns": patterns}
+            callbacks = [on_lost]
+            lease = Lease(store, key, record, on_lost=lambda holder: _lost(folder, run_name, holder, callbacks),
+                          holder=_HOLDER)
+            holder = lease.acquire()
+        finally:
+            turn.release()
     except Exception as e:
         return f"cannot claim save_folder {folder.uri} for run {run_name!r}: {error_line(e)}"
     if holder is not None:
@@ -64,6 +83,39 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
                 f"save_folder")
     _held[place] = (lease, callbacks)
     return None
+
+
+def _wait_for_turn(turn: Lease) -> bool:
+    """Take the folder's claiming lease once no other claimer holds it (one that died lapses);
+    False after :data:`_TURN_WAIT_S`."""
+    started = time.monotonic()
+    while turn.acquire() is not None:
+        if time.monotonic() - started > _TURN_WAIT_S:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _clash(folder: RemoteFolder, store: Any, run_name: str, patterns: list[str],
+           here: tuple[int, str]) -> str | None:
+    """Why another run's live lease in ``folder`` refuses this claim (names that can clash)."""
+    for record in live_records(store, folder.key_of(LEASE_PREFIX)):
+        if "patterns" not in record or record.get("run_name") == run_name or \
+                (record.get("pid"), record.get("host")) == here:
+            continue  # a claimer's turn; the same run is the lease's own business; one process never clashes
+        same = ownership.clash(patterns, list(record["patterns"]))
+        if same is not None:
+            return (f"save_folder {folder.uri} is in use by run {record.get('run_name')!r} "
+                    f"({ownership.who(record)}), which writes checkpoints named like this run's ({same}): use "
+                    f"save_folder='{folder.uri}/{{run_name}}', or put {{run_name}} in save_filename and "
+                    f"save_latest_filename")
+    return None
+
+
+def guard(folder: RemoteFolder, run_name: str) -> Guard:
+    """What a claim by this process lets write into ``folder`` for ``run_name``: the lease's key
+    and this process's holder id (for every rank's :class:`~lockstep.checkpoint.remote.Uploader`)."""
+    return folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name)), _HOLDER
 
 
 def release(folder: RemoteFolder, run_name: str, on_lost: Callable[[str], None]) -> None:

@@ -29,7 +29,7 @@ from lockstep.checkpoint import integrity
 from lockstep.objectstore import ObjectStore, S3ObjectStore, parse_uri
 from lockstep.objectstore.probe import problem
 from lockstep.objectstore.uri import check_uri, is_uri
-from lockstep.objectstore.writer import Action, Outcome, StoreWriter
+from lockstep.objectstore.writer import Action, Guard, Outcome, StoreWriter
 
 STAGING_ROOT = os.path.join(".lockstep", "s3")
 """Where checkpoints of a bucket's save_folder are staged: ``STAGING_ROOT/BUCKET/PREFIX``, relative
@@ -110,6 +110,8 @@ class Uploader:
         """The checkpoint the bucket's latest pointer names (set once it is written)."""
         self.timings: list[tuple[int, float]] = []
         """(bytes, seconds) of each file uploaded, for benchmarks."""
+        self.guard: Guard | None = None
+        """The run's lease on the folder, read before each write (None: writes are not guarded)."""
 
     def upload(self, name: str, files: Sequence[tuple[Path, str]]) -> None:
         """Upload ``files`` (each a published local file and its name relative to the folder) as
@@ -130,7 +132,8 @@ class Uploader:
             shutil.rmtree(staged, ignore_errors=True)
             self.fail(f"could not stage {name} for upload: {e}")
             return
-        self._started().submit(links, cleanup=str(staged.resolve()), then=lambda outcome: self._uploaded(name, outcome))
+        self._started().submit(links, cleanup=str(staged.resolve()), guard=self.guard,
+                               then=lambda outcome: self._uploaded(name, outcome))
 
     def _uploaded(self, name: str, outcome: Outcome) -> None:
         with self._lock:
@@ -145,12 +148,13 @@ class Uploader:
         (``pointer_key``) at ``target_key``, then delete the checkpoints ``remove`` (names relative
         to the folder) from the bucket."""
         if pointer_key is not None:
-            self._started().submit([("put", pointer_key, target_key)],
+            self._started().submit([("put", pointer_key, target_key)], guard=self.guard,
                                    then=lambda outcome: self._pointed(name, outcome))
         else:
             self.published = name
         if remove:
-            self._started().submit([("delete_tree", self.folder.key_of(old)) for old in remove], then=self._settled)
+            self._started().submit([("delete_tree", self.folder.key_of(old)) for old in remove], guard=self.guard,
+                                   then=self._settled)
 
     def _pointed(self, name: str, outcome: Outcome) -> None:
         if outcome.error is None and not outcome.skipped:

@@ -135,6 +135,11 @@ class CheckpointSaver:
         except ValueError:
             self.release()
             raise
+        if self.remote is not None:  # every rank's writes to the bucket stop once the lease is another job's
+            guard = _agreement.gather_small_objects(
+                bucket_claim.guard(self.remote, self.run_name) if self._rank == 0 else None)[0]
+            if self.uploader is not None:
+                self.uploader.guard = guard
         self._claim_agreed = True
 
     def _patterns(self) -> list[str]:

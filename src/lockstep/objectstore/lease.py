@@ -48,13 +48,15 @@ class Lease:
     """A lease on the object ``key`` of ``store``, held with ``record`` (what a refused claimer is
     told: run name, host, pid). ``on_lost`` is called once, from the renewing thread, with the new
     holder's record when another claimer took the lease over (this holder had not renewed it for
-    :data:`LAPSE_S`, or its object was deleted)."""
+    :data:`LAPSE_S`, or its object was deleted). ``holder`` tells this holder's writes from any
+    other's (default: a new random id); writers guarded by it (:mod:`lockstep.objectstore.writer`)
+    stop once another holder's record is there."""
 
     def __init__(self, store: S3ObjectStore, key: str, record: dict[str, Any], *,
-                 on_lost: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_lost: Callable[[dict[str, Any]], None] | None = None, holder: str | None = None) -> None:
         self.store, self.key = store, key
-        self.record = {**record, "holder": uuid.uuid4().hex}
-        """What the lease object holds; ``holder`` tells this holder's writes from any other's."""
+        self.record = {**record, "holder": holder or uuid.uuid4().hex}
+        """What the lease object holds."""
         self.on_lost = on_lost
         self._etag: str | None = None
         self._renewals = 0

@@ -11,7 +11,10 @@ The child is ``python -m lockstep.objectstore.writer``; it reads one JSON job pe
 standard input and answers one JSON line per job on a pipe of its own. Jobs run one after the
 other, each action tried up to ``num_attempts`` times with growing pauses. Once a job fails for
 good the later ones are not run (a later job, such as a latest pointer, may name what the failed
-one lost); each is answered as skipped. The child dies with the process that started it (Linux's
+one lost); each is answered as skipped. A job may carry a guard, a lease and its holder's id
+(:mod:`lockstep.objectstore.lease`): before each of its actions the child reads the lease, and
+once another holder's record is there (a job that took the folder over) the job fails without
+writing. The child dies with the process that started it (Linux's
 parent-death signal), and ends when told to (:meth:`StoreWriter.close`) or when its input closes.
 """
 
@@ -35,6 +38,14 @@ Action = tuple[str, ...]
 """``("upload", key, path)``; ``("upload_new", key, path)``, which fails if the object exists;
 ``("put", key, text)``; or ``("delete_tree", key)``: the object and every object under
 ``key + "/"``."""
+
+
+Guard = tuple[str, str]
+"""``(key, holder)``: a lease's key and the id of the holder whose job may write."""
+
+
+class TakenOver(RuntimeError):
+    """A guarded job's lease is held by another holder: not retried."""
 
 
 @dataclass
@@ -91,12 +102,13 @@ class StoreWriter:
         self._reader = threading.Thread(target=self._read, name="lockstep-store-writer", daemon=True)
         self._reader.start()
 
-    def submit(self, actions: list[Action], *, cleanup: str | None = None,
+    def submit(self, actions: list[Action], *, cleanup: str | None = None, guard: Guard | None = None,
                then: Callable[[Outcome], None] | None = None) -> int:
         """Queue a job of ``actions``, done in order; ``cleanup`` (a file or folder) is removed by the
-        child once the job ends, done or not. ``then`` is called with the job's outcome (on the
-        thread that reads the child's answers). Returns the job's number."""
-        line = json.dumps({"actions": actions, "cleanup": cleanup}) + "\n"
+        child once the job ends, done or not. With a ``guard``, each action waits for a read of its
+        lease and the job fails, unwritten, if another holder's record is there. ``then`` is called
+        with the job's outcome (on the thread that reads the child's answers). Returns the job's number."""
+        line = json.dumps({"actions": actions, "cleanup": cleanup, "guard": guard}) + "\n"
         with self._lock:
             self._sent += 1
             job = self._sent
@@ -201,13 +213,31 @@ def _describe(store: Any, action: Action) -> str:
     return f"{what} {store.get_uri(key)}"
 
 
+def _check(store: Any, guard: Guard, action: Action) -> None:
+    """Raise :class:`TakenOver` when the lease ``guard`` names holds another holder's record. No
+    lease at all lets the write through: its holder released it, and no other job has one."""
+    key, holder = guard
+    try:
+        record = json.loads(store.read_bytes(key) or b"{}")
+    except FileNotFoundError:
+        return
+    except ValueError:
+        record = {}
+    if record.get("holder") != holder:
+        who = f"pid {record.get('pid', '?')} on {record.get('host', '?')}"
+        raise TakenOver(f"did not {_describe(store, action)}: another job ({who}) holds {store.get_uri(key)} now, "
+                        f"so this job no longer writes there")
+
+
 def _attempt(store: Any, action: Action, num_attempts: int, backoff_s: float,
-             timings: list[tuple[int, float]]) -> None:
+             timings: list[tuple[int, float]], guard: Guard | None = None) -> None:
     for attempt in range(num_attempts):
         try:
+            if guard is not None:
+                _check(store, guard, action)
             _run(store, action, timings)
             return
-        except FileExistsError:
+        except (FileExistsError, TakenOver):
             raise  # no attempt would change that
         except Exception as e:
             if attempt + 1 == num_attempts:
@@ -244,8 +274,9 @@ def _serve(store: Any, jobs: TextIO, answers: TextIO, num_attempts: int, backoff
             if failed:
                 answer["skipped"] = True
                 continue
+            guard = None if job.get("guard") is None else tuple(job["guard"])
             for action in job["actions"]:
-                _attempt(store, tuple(action), num_attempts, backoff_s, timings)
+                _attempt(store, tuple(action), num_attempts, backoff_s, timings, guard)
         except Exception as e:
             failed = stop_at_failure
             answer["error"] = str(e)
