@@ -264,3 +264,17 @@ def test_claims_of_a_folder_take_turns(bucket: str, tmp_path: Path) -> None:
     error = result["error"]
     assert error is not None and f"save_folder {folder.uri} is in use by run 'a' (pid 2 on node-9)" in error, error
     assert sorted(store.list_objects("runs/shared/")) == [folder.key_of(".lockstep-lease.a")]
+
+
+def test_a_run_whose_name_makes_the_same_lease_name_as_a_live_runs_is_refused(bucket: str, tmp_path: Path) -> None:
+    folder = RemoteFolder.of(f"s3://{bucket}/runs/alike", tmp_path)
+    other = Lease(client_for_leases(folder.store), folder.key_of(".lockstep-lease.exp_1"),
+                  {"run_name": "exp/1", "pid": 5, "host": "node-5", "patterns": ["exp/1-*.pt"]})
+    assert other.acquire() is None
+    try:
+        error = bucket_claim.claim(folder, "exp:1", ["exp:1-*.pt"], lambda message: None)
+    finally:
+        other.release()
+    assert error == (f"save_folder {folder.uri} is in use by run 'exp/1' (pid 5 on node-5), whose lease there has "
+                     f"the name this run's would have (.lockstep-lease.exp_1): give this run a name that differs "
+                     f"in a letter or digit")

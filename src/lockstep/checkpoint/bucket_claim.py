@@ -77,6 +77,10 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
             turn.release()
     except Exception as e:
         return f"cannot claim save_folder {folder.uri} for run {run_name!r}: {error_line(e)}"
+    if holder is not None and holder.get("run_name", run_name) != run_name:  # names alike once made safe
+        return (f"save_folder {folder.uri} is in use by run {holder['run_name']!r} ({ownership.who(holder)}), whose "
+                f"lease there has the name this run's would have ({LEASE_PREFIX}{ownership.safe_name(run_name)}): "
+                f"give this run a name that differs in a letter or digit")
     if holder is not None:
         return (f"run {run_name!r} is already running with save_folder {folder.uri} ({ownership.who(holder)}, which "
                 f"renews its lease there): stop that job first, or give this one another run_name or "
