@@ -29,6 +29,22 @@ if TYPE_CHECKING:
     from lockstep.state import State
 
 
+def _check_config(config: CheckpointConfig, layout: str, max_duration: Time | None) -> None:
+    """Settings the saver cannot work with, refused before anything is written."""
+    if config.save_folder is None:
+        raise ValueError("CheckpointSaver needs config.save_folder")
+    if layout == LOCAL:
+        for name in ("save_filename", "save_latest_filename"):
+            value = getattr(config, name)
+            if value is not None and "rank" not in templates.fields_of(value, name):
+                raise ValueError(f"fsdp_config state_dict_type='local' writes one file per rank, so "
+                                 f"{name}={value!r} must contain {{rank}}")
+    if isinstance(config.save_interval, Time) and config.save_interval.unit is TimeUnit.DURATION \
+            and max_duration is None:
+        raise ValueError(f"save_interval='{config.save_interval}' is a fraction of max_duration, so "
+                         f"max_duration is needed")
+
+
 class CheckpointSaver:
     """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
     and data position; all ranks take part in gathering those. Under FSDP's ``local`` layout each
@@ -48,18 +64,7 @@ class CheckpointSaver:
 
     def __init__(self, config: CheckpointConfig, *, run_name: str, max_duration: Time | None,
                  layout: str = SINGLE, device: torch.device | str = "cpu") -> None:
-        if config.save_folder is None:
-            raise ValueError("CheckpointSaver needs config.save_folder")
-        if layout == LOCAL:
-            for name in ("save_filename", "save_latest_filename"):
-                value = getattr(config, name)
-                if value is not None and "rank" not in templates.fields_of(value, name):
-                    raise ValueError(f"fsdp_config state_dict_type='local' writes one file per rank, so "
-                                     f"{name}={value!r} must contain {{rank}}")
-        if isinstance(config.save_interval, Time) and config.save_interval.unit is TimeUnit.DURATION \
-                and max_duration is None:
-            raise ValueError(f"save_interval='{config.save_interval}' is a fraction of max_duration, so "
-                             f"max_duration is needed")
+        _check_config(config, layout, max_duration)
         self.config, self.layout, self.max_duration = config, layout, max_duration
         self._device = torch.device(device)
         """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
@@ -81,9 +86,7 @@ class CheckpointSaver:
         """The bucket's folder when save_folder is ``s3://...``; then :attr:`folder` is its local staging folder."""
         self.uploader: remote.Uploader | None = None
         if remote.is_remote(config.save_folder):
-            self.remote = remote.RemoteFolder.of(templates.format_name(config.save_folder, self.place), self.folder)
-            self.uploader = remote.Uploader(self.remote, dist.get_global_rank(),
-                                            active=self.writes or layout in FOLDER_LAYOUTS)
+            self.remote, self.uploader = self._bucket_folder()
         self._uploaded: dict[int, tuple[str, list[str]]] = {}
         """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's
         name of it and the save history it was saved with."""
@@ -107,6 +110,12 @@ class CheckpointSaver:
         """The process group of a folder layout's writes, made at its first save."""
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
+
+    def _bucket_folder(self) -> tuple[remote.RemoteFolder, remote.Uploader]:
+        """The bucket's folder of an ``s3://`` save_folder, and this rank's uploader into it."""
+        assert self.config.save_folder is not None
+        folder = remote.RemoteFolder.of(templates.format_name(self.config.save_folder, self.place), self.folder)
+        return folder, remote.Uploader(folder, self._rank, active=self.writes or self.layout in FOLDER_LAYOUTS)
 
     def check_folder(self) -> None:
         """Before training (a collective): the folder exists or can be created and takes a write on
