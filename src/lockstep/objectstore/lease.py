@@ -152,7 +152,7 @@ class Lease:
             reply = self.store.client.put_object(Bucket=self.store.bucket, Key=self.store.get_key(self.key),
                                                  Body=body, ContentType="application/json",
                                                  **(condition if self._conditional else {}))
-        except botocore.exceptions.ParamValidationError:  # a boto3 older than conditional writes
+        except botocore.exceptions.ParamValidationError:  # a boto3 older than 1.35.69, below lockstep[s3]
             if not self._conditional:
                 raise
             self._conditional = False
