@@ -201,6 +201,20 @@ def test_a_displaced_uploaders_writes_stop_once_another_holds_the_lease(bucket: 
             f"s3://{bucket}/{lease} now") in failure, failure
     assert store.read_bytes(pointer).decode() == folder.key_of("ck1")
     assert sorted(store.list_objects("runs/fence/")) == sorted([folder.key_of("ck1"), pointer, lease])
+    jobs = [("a pointer move", pointer, [], f"did not write s3://{bucket}/{pointer}"),
+            ("a deletion", None, ["ck1"], f"did not delete s3://{bucket}/runs/fence/ck1")]
+    for name, pointer_key, remove, refused in jobs:
+        alone = Uploader(folder, 0)  # each job alone: no earlier failure skips it
+        alone.guard = (lease, "mine")
+        try:
+            alone.publish("ck2", folder.key_of("ck2"), pointer_key, remove)
+            alone.drain()
+            _, failure = alone.state()
+        finally:
+            alone.close()
+        assert failure is not None and refused in failure, (name, failure)
+    assert store.read_bytes(pointer).decode() == folder.key_of("ck1")
+    assert sorted(store.list_objects("runs/fence/")) == sorted([folder.key_of("ck1"), pointer, lease])
     store.delete_object(lease)  # released by its holder: nobody else's to respect
     again = Uploader(folder, 0)
     again.guard = (lease, "mine")

@@ -39,10 +39,19 @@ CLAIMING = LEASE_PREFIX + "~claiming"
 """The lease a claimer holds while it looks at the folder's leases and takes its own (no run's
 lease has this name: :func:`~lockstep.checkpoint.ownership.safe_name` never keeps a ``~``)."""
 _TURN_WAIT_S = 60.0
-"""How long a claimer waits for its turn; one claim takes at most about 10 s (a lapsed lease watched)."""
+"""How long one claimer may hold the turn before a waiting claimer gives up (a claim holds it for a
+few requests, or up to about 10 s while it watches a lease that may have lapsed)."""
 _HOLDER = uuid.uuid4().hex
 """This process's holder id in every lease it takes: the same across its claims of one folder, so
 that writes queued under an earlier claim stay allowed under the next."""
+
+
+def _new_holder() -> None:
+    global _HOLDER
+    _HOLDER = uuid.uuid4().hex
+
+
+os.register_at_fork(after_in_child=_new_holder)  # a forked process is another holder
 
 
 def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Callable[[str], None]) -> str | None:
@@ -62,8 +71,8 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
         # find the folder free of the other
         turn = Lease(store, folder.key_of(CLAIMING), {"host": here[1], "pid": here[0], "claiming": run_name})
         if not _wait_for_turn(turn):
-            return (f"cannot claim save_folder {folder.uri} for run {run_name!r}: other jobs kept claiming it for "
-                    f"{_TURN_WAIT_S:.0f} s; try again")
+            return (f"cannot claim save_folder {folder.uri} for run {run_name!r}: another job has been claiming it "
+                    f"for over {_TURN_WAIT_S:.0f} s; try again")
         try:
             why = _clash(folder, store, run_name, patterns, here)
             if why is not None:
@@ -90,11 +99,14 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
 
 
 def _wait_for_turn(turn: Lease) -> bool:
-    """Take the folder's claiming lease once no other claimer holds it (one that died lapses);
-    False after :data:`_TURN_WAIT_S`."""
-    started = time.monotonic()
-    while turn.acquire() is not None:
-        if time.monotonic() - started > _TURN_WAIT_S:
+    """Take the folder's claiming lease once no other claimer holds it (one that died lapses).
+    Waits as long as the turn passes from claimer to claimer; False once one claimer has held it
+    for :data:`_TURN_WAIT_S`."""
+    holder, since = None, time.monotonic()
+    while (record := turn.acquire()) is not None:
+        if record.get("holder") != holder:
+            holder, since = record.get("holder"), time.monotonic()
+        elif time.monotonic() - since > _TURN_WAIT_S:
             return False
         time.sleep(0.2)
     return True

@@ -164,13 +164,16 @@ class CheckpointSaver:
         return self._claim_agreed
 
     def release(self) -> None:
-        """Give up this rank's claim on the folder (the end of ``fit``, ``close``); safe to call again."""
+        """Give up this rank's claim on the folder (the end of ``fit``, ``close``); safe to call again.
+        The bucket's lease goes once the writes queued under it have ended."""
         self._claim_agreed = False
         if self._claimed:
             self._claimed = False
             ownership.release(self.folder, self.run_name, self._rank)
         if self._leased:
             assert self.remote is not None
+            if self.uploader is not None:  # its queued writes are guarded by the lease: they end first
+                self.uploader.drain()
             self._leased = False
             bucket_claim.release(self.remote, self.run_name, self._lease_lost)
 

@@ -223,6 +223,8 @@ def _check(store: Any, guard: Guard, action: Action) -> None:
         return
     except ValueError:
         record = {}
+    if not isinstance(record, dict):
+        record = {}
     if record.get("holder") != holder:
         who = f"pid {record.get('pid', '?')} on {record.get('host', '?')}"
         raise TakenOver(f"did not {_describe(store, action)}: another job ({who}) holds {store.get_uri(key)} now, "
