@@ -292,3 +292,32 @@ def test_a_run_whose_name_makes_the_same_lease_name_as_a_live_runs_is_refused(bu
     assert error == (f"save_folder {folder.uri} is in use by run 'exp/1' (pid 5 on node-5), whose lease there has "
                      f"the name this run's would have (.lockstep-lease.exp_1): give this run a name that differs "
                      f"in a letter or digit")
+
+
+def test_a_run_cut_off_long_enough_for_another_run_to_claim_learns_it_lost_the_folder(
+        bucket: str, tmp_path: Path) -> None:
+    """Run a's lease goes unrenewed past the lapse (its job cut off from the bucket, not dead); run
+    b, whose names clash, claims the folder and supersedes that lease; when a renews again it is
+    told that run b took the folder, and a's writers, guarded by its lease, stop."""
+    folder = RemoteFolder.of(f"s3://{bucket}/runs/cut", tmp_path)
+    store = client_for_leases(folder.store)
+    key = folder.key_of(".lockstep-lease.a")
+    told: list[dict] = []
+    event = threading.Event()
+    a = Lease(store, key, {"run_name": "a", "pid": 3, "host": "node-3", "patterns": ["ep*-ba*-rank0.pt"]},
+              on_lost=lambda holder: (told.append(holder), event.set()))
+    assert a.acquire() is None
+    a._stop.set()  # cut off: no renewals for a while
+    a._thread.join()
+    time.sleep(LAPSE_S + 1.5)
+    lost: list[str] = []
+    assert bucket_claim.claim(folder, "b", ["ep*-ba*-rank0.pt"], lost.append) is None
+    try:
+        a._start_renewing()  # back in reach
+        assert event.wait(RENEW_S + 5)
+        assert told[0]["run_name"] == "b" and told[0]["superseded"] == "a"
+        assert json.loads(store.read_bytes(key))["holder"] != a.record["holder"]
+    finally:
+        a.release()
+        bucket_claim.release(folder, "b", lost.append)
+    assert lost == []

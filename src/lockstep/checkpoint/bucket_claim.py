@@ -7,7 +7,9 @@ patterns of its checkpoint names, for as long as it trains. A claim is refused w
 
 - the same run's lease is alive (renewed while the claimer watched it): a second job of the run
   writing the same folder, from this machine or another; or
-- another run's live lease holds patterns that can name the same objects.
+- another run's live lease holds patterns that can name the same objects (such a lease that has
+  lapsed is superseded by a record naming this run, which its holder, if only cut off, meets at
+  its next renewal: it has lost the folder).
 
 Claimers of a folder take turns (a short lease of its own, :data:`CLAIMING`) to look at its
 leases and take theirs, so that two runs that start at once cannot each miss the other.
@@ -29,7 +31,7 @@ from typing import Any
 
 from lockstep.checkpoint import ownership
 from lockstep.checkpoint.remote import LEASE_PREFIX, RemoteFolder, error_line
-from lockstep.objectstore.lease import Lease, client_for_leases, live_records
+from lockstep.objectstore.lease import LAPSE_S, Lease, client_for_leases, lease_records, supersede
 from lockstep.objectstore.writer import Guard
 
 _held: dict[tuple[str, str], tuple[Lease, list[Callable[[str], None]]]] = {}
@@ -114,17 +116,24 @@ def _wait_for_turn(turn: Lease) -> bool:
 
 def _clash(folder: RemoteFolder, store: Any, run_name: str, patterns: list[str],
            here: tuple[int, str]) -> str | None:
-    """Why another run's live lease in ``folder`` refuses this claim (names that can clash)."""
-    for record in live_records(store, folder.key_of(LEASE_PREFIX)):
+    """Why another run's live lease in ``folder`` refuses this claim (names that can clash). Such a
+    lease that has lapsed is superseded, so that its holder, cut off for a while rather than dead,
+    learns at its next renewal that the folder is no longer its own."""
+    for key, etag, age, record in lease_records(store, folder.key_of(LEASE_PREFIX)):
         if "patterns" not in record or record.get("run_name") == run_name or \
                 (record.get("pid"), record.get("host")) == here:
             continue  # a claimer's turn; the same run is the lease's own business; one process never clashes
         same = ownership.clash(patterns, list(record["patterns"]))
-        if same is not None:
-            return (f"save_folder {folder.uri} is in use by run {record.get('run_name')!r} "
-                    f"({ownership.who(record)}), which writes checkpoints named like this run's ({same}): use "
-                    f"save_folder='{folder.uri}/{{run_name}}', or put {{run_name}} in save_filename and "
-                    f"save_latest_filename")
+        if same is None:
+            continue
+        took_over = {"run_name": run_name, "host": here[1], "pid": here[0], "since": time.time(),
+                     "superseded": record.get("run_name")}
+        if age >= LAPSE_S and supersede(store, key, etag, took_over):
+            continue
+        return (f"save_folder {folder.uri} is in use by run {record.get('run_name')!r} "
+                f"({ownership.who(record)}), which writes checkpoints named like this run's ({same}): use "
+                f"save_folder='{folder.uri}/{{run_name}}', or put {{run_name}} in save_filename and "
+                f"save_latest_filename")
     return None
 
 
@@ -150,7 +159,9 @@ def _lost(folder: RemoteFolder, run_name: str, holder: dict[str, Any], callbacks
     place = (folder.store.bucket, folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name)))
     if place in _held and _held[place][1] is callbacks:
         del _held[place]  # a later claim in this process must acquire the lease again
-    message = (f"another job of run {run_name!r} ({ownership.who(holder)}) took save_folder {folder.uri} over, "
+    other = holder.get("run_name", run_name)
+    job = f"another job of run {run_name!r}" if other == run_name else f"run {other!r}"
+    message = (f"{job} ({ownership.who(holder)}) took save_folder {folder.uri} over, "
                f"after this job had not renewed its lease there for a while (the bucket unreachable, or the job "
                f"stalled): stopping, so that the two do not overwrite each other's checkpoints")
     for callback in list(callbacks):

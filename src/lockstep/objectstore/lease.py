@@ -201,12 +201,20 @@ def client_for_leases(store: S3ObjectStore) -> S3ObjectStore:
                                         "retries": {"mode": "standard", "total_max_attempts": 2}})
 
 
-def live_records(store: S3ObjectStore, prefix: str) -> list[dict[str, Any]]:
-    """The records of the leases under ``prefix`` (keys starting with it) that have not lapsed."""
+def lease_records(store: S3ObjectStore, prefix: str) -> list[tuple[str, str, float, dict[str, Any]]]:
+    """(key, ETag, age in seconds by the server's clock, record) of each lease under ``prefix``
+    (keys starting with it, relative to the store's prefix)."""
     found = []
     for full in store.list_objects(prefix):
         name = full[len(store.prefix):] if full.startswith(store.prefix) else full
         head = Lease(store, name, {})._head()
-        if head is not None and head[1] < LAPSE_S:
-            found.append(head[2])
+        if head is not None:
+            found.append((name, *head))
     return found
+
+
+def supersede(store: S3ObjectStore, key: str, etag: str, record: dict[str, Any]) -> bool:
+    """Write ``record`` (under a holder id of its own) over the lapsed lease ``key`` whose ETag is
+    ``etag``, renewed by nobody: its holder, should it come back, finds its lease lost at its next
+    renewal, and writers it guards stop. False when the holder renewed it meanwhile (it is alive)."""
+    return Lease(store, key, record)._put(condition={"IfMatch": etag})
