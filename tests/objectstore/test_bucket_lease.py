@@ -54,6 +54,22 @@ def _claimer(cwd: Path, folder: str, run_name: str) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=90)
 
 
+def _fit_that_fails(bucket: str, max_duration: str, callback: Callback) -> tuple[Trainer, str]:
+    """Run ``job`` saving to s3://bucket/runs/job every 2 batches with ``callback``; its fit must
+    raise a RuntimeError, whose message is returned with the (closed) Trainer."""
+    torch.manual_seed(0)
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                      device="cpu", progress_bar=False, max_duration=max_duration, run_name="job",
+                      save_folder=f"s3://{bucket}/runs/job", save_interval="2ba", callbacks=[callback])
+    try:
+        with pytest.raises(RuntimeError) as e:
+            trainer.fit()
+    finally:
+        trainer.close()
+    return trainer, str(e.value)
+
+
 def test_a_lease_is_exclusive_while_renewed_and_free_once_released(bucket: str) -> None:
     store = S3ObjectStore(bucket)
     first = Lease(store, "runs/a/.lease", {"run_name": "a", "pid": 1, "host": "one"})
@@ -154,17 +170,7 @@ def test_a_job_whose_lease_was_taken_over_fails_at_its_next_save(bucket: str, tm
                                    json.dumps({"run_name": "job", "pid": 4242, "host": "node-3"}).encode())
                 time.sleep(RENEW_S + 2)  # a renewal meets it
 
-    torch.manual_seed(0)
-    model = MLP()
-    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                      device="cpu", progress_bar=False, max_duration="4ba", run_name="job",
-                      save_folder=f"s3://{bucket}/runs/job", save_interval="2ba", callbacks=[TakeOver()])
-    try:
-        with pytest.raises(RuntimeError) as e:
-            trainer.fit()
-    finally:
-        trainer.close()
-    message = str(e.value)
+    trainer, message = _fit_that_fails(bucket, "4ba", TakeOver())
     assert f"another job of run 'job' (pid 4242 on node-3) took save_folder s3://{bucket}/runs/job over" in message
     assert "\n" not in message
     assert trainer.state.timestamp.batch.value in (2, 4)
@@ -239,17 +245,8 @@ def test_a_save_right_after_another_job_took_the_lease_does_not_reach_the_bucket
                 store.upload_bytes("runs/job/.lockstep-lease.job",
                                    json.dumps({"run_name": "job", "pid": 4242, "host": "node-3"}).encode())
 
-    torch.manual_seed(0)
-    model = MLP()
-    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                      device="cpu", progress_bar=False, max_duration="2ba", run_name="job",
-                      save_folder=f"s3://{bucket}/runs/job", save_interval="2ba", callbacks=[TakeOverBeforeSave()])
-    try:
-        with pytest.raises(RuntimeError) as e:
-            trainer.fit()
-    finally:
-        trainer.close()
-    assert "pid 4242 on node-3" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    _, message = _fit_that_fails(bucket, "2ba", TakeOverBeforeSave())
+    assert "pid 4242 on node-3" in message and "\n" not in message, message
     assert store.list_objects("runs/job/") == ["runs/job/.lockstep-lease.job"]
     assert (tmp_path / ".lockstep/s3" / bucket / "runs/job/ep0-ba2-rank0.pt").exists()  # kept on the disk
 
