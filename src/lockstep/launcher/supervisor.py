@@ -189,8 +189,9 @@ class Supervisor:
                 self._teardown(self._ranks, wake_r, watchdog, None)
                 return signalled_code(self._ranks, e.signum)
             except StoreLost as e:
-                code = self._lost_master(port, str(e), attempt)
+                # the ranks first: their last words (a collective's error) come before the verdict
                 self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)
+                code = self._lost_master(port, str(e), attempt)
                 if code is not None:
                     return code
                 continue
@@ -200,8 +201,8 @@ class Supervisor:
         raise AssertionError("unreachable")
 
     def _lost_master(self, port: int, why: str, attempt: int) -> int | None:
-        """The store stopped answering: say so, and since when; the exit code, or None to rejoin the
-        master for the next attempt (its ranks are stopped by the caller either way)."""
+        """The store stopped answering (this node's ranks already stopped): say so, and since when;
+        the exit code, or None to rejoin the master for the next attempt."""
         assert self._channel is not None
         since = self._channel.last_answer()
         self._channel.close()
@@ -216,7 +217,7 @@ class Supervisor:
             f"node 0 counts as failed")
         if self._signals_seen or attempt >= self.plan.max_restarts:
             return 128 + self._signals_seen[0] if self._signals_seen else LOST_EXIT_CODE
-        say(f"restarting ({attempt + 1} of {self.plan.max_restarts}): stopping this node's ranks, then "
+        say(f"restarting ({attempt + 1} of {self.plan.max_restarts}): this node's ranks stopped, "
             f"rejoining the master at {where} for up to {self.plan.rdzv_timeout:g} s (--rdzv_timeout)")
         return None
 
