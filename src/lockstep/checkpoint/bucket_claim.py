@@ -60,7 +60,7 @@ def claim(folder: RemoteFolder, run_name: str, patterns: list[str], on_lost: Cal
     """Claim ``folder`` for ``run_name``, which writes names matching ``patterns`` (globs relative to
     the folder). Returns why it may not (one line), or None once claimed; ``on_lost`` gets a line
     saying so if another job takes the lease over later."""
-    key = folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name))
+    key = _lease_key(folder, run_name)
     place = (folder.store.bucket, key)
     if place in _held and _held[place][0].held:
         _held[place][1].append(on_lost)
@@ -140,12 +140,17 @@ def _clash(folder: RemoteFolder, store: Any, run_name: str, patterns: list[str],
 def guard(folder: RemoteFolder, run_name: str) -> Guard:
     """What a claim by this process lets write into ``folder`` for ``run_name``: the lease's key
     and this process's holder id (for every rank's :class:`~lockstep.checkpoint.remote.Uploader`)."""
-    return folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name)), _HOLDER
+    return _lease_key(folder, run_name), _HOLDER
+
+
+def _lease_key(folder: RemoteFolder, run_name: str) -> str:
+    """The key of ``run_name``'s lease in ``folder``."""
+    return folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name))
 
 
 def release(folder: RemoteFolder, run_name: str, on_lost: Callable[[str], None]) -> None:
     """Give up a claim made by :func:`claim` (the lease goes once every claim of this process has)."""
-    place = (folder.store.bucket, folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name)))
+    place = (folder.store.bucket, _lease_key(folder, run_name))
     held = _held.get(place)
     if held is None or on_lost not in held[1]:
         return
@@ -156,7 +161,7 @@ def release(folder: RemoteFolder, run_name: str, on_lost: Callable[[str], None])
 
 
 def _lost(folder: RemoteFolder, run_name: str, holder: dict[str, Any], callbacks: list[Callable[[str], None]]) -> None:
-    place = (folder.store.bucket, folder.key_of(LEASE_PREFIX + ownership.safe_name(run_name)))
+    place = (folder.store.bucket, _lease_key(folder, run_name))
     if place in _held and _held[place][1] is callbacks:
         del _held[place]  # a later claim in this process must acquire the lease again
     other = holder.get("run_name", run_name)

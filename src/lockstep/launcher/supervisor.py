@@ -189,8 +189,7 @@ class Supervisor:
                 self._teardown(self._ranks, wake_r, watchdog, None)
                 return signalled_code(self._ranks, e.signum)
             except StoreLost as e:
-                # the ranks first: their last words (a collective's error) come before the verdict
-                self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)
+                self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)  # their last words, then the verdict
                 code = self._lost_master(port, str(e), attempt)
                 if code is not None:
                     return code
