@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,67 @@ def test_signal_to_launcher_is_forwarded_and_leaves_nothing(tmp_path: Path, writ
     assert launcher.returncode == 128 + signum
     assert f"received {signal.Signals(signum).name}" in err
     assert wait_gone(pids, timeout=5) == []
+
+
+SESSION_DUMP = textwrap.dedent("""
+    import json, os, sys
+    json.dump({"pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0)},
+              open(os.path.join(sys.argv[1], "session" + os.environ["RANK"] + ".json"), "w"))
+""")
+
+
+def test_each_rank_leads_a_process_group_in_the_launchers_session(tmp_path: Path, write_script) -> None:
+    """One session: where the kernel shares CPU between sessions first, idle-priority work beside
+    the ranks (an upload process) would otherwise take a fair share of their cores."""
+    script = write_script("session.py", SESSION_DUMP)
+    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(script), str(tmp_path)],
+                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
+    ranks = [json.loads((tmp_path / f"session{r}.json").read_text()) for r in range(2)]
+    assert [r["sid"] for r in ranks] == [launcher.pid] * 2  # the launcher leads the session it was started in
+    assert all(r["pgid"] == r["pid"] for r in ranks)
+
+
+def test_a_rank_writing_to_the_launchers_terminal_is_never_stopped(tmp_path: Path, write_script) -> None:
+    """The ranks are in background groups of the launcher's terminal; with ``stty tostop`` a write
+    from there would stop them (and the job would hang) unless SIGTTOU is ignored."""
+    import fcntl
+    import termios
+
+    script = write_script("talk.py", textwrap.dedent("""
+        import sys, termios
+        if sys.stdout.isatty():  # rank 0's console output is the launcher's terminal itself
+            print("hello from the terminal", flush=True)
+            termios.tcsetattr(1, termios.TCSANOW, termios.tcgetattr(1))
+    """))
+    master, tty = os.openpty()
+    attrs = termios.tcgetattr(tty)
+    attrs[3] |= termios.TOSTOP
+    termios.tcsetattr(tty, termios.TCSANOW, attrs)
+    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(script)], cwd=tmp_path,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=tty, stdout=tty, stderr=tty,
+                                start_new_session=True,  # then the terminal becomes its controlling one
+                                preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # noqa: PLW1509
+    os.close(tty)
+    output, deadline = b"", time.monotonic() + 60
+    try:
+        # read as it comes, so the terminal's buffer never fills; a stopped rank keeps it open
+        while select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every process holding the terminal has closed it
+                break
+            if not chunk:
+                break
+            output += chunk
+        assert launcher.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, output.decode(errors="replace")
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        os.close(master)
+    assert output.count(b"hello from the terminal") == 1, output.decode(errors="replace")
 
 
 def _sigterm_when_ready(tmp_path: Path, script: Path, *flags: str) -> tuple[int, str]:

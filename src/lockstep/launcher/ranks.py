@@ -1,15 +1,23 @@
 """A rank's process on this node: how it starts, how it is signalled, and waiting for it.
 
-Each rank runs in a session of its own so that the whole tree it starts (DataLoader workers,
-compilers, shells) can be signalled as one process group.
+Each rank leads a process group of its own so that the whole tree it starts (DataLoader workers,
+compilers, shells) can be signalled as one. The groups stay in the launcher's session: where the
+kernel shares CPU between sessions first (``sched_autogroup``, on by default in many distributions),
+a rank in a session of its own (as torchrun starts them) competes as a whole session with every
+other one, so work that should only take idle CPU (an upload process, a checkpoint writer, a
+storage server on the node) takes a fair share of the ranks' cores instead. Ranks are then in
+background groups of the launcher's terminal, if it has one: :func:`no_terminal_stops`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
+import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from lockstep.launcher.output import ConsolePump, Pump, RankLogs, kept_streams, start_pumps
@@ -17,7 +25,7 @@ from lockstep.launcher.plan import LaunchPlan, RankSpec, Stream
 from lockstep.launcher.report import TAIL_LINES
 from lockstep.launcher.watchdog import Watchdog
 
-__all__ = ["Rank", "Waiter", "spawn"]
+__all__ = ["Rank", "Waiter", "no_terminal_stops", "spawn"]
 
 # Test hook: seconds to pause right after each Popen, where a launcher killed used to orphan a rank.
 PAUSE_AFTER_SPAWN_ENV = "_LOCKSTEP_TEST_PAUSE_AFTER_SPAWN"
@@ -42,7 +50,7 @@ class Rank:
 
     @property
     def pgid(self) -> int:
-        return self.proc.pid  # start_new_session makes each rank the leader of its own group
+        return self.proc.pid  # process_group=0 makes each rank the leader of its own group
 
     def signal_group(self, signum: int) -> None:
         try:
@@ -66,7 +74,7 @@ class Rank:
 
 def spawn(plan: LaunchPlan, spec: RankSpec, logs: RankLogs, env: dict[str, str], pass_fds: tuple[int, ...],
           watchdog: Watchdog) -> Rank:
-    """Start one rank in a session of its own, registered with the watchdog before it runs."""
+    """Start one rank in a process group of its own, registered with the watchdog before it runs."""
     # Other nodes show local rank 0's last lines only if they pass through this launcher.
     piped = spec.tee | (kept_streams(spec) if plan.is_multinode else Stream.NONE)
     # preexec_fn with threads (-c's launcher-hosted store): register_child only formats a few
@@ -75,7 +83,7 @@ def spawn(plan: LaunchPlan, spec: RankSpec, logs: RankLogs, env: dict[str, str],
         plan.command(), env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE if piped & Stream.STDOUT else logs.stdout,
         stderr=subprocess.PIPE if piped & Stream.STDERR else logs.stderr,
-        pass_fds=pass_fds, start_new_session=True, preexec_fn=watchdog.register_child,  # noqa: PLW1509
+        pass_fds=pass_fds, process_group=0, preexec_fn=watchdog.register_child,  # noqa: PLW1509
     )
     if pause := os.environ.get(PAUSE_AFTER_SPAWN_ENV):
         time.sleep(float(pause))
@@ -84,6 +92,23 @@ def spawn(plan: LaunchPlan, spec: RankSpec, logs: RankLogs, env: dict[str, str],
     except (AttributeError, OSError):
         pidfd = None  # no pidfd on this platform: the monitor polls instead
     return Rank(spec, proc, pidfd, logs, start_pumps(spec, logs, proc.stdout, proc.stderr))
+
+
+@contextlib.contextmanager
+def no_terminal_stops() -> Iterator[None]:
+    """Ignore SIGTTIN and SIGTTOU for the block, in the launcher and (inherited) in the ranks it starts.
+
+    A rank in a background group of a terminal's session is stopped when it writes to that terminal
+    with ``stty tostop`` set, changes its settings, or reads from it: a job that hangs. Ignored, the
+    write goes through and a read fails at once (``EIO``), as they did for a rank in a session of its own.
+    """
+    signals = (signal.SIGTTIN, signal.SIGTTOU)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class Waiter:

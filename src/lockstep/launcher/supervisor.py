@@ -27,7 +27,7 @@ from lockstep.launcher.interface import interface_env
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
-from lockstep.launcher.ranks import Rank, Waiter, spawn
+from lockstep.launcher.ranks import Rank, Waiter, no_terminal_stops, spawn
 from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
 from lockstep.launcher.report import (
     describe_exit,
@@ -104,7 +104,7 @@ class Supervisor:
             return listener  # a usage error, already reported
         port = listener.getsockname()[1] if listener else self.plan.master_port
         watchdog = Watchdog()  # forked first, so it inherits no handlers and no wakeup pipe
-        with caught_signals() as wake_r:
+        with caught_signals() as wake_r, no_terminal_stops():
             self._wake_r = wake_r
             launcher_store = None
             shm = Path("/dev/shm")

@@ -35,7 +35,7 @@ class Watchdog:
         self._send(f"+{pgid}\n")
 
     def register_child(self) -> None:
-        """Popen's ``preexec_fn`` for a rank started with ``start_new_session``: guard own group."""
+        """Popen's ``preexec_fn`` for a rank that leads its own process group: guard that group."""
         # Only a pipe write of a few bytes (atomic below PIPE_BUF): safe between fork and exec.
         os.write(self._write_fd, b"+%d\n" % os.getpid())
 
