@@ -249,7 +249,8 @@ def main() -> None:
     upload = statistics.median(x["upload_mb_s"] for x in results["s3"])
     slowest = statistics.median(x["slowest_upload_mb_s"] for x in results["s3"])
     beside = statistics.median(x["upload_mb_s"] for x in results["client"])
-    print(f"2 ranks (gloo, CPU, {args.launcher}), batch {args.batch} a rank, {args.steps} timed steps, median of {args.rounds} rounds; "
+    print(f"2 ranks (gloo, CPU, {args.launcher}), batch {args.batch} a rank, {args.steps} timed steps, "
+          f"median of {args.rounds} rounds; "
           f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "
           f"every {args.every} steps")
     # each round against its own no-save run: drift between rounds cancels
