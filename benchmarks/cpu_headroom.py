@@ -6,8 +6,9 @@ numbers that decide whether checkpoints in a bucket can be nearly free on that m
 Part 1 trains the model of ``s3_checkpoint_cost.py`` (an MLP 1824 wide, 4 layers, AdamW, batch 16 a
 rank) with plain DDP over gloo, 2 processes, and reports steps/s and each rank's CPU use and time
 spent waiting for a core (``/proc/PID/task/*/schedstat``, in seconds per second), alone and beside
-processes that only spin (under ``SCHED_IDLE``, or at nice 19). A machine whose ranks already use
-nearly every core has no room: any work beside them slows them, whatever its priority.
+processes that only spin (under ``SCHED_IDLE``, or at nice 19). The ranks and the spinners share
+one session here: where the kernel shares CPU between sessions first (``sched_autogroup``), a
+spinner in another session takes a share whatever its priority (docs/launcher.md, "Process hygiene").
 
 Part 2 starts a SeaweedFS server and uploads a file with ``S3ObjectStore`` as lockstep does, then
 with the payload's SHA-256 signature off (``client_config={"s3": {"payload_signing_enabled": False}}``;
