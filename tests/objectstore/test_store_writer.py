@@ -88,18 +88,42 @@ def test_the_child_runs_idle_only_and_its_death_fails_what_it_held(bucket: str) 
         writer.close()
 
 
+def _autogroups() -> bool:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
-def test_the_child_dies_with_its_parent(bucket: str, s3_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("parent_leads_a_session", [False, True])
+def test_the_child_dies_with_its_parent(bucket: str, s3_env: dict[str, str], parent_leads_a_session: bool) -> None:
+    """A parent that leads a session of its own is a rank as torchrun starts them: where the kernel
+    shares CPU between sessions first, the child leaves for a session of the lowest share."""
     code = ("import sys, time\n"
             "from lockstep.objectstore.writer import StoreWriter\n"
             f"w = StoreWriter({bucket!r})\n"
             "print(w.pid, flush=True)\n"
             "time.sleep(600)\n")
     env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT / "src")}
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=parent_leads_a_session)
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
+        leaves = parent_leads_a_session and _autogroups()
+        deadline = time.monotonic() + 20
+        while (os.getsid(child) == child) != leaves:
+            assert time.monotonic() < deadline, f"the upload process's session: {os.getsid(child)}, its pid {child}"
+            time.sleep(0.05)
+        if leaves:
+            assert Path(f"/proc/{child}/autogroup").read_text().split()[-1] == "19"
+        else:  # it would leave within moments of taking SCHED_IDLE
+            while os.sched_getscheduler(child) != os.SCHED_IDLE:
+                assert time.monotonic() < deadline, "the writer never took SCHED_IDLE"
+                time.sleep(0.05)
+            time.sleep(1)
+            assert os.getsid(child) == os.getsid(parent.pid)
         parent.kill()
         parent.wait(timeout=10)
         assert _gone(child, 10), "the upload process outlived its parent"

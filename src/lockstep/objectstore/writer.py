@@ -300,6 +300,7 @@ def main(argv: list[str]) -> None:
         from lockstep import idle
 
         idle.yield_to_training()  # before any thread starts: the client's transfer threads inherit it
+        idle.out_of_a_ranks_session(int(parent))
     answers = os.fdopen(int(fd), "w")
     # the client's own prints must not reach the answers, nor the job's output as if the rank's
     os.dup2(2, 1)
