@@ -22,6 +22,7 @@ from lockstep.checkpoint import bucket_claim
 from lockstep.checkpoint.remote import RemoteFolder, Uploader
 from lockstep.objectstore import S3ObjectStore
 from lockstep.objectstore.lease import LAPSE_S, RENEW_S, Lease, client_for_leases
+from tests.launcher.conftest import launch
 from tests.trainer.common import MLP, loader
 
 pytestmark = pytest.mark.timeout(120)
@@ -249,6 +250,46 @@ def test_a_save_right_after_another_job_took_the_lease_does_not_reach_the_bucket
     assert "pid 4242 on node-3" in message and "\n" not in message, message
     assert store.list_objects("runs/job/") == ["runs/job/.lockstep-lease.job"]
     assert (tmp_path / ".lockstep/s3" / bucket / "runs/job/ep0-ba2-rank0.pt").exists()  # kept on the disk
+
+
+SHARDED_TAKEN_OVER = """
+import json, sys, torch
+from lockstep import Callback, Trainer, dist
+from lockstep.objectstore import S3ObjectStore
+from tests.trainer.common import MLP, loader
+
+class TakeOverBeforeSave(Callback):
+    def batch_end(self, state, logger):
+        if state.timestamp.batch.value == 2 and dist.get_global_rank() == 0:
+            S3ObjectStore(sys.argv[1]).upload_bytes(
+                "runs/job/.lockstep-lease.job", json.dumps({"run_name": "job", "pid": 4242, "host": "node-3"}).encode())
+        dist.barrier()  # every rank's save comes after the other job's record
+
+model = MLP()
+trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                  device="cpu", progress_bar=False, max_duration="2ba", run_name="job",
+                  save_folder=f"s3://{sys.argv[1]}/runs/job", save_interval="2ba",
+                  fsdp_config={"state_dict_type": "sharded"}, callbacks=[TakeOverBeforeSave()])
+try:
+    trainer.fit()
+except RuntimeError as e:
+    print(f"FAILED rank {dist.get_global_rank()}: {e}", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_every_ranks_uploads_stop_once_another_job_holds_the_lease(bucket: str, tmp_path: Path) -> None:
+    """FSDP sharded: each rank uploads its own shards, guarded by rank 0's holder. Another job's
+    record replaces the lease just before the save: no rank's part of it reaches the bucket."""
+    script = tmp_path / "job.py"
+    script.write_text(SHARDED_TAKEN_OVER)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    result = launch(["-n", "2", str(script), bucket], cwd=tmp_path, timeout=100, env=env)
+    assert result.returncode != 0, result.stdout + result.stderr[-2000:]
+    assert "pid 4242 on node-3" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert S3ObjectStore(bucket).list_objects("runs/job/") == ["runs/job/.lockstep-lease.job"]
+    shards = sorted(p.name for p in (tmp_path / ".lockstep/s3" / bucket / "runs/job").rglob("*.distcp"))
+    assert len(shards) == 2, shards  # both ranks saved their part: the guard, not the save, kept them out
 
 
 def test_claims_of_a_folder_take_turns(bucket: str, tmp_path: Path) -> None:
