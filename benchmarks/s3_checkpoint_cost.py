@@ -248,7 +248,8 @@ def main() -> None:
     med = {mode: statistics.median(x["steps_per_s"] for x in runs) for mode, runs in results.items()}
     upload = statistics.median(x["upload_mb_s"] for x in results["s3"])
     slowest = statistics.median(x["slowest_upload_mb_s"] for x in results["s3"])
-    beside = statistics.median(x["upload_mb_s"] for x in results["client"])
+    # a round whose plain client finished no upload beside training has no rate
+    beside = statistics.median([x["upload_mb_s"] for x in results["client"] if x["upload_mb_s"]] or [float("nan")])
     print(f"2 ranks (gloo, CPU, {args.launcher}), batch {args.batch} a rank, {args.steps} timed steps, "
           f"median of {args.rounds} rounds; "
           f"checkpoint {mb:.0f} MB to S3 (SeaweedFS on 127.0.0.1{', SCHED_IDLE' if args.idle_server else ''}) "

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 SWITCH_INTERVAL = 0.0005
@@ -40,10 +42,21 @@ def out_of_a_ranks_session(rank_pid: int) -> None:
             if f.read().strip() != "1":
                 return
         os.setsid()
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(AUTOGROUP_NICENESS))
     except OSError:
-        pass
+        return
+    # Without CAP_SYS_ADMIN the kernel takes one such write a machine per 100 ms (EAGAIN otherwise),
+    # and every rank starts its upload process at about the same moment.
+    for _ in range(50):
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(AUTOGROUP_NICENESS))
+            return
+        except BlockingIOError:
+            time.sleep(0.1 + random.random() * 0.1)
+        except OSError:
+            break
+    print(f"lockstep: upload process {os.getpid()} could not lower its session's CPU share; "
+          "it competes with the ranks as an equal", file=sys.stderr)
 
 
 def yield_to_training(idle_only: bool = True) -> None:

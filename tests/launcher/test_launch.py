@@ -178,7 +178,11 @@ def test_each_rank_leads_a_process_group_in_the_launchers_session(tmp_path: Path
     launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(script), str(tmp_path)],
                                 cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, err = launcher.communicate(timeout=60)
+    try:
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)  # its watchdog then stops the ranks
     assert launcher.returncode == 0, err
     ranks = [json.loads((tmp_path / f"session{r}.json").read_text()) for r in range(2)]
     assert [r["sid"] for r in ranks] == [launcher.pid] * 2  # the launcher leads the session it was started in

