@@ -4,7 +4,7 @@ Each rank leads a process group of its own so that the whole tree it starts (Dat
 compilers, shells) can be signalled as one. The groups stay in the launcher's session: where the
 kernel shares CPU between sessions first (``sched_autogroup``, on by default in many distributions),
 a rank in a session of its own (as torchrun starts them) competes as a whole session with every
-other one, so work that should only take idle CPU (an upload process, a checkpoint writer, a
+other one, so work that should only take idle CPU in other sessions (another rank's upload process, a
 storage server on the node) takes a fair share of the ranks' cores instead. Ranks are then in
 background groups of the launcher's terminal, if it has one: :func:`no_terminal_stops`.
 """
