@@ -95,6 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         result["slowest_upload_mb_s"] = min(b / s / 1e6 for b, s in timings) if timings else None
         result["checkpoint_mb"] = timings[0][0] / 1e6 if timings else None
         result["uploaded_mb"] = sum(b for b, _ in timings) / 1e6
+        result["dropped"] = len(trainer.saver.uploader.dropped)  # overtaken while waiting to upload
     if dist.get_global_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
@@ -270,6 +271,8 @@ def main() -> None:
     print(f"{'  plain client beside training (median)':<46}{beside:>10.0f}{beside / alone_client:>8.3f}")
     print(f"{'  lockstep Uploader alone':<46}{alone_uploader:>10.0f}{alone_uploader / alone_client:>8.3f}")
     print(f"{'  S3ObjectStore alone':<46}{alone_client:>10.0f}{1.0:>8.3f}")
+    dropped = statistics.median(x.get("dropped", 0) for x in results["s3"])
+    print(f"{'checkpoints dropped from the upload queue':<46}{dropped:>10.0f}  (of each run's, median)")
     print("server CPU seconds per 160 MB uploaded")
     for mode, label in (("s3", "  Trainer's uploads"), ("client", "  plain client beside training")):
         per = statistics.median(x["server_cpu_s"] / x["uploaded_mb"] * 160 for x in results[mode] if x["uploaded_mb"])

@@ -1,8 +1,10 @@
 """Checkpoints in a bucket, in one process: save_folder='s3://...', rotation, the latest pointer
-object, load_path from the bucket and load_object_store, and the errors found at Trainer(...)."""
+object, load_path from the bucket and load_object_store, the errors found at Trainer(...), and
+the upload queue's bound."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from lockstep import Callback, Trainer
+from lockstep.checkpoint.remote import RemoteFolder, Uploader
 from lockstep.objectstore import S3ObjectStore
 from tests.trainer.common import MLP, error_of, loader
 
@@ -142,3 +145,28 @@ def test_an_upload_that_fails_for_good_fails_the_job_naming_the_object(tmp_path:
         assert trainer.state.timestamp.batch.value in (6, 8)  # at the next save, or at the end of fit
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("keep", "sent"), [(1, ["ck1", "ck3"]), (2, ["ck1", "ck2", "ck3"]),
+                                            (-1, ["ck1", "ck2", "ck3"])])
+def test_a_checkpoint_overtaken_while_it_waits_to_upload_is_dropped(bucket: str, tmp_path: Path, keep: int,
+                                                                    sent: list[str]) -> None:
+    """While the first (large) checkpoint uploads, two more arrive. With the bucket keeping only the
+    newest one, the middle one, which rotation would delete once the newest is up, is never sent
+    and its links are gone; keeping two, or all, every one is sent, in order."""
+    folder = RemoteFolder.of(f"s3://{bucket}/runs/queue{keep}", tmp_path / "staging")
+    (tmp_path / "ck1").write_bytes(os.urandom(48 * 2**20))
+    for name in ("ck2", "ck3"):
+        (tmp_path / name).write_bytes(name.encode() * 1000)
+    uploader = Uploader(folder, 0, keep=keep)
+    try:
+        for name in ("ck1", "ck2", "ck3"):
+            uploader.upload(name, [(tmp_path / name, name)])
+        uploader.drain()
+        state = uploader.state()
+    finally:
+        uploader.close()
+    assert state == (sent, None)
+    assert uploader.dropped == [n for n in ("ck1", "ck2", "ck3") if n not in sent]
+    assert sorted(folder.store.list_objects(folder.key_of(""))) == [folder.key_of(n) for n in sent]
+    assert [p for p in (tmp_path / "staging").rglob("*") if p.is_file()] == []

@@ -13,6 +13,12 @@ as Composer's) is moved only once every rank has uploaded every part of a checkp
 learns that at the next save's agreement, or at the end of ``fit``, and then asks the pointer's
 writer to :meth:`Uploader.publish` it, after which older checkpoints beyond
 ``save_num_checkpoints_to_keep`` are deleted from the bucket.
+
+A rank hands its upload process one checkpoint at a time. Where saves come faster than uploads
+end (training leaves the upload too little CPU, or the link is slow), the others wait, and a
+waiting checkpoint that ``save_num_checkpoints_to_keep`` newer ones have overtaken is dropped
+unsent: the bucket would delete it as soon as they were up. So the queue, and the disk its hard
+links hold, stays bounded.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ class Uploader:
     as the process (the child dies with that thread)."""
 
     def __init__(self, folder: RemoteFolder, rank: int, *, num_attempts: int = 3, backoff_s: float = 0.5,
-                 active: bool = True) -> None:
+                 active: bool = True, keep: int = -1) -> None:
         if num_attempts < 1:
             raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
         self.folder, self.rank = folder, rank
@@ -103,7 +109,15 @@ class Uploader:
             if active else None
         """The upload process; None on a rank that uploads nothing (``active=False``: DDP's ranks but
         rank 0), which then starts none."""
-        self._lock = threading.Lock()
+        self.keep = keep
+        """How many of the newest checkpoints the bucket keeps (0 or -1: every one)."""
+        self._lock = threading.Condition()
+        self._waiting: list[tuple[str, list[Action], Path]] = []
+        """Checkpoints not yet handed to the upload process, oldest first: name, uploads, their links."""
+        self._sending = False
+        """Whether the upload process has a checkpoint of this uploader's that has not ended."""
+        self.dropped: list[str] = []
+        """Checkpoints never sent: newer ones overtook them while they waited."""
         self._done: list[str] = []
         self._failure: str | None = None
         self.published: str | None = None
@@ -132,16 +146,44 @@ class Uploader:
             shutil.rmtree(staged, ignore_errors=True)
             self.fail(f"could not stage {name} for upload: {e}")
             return
-        self._started().submit(links, cleanup=str(staged.resolve()), guard=self.guard,
-                               then=lambda outcome: self._uploaded(name, outcome))
+        self._started()
+        overtaken: list[tuple[str, list[Action], Path]] = []
+        with self._lock:
+            self._waiting.append((name, links, staged))
+            if self.keep > 0 and len(self._waiting) > self.keep:
+                overtaken, self._waiting = self._waiting[:-self.keep], self._waiting[-self.keep:]
+                self.dropped.extend(old for old, _, _ in overtaken)
+        for _, _, links_folder in overtaken:
+            shutil.rmtree(links_folder, ignore_errors=True)
+        self._send_next()
+
+    def _send_next(self) -> None:
+        """Hand the oldest waiting checkpoint to the upload process, unless one is under way there.
+        The submit comes after this lock is let go: the upload process's answers take its own lock first."""
+        with self._lock:
+            if self._sending or not self._waiting:
+                return
+            name, links, staged = self._waiting.pop(0)
+            self._sending = True
+        assert self._writer is not None
+        self._writer.submit(links, cleanup=str(staged.resolve()), guard=self.guard,
+                            then=lambda outcome: self._uploaded(name, outcome))
 
     def _uploaded(self, name: str, outcome: Outcome) -> None:
+        unsent: list[tuple[str, list[Action], Path]] = []
         with self._lock:
             self.timings.extend(outcome.timings)
             if outcome.error is None and not outcome.skipped:
                 self._done.append(name)
+            else:  # what waits behind a failed upload is not sent (the job fails at its next save)
+                unsent, self._waiting = self._waiting, []
+            self._sending = False
+            self._lock.notify_all()
+        for _, _, staged in unsent:
+            shutil.rmtree(staged, ignore_errors=True)
         if outcome.error is not None:
             self.fail(outcome.error)
+        self._send_next()
 
     def publish(self, name: str, target_key: str, pointer_key: str | None, remove: Sequence[str]) -> None:
         """Once every rank's parts of ``name`` are in the bucket: point the bucket's latest pointer
@@ -179,6 +221,8 @@ class Uploader:
     def drain(self) -> None:
         """Return once every upload handed over so far has ended."""
         if self._writer is not None:
+            with self._lock:
+                self._lock.wait_for(lambda: not (self._sending or self._waiting))
             self._writer.wait()
 
     def close(self) -> None:

@@ -115,7 +115,8 @@ class CheckpointSaver:
         """The bucket's folder of an ``s3://`` save_folder, and this rank's uploader into it."""
         assert self.config.save_folder is not None
         folder = remote.RemoteFolder.of(templates.format_name(self.config.save_folder, self.place), self.folder)
-        return folder, remote.Uploader(folder, self._rank, active=self.writes or self.layout in FOLDER_LAYOUTS)
+        return folder, remote.Uploader(folder, self._rank, active=self.writes or self.layout in FOLDER_LAYOUTS,
+                                       keep=self.config.save_num_checkpoints_to_keep)
 
     def check_folder(self) -> None:
         """Before training (a collective): the folder exists or can be created and takes a write on
