@@ -170,3 +170,23 @@ def test_a_checkpoint_overtaken_while_it_waits_to_upload_is_dropped(bucket: str,
     assert uploader.dropped == [n for n in ("ck1", "ck2", "ck3") if n not in sent]
     assert sorted(folder.store.list_objects(folder.key_of(""))) == [folder.key_of(n) for n in sent]
     assert [p for p in (tmp_path / "staging").rglob("*") if p.is_file()] == []
+
+
+def test_a_checkpoint_still_waiting_when_its_deletion_is_asked_is_never_sent(bucket: str, tmp_path: Path) -> None:
+    """Rotation deletes a checkpoint that still waits behind a long upload: it is dropped, not sent
+    after its deletion (where nothing would delete it again)."""
+    folder = RemoteFolder.of(f"s3://{bucket}/runs/rotated", tmp_path / "staging")
+    (tmp_path / "ck1").write_bytes(os.urandom(48 * 2**20))
+    for name in ("ck2", "ck3"):
+        (tmp_path / name).write_bytes(name.encode() * 1000)
+    uploader = Uploader(folder, 0)
+    try:
+        for name in ("ck1", "ck2", "ck3"):
+            uploader.upload(name, [(tmp_path / name, name)])
+        uploader.publish("ck1", folder.key_of("ck1"), None, ["ck2"])
+        uploader.drain()
+        state = uploader.state()
+    finally:
+        uploader.close()
+    assert state == (["ck1", "ck3"], None) and uploader.dropped == ["ck2"]
+    assert sorted(folder.store.list_objects(folder.key_of(""))) == [folder.key_of("ck1"), folder.key_of("ck3")]

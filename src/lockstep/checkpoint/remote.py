@@ -27,7 +27,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,15 +147,21 @@ class Uploader:
             self.fail(f"could not stage {name} for upload: {e}")
             return
         self._started()
-        overtaken: list[tuple[str, list[Action], Path]] = []
         with self._lock:
             self._waiting.append((name, links, staged))
-            if self.keep > 0 and len(self._waiting) > self.keep:
-                overtaken, self._waiting = self._waiting[:-self.keep], self._waiting[-self.keep:]
-                self.dropped.extend(old for old, _, _ in overtaken)
-        for _, _, links_folder in overtaken:
-            shutil.rmtree(links_folder, ignore_errors=True)
+            newest = {n for n, _, _ in self._waiting[-self.keep:]} if self.keep > 0 else None
+        if newest is not None:
+            self._drop_waiting(lambda waiting: waiting not in newest)
         self._send_next()
+
+    def _drop_waiting(self, which: Callable[[str], bool]) -> None:
+        """Drop the waiting checkpoints ``which`` names, with their links: they are never sent."""
+        with self._lock:
+            gone = [w for w in self._waiting if which(w[0])]
+            self._waiting = [w for w in self._waiting if not which(w[0])]
+            self.dropped.extend(name for name, _, _ in gone)
+        for _, _, staged in gone:
+            shutil.rmtree(staged, ignore_errors=True)
 
     def _send_next(self) -> None:
         """Hand the oldest waiting checkpoint to the upload process, unless one is under way there.
@@ -195,6 +201,8 @@ class Uploader:
         else:
             self.published = name
         if remove:
+            # one still waiting here would otherwise be sent after its deletion, and stay
+            self._drop_waiting(lambda waiting: waiting in remove)
             self._started().submit([("delete_tree", self.folder.key_of(old)) for old in remove], guard=self.guard,
                                    then=self._settled)
 
