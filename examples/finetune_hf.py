@@ -100,7 +100,7 @@ def main() -> None:
     trainer.fit()
     losses = [float(v) for _, v in memory.data["loss/train/total"]]
 
-    probe = torch.stack([evaluation[i]["input_ids"] for i in range(2)]).to(trainer.state.device)
+    probe = torch.stack([evaluation[i]["input_ids"] for i in range(2)]).to(trainer.state.device.torch_device)
     model.eval()
     with torch.no_grad():  # every rank: under FSDP a forward gathers the shards
         trained_logits = model({"input_ids": probe}).logits.float().cpu()

@@ -22,7 +22,7 @@ log = logging.getLogger("lockstep")
 
 def on_cuda(state: State, owner: str) -> bool:
     """Whether the model is on a GPU; if not, say once that ``owner`` does nothing."""
-    device = next(state.model.parameters(), torch.empty(0, device=state.device)).device
+    device = next(state.model.parameters(), torch.empty(0, device=state.device.torch_device)).device
     if device.type in ("cuda", "meta"):
         return True
     warnings.warn(f"{owner} does nothing without a GPU (the model is on {device.type}): it records CUDA memory only",

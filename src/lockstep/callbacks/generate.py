@@ -89,9 +89,9 @@ class Generate(Callback):
             encoded = tokenizer(self.prompts, return_tensors="pt", padding=True)
             outputs: list[torch.Tensor] = []
             for start in range(0, len(self.prompts), self.batch_size):
-                ids = encoded["input_ids"][start:start + self.batch_size].to(state.device)
-                mask = encoded["attention_mask"][start:start + self.batch_size].to(state.device)
-                with torch.no_grad(), autocast(state.precision, state.device):
+                ids = encoded["input_ids"][start:start + self.batch_size].to(state.device.torch_device)
+                mask = encoded["attention_mask"][start:start + self.batch_size].to(state.device.torch_device)
+                with torch.no_grad(), autocast(state.precision, state.device.torch_device):
                     outputs.extend(model.generate(ids, attention_mask=mask, synced_gpus=dist.get_world_size() > 1,
                                                   **self.generate_kwargs))
         finally:

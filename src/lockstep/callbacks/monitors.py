@@ -64,7 +64,7 @@ class SpeedMonitor(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         self._world = dist.get_world_size()
         if self.gpu_flops_available is None:
-            self.gpu_flops_available = peak_flops(state.device, state.precision)
+            self.gpu_flops_available = peak_flops(state.device.torch_device, state.precision)
         self._restart(state)
 
     def _restart(self, state: State) -> None:
@@ -132,7 +132,7 @@ class MemoryMonitor(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if state.timestamp.batch.value % self.interval == 0:
-            logger.log_metrics(memory_stats(state.device))
+            logger.log_metrics(memory_stats(state.device.torch_device))
 
 
 _GIB = 1024 ** 3

@@ -179,7 +179,7 @@ def load(template: str, state: State, layout: Layout, *, run_name: str, weights_
             assert opened is not None  # decide() loads once every rank has a file, or receives rank 0's
             if check_whole:
                 _agreement.raise_first_error(_checked(opened.path) if mine.probe.shared else None,
-                                             DamagedCheckpoint, device=state.device)
+                                             DamagedCheckpoint, device=state.device.torch_device)
     return _apply_agreed(opened, state, layout, weights_only=weights_only, strict=strict, agree=agree,
                          ignore=ignore)
 
@@ -280,7 +280,7 @@ def _apply_agreed(opened: _Opened, state: State, layout: Layout, *, weights_only
         loaded = _apply(opened, state, layout, weights_only=weights_only, strict=strict, ignore=ignore)
     except CheckpointError as e:
         error = str(e)
-    _agreement.raise_first_error(error, CheckpointError, device=state.device)
+    _agreement.raise_first_error(error, CheckpointError, device=state.device.torch_device)
     assert loaded is not None  # else this rank's error was raised
     return loaded
 
@@ -305,7 +305,7 @@ def _step_back(mine: _Local, low: int, state: State, layout: Layout, *, run_name
                            share=(0, 1))
         except CheckpointError as e:
             error = str(e)
-    _agreement.raise_first_error(error, CheckpointError, device=state.device)
+    _agreement.raise_first_error(error, CheckpointError, device=state.device.torch_device)
     batches = {b for b in dist.all_gather_object(opened.batch)}
     if len(batches) > 1:
         raise CheckpointError(f"autoresume found per-rank checkpoints of batches {min(batches)} to "
@@ -330,7 +330,7 @@ def _from_rank_zero(opened: _Opened | None, state: State, layout: Layout, *, run
         buffer = torch.frombuffer(bytearray(sender.path.read_bytes()), dtype=torch.uint8)
     else:
         buffer = torch.empty(size, dtype=torch.uint8)
-    buffer = dist.broadcast(buffer.to(state.device), src=0)
+    buffer = dist.broadcast(buffer.to(state.device.torch_device), src=0)
     error = None
     if opened is None:
         try:
@@ -338,7 +338,7 @@ def _from_rank_zero(opened: _Opened | None, state: State, layout: Layout, *, run
                            check_run_name=check_run_name, share=(0, 1), data=buffer.cpu().numpy().tobytes())
         except CheckpointError as e:
             error = str(e)
-    _agreement.raise_first_error(error, CheckpointError, device=state.device)
+    _agreement.raise_first_error(error, CheckpointError, device=state.device.torch_device)
     assert opened is not None  # else this rank's error was raised
     return opened
 

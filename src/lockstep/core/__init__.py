@@ -4,6 +4,7 @@ algorithms, the state they share, time, evaluators, data specs, precisions and t
 from lockstep.core.algorithm import Algorithm
 from lockstep.core.callback import Callback
 from lockstep.core.data_spec import DataSpec, ensure_data_spec
+from lockstep.core.engine import Engine, Trace, Traces
 from lockstep.core.evaluator import Evaluator, ensure_evaluator
 from lockstep.core.event import Event
 from lockstep.core.precision import Precision, get_precision_context
@@ -11,6 +12,6 @@ from lockstep.core.types import JSON, Batch, Dataset, TrainerMode
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, ensure_time
 
-__all__ = ["JSON", "Algorithm", "Batch", "Callback", "DataSpec", "Dataset", "Evaluator", "Event", "Precision", "State",
-           "Time", "TimeUnit", "Timestamp", "TrainerMode", "ensure_data_spec", "ensure_evaluator", "ensure_time",
+__all__ = ["JSON", "Algorithm", "Batch", "Callback", "DataSpec", "Dataset", "Engine", "Evaluator", "Event", "Precision", "State",
+           "Time", "TimeUnit", "Timestamp", "Trace", "Traces", "TrainerMode", "ensure_data_spec", "ensure_evaluator", "ensure_time",
            "get_precision_context"]

@@ -17,6 +17,28 @@ if TYPE_CHECKING:
 class Algorithm:
     """Base class: an algorithm that never matches does nothing."""
 
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Whether DDP must look for parameters without gradients (an algorithm that freezes some)."""
+        return False
+
+    @property
+    def backwards_create_graph(self) -> bool:
+        """Whether backward must keep the graph (an algorithm that differentiates twice)."""
+        return False
+
+    @staticmethod
+    def required_on_load() -> bool:
+        """Whether a checkpoint written with this algorithm needs it to load."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved under ``state['algorithms']`` as ``(class name, this)``; Composer's default is the repr."""
+        return {"repr": repr(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (nothing, by default)."""
+
     def match(self, event: Event, state: State) -> bool:
         """Whether :meth:`apply` runs at ``event``."""
         return False

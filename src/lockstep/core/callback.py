@@ -8,7 +8,7 @@ a :class:`~lockstep.loggers.Logger` whose ``log_metrics({name: value})`` and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lockstep.core.event import Event
 
@@ -68,6 +68,17 @@ class Callback:
     def predict_after_forward(self, state: State, logger: Logger) -> None: ...
     def predict_batch_end(self, state: State, logger: Logger) -> None: ...
     def predict_end(self, state: State, logger: Logger) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this callback must keep across a checkpoint (Composer's ``Serializable``); saved
+        under ``state['callbacks'][<class name>]`` and given back to :meth:`load_state_dict` on resume."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def post_close(self) -> None:
+        """Called after every callback's :meth:`close` (for those whose ``close`` did not raise)."""
 
     def close(self, state: State, logger: Logger) -> None:
         """Called by ``Trainer.close()``, and when ``fit`` raises: write out anything held in memory

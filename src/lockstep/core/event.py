@@ -104,3 +104,43 @@ class Event(StrEnum):
     PREDICT_AFTER_FORWARD = "predict_after_forward"
     PREDICT_BATCH_END = "predict_batch_end"
     PREDICT_END = "predict_end"
+
+    @property
+    def is_before_event(self) -> bool:
+        """Whether this event opens a pair (``BEFORE_LOSS`` ... ``AFTER_LOSS``, ``EPOCH_START`` ... ``EPOCH_END``)."""
+        return self in _BEFORE
+
+    @property
+    def is_after_event(self) -> bool:
+        """Whether this event closes a pair; algorithms run in reverse order at these (Composer's FILO rule)."""
+        return self in _AFTER
+
+    @property
+    def canonical_name(self) -> str:
+        """The name shared by the two events of a pair: ``'epoch'`` for EPOCH_START and EPOCH_END."""
+        name = self.value
+        for marker in ("before_", "after_", "_start", "_end"):
+            name = name.replace(marker, "")
+        return name
+
+    @property
+    def is_eval(self) -> bool:
+        """Whether this is an event of the evaluation loop."""
+        return self.value.startswith("eval")
+
+    @property
+    def is_predict(self) -> bool:
+        """Whether this is an event of the prediction loop."""
+        return self.value.startswith("predict")
+
+
+_BEFORE = frozenset((
+    Event.BEFORE_LOAD, Event.FIT_START, Event.ITERATION_START, Event.EPOCH_START, Event.BEFORE_DATALOADER,
+    Event.BATCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.BEFORE_LOSS, Event.BEFORE_BACKWARD,
+    Event.EVAL_BEFORE_ALL, Event.EVAL_START, Event.EVAL_BATCH_START, Event.EVAL_BEFORE_FORWARD,
+    Event.PREDICT_START, Event.PREDICT_BATCH_START, Event.PREDICT_BEFORE_FORWARD, Event.EVAL_STANDALONE_START))
+_AFTER = frozenset((
+    Event.AFTER_LOAD, Event.ITERATION_END, Event.EPOCH_END, Event.BATCH_END, Event.AFTER_DATALOADER,
+    Event.AFTER_TRAIN_BATCH, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD, Event.EVAL_AFTER_ALL,
+    Event.EVAL_END, Event.EVAL_BATCH_END, Event.EVAL_AFTER_FORWARD, Event.FIT_END, Event.PREDICT_END,
+    Event.PREDICT_BATCH_END, Event.PREDICT_AFTER_FORWARD, Event.EVAL_STANDALONE_END))

@@ -46,6 +46,20 @@ class Device:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to a Device or a ``torch.device`` (or its string) that stands for the same place."""
+        if isinstance(other, Device):
+            return self._device == other._device
+        if isinstance(other, (torch.device, str)):
+            try:
+                return self._device == torch.device(other)
+            except RuntimeError:
+                return False
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._device)
+
 
 class DeviceCPU(Device):
     """The CPU (collectives over gloo)."""
@@ -73,3 +87,25 @@ class DeviceGPU(Device):
         torch.cuda.set_device(self._device)
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
         torch.backends.cudnn.allow_tf32 = allow_tf32
+
+
+def as_device(device: Device | str | torch.device | None) -> Device:
+    """``device`` as a Device: a Device as it is; ``'cpu'``, ``'gpu'``, ``'cuda[:i]'`` or a
+    ``torch.device``; None is the GPU of this local rank when CUDA is available, else the CPU.
+    Unlike ``DeviceGPU()``, turning an existing ``torch.device`` into one changes no CUDA setting."""
+    if isinstance(device, Device):
+        return device
+    if device is None:
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+    if device == "gpu":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        place = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: give 'cpu', 'gpu' or a lockstep.devices.Device") from None
+    kind = {"cpu": DeviceCPU, "cuda": DeviceGPU}.get(place.type)
+    if kind is None:
+        raise ValueError(f"device={device!r}: lockstep runs on CPUs and CUDA GPUs ('cpu' or 'gpu')")
+    made = kind.__new__(kind)
+    made._device = place
+    return made

@@ -21,9 +21,11 @@ class Logger:
     """What callbacks call ``logger.log_metrics(...)`` on: passes each call to every destination
     that logs on this rank. A destination that raises is reported once, and training goes on."""
 
-    def __init__(self, state: State, destinations: Sequence[LoggerDestination] = ()) -> None:
+    def __init__(self, state: State, destinations: LoggerDestination | Sequence[LoggerDestination] | None = None) -> None:
+        from lockstep.utils.misc import ensure_tuple
+
         self._state = state
-        self.destinations = list(destinations)
+        self.destinations = list(ensure_tuple(destinations))
         self._failed: set[int] = set()
         self._rank: int | None = None  # read at the first call: a rank does not change during a run
 

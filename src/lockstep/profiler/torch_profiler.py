@@ -140,7 +140,7 @@ class TorchProfiler(Callback):
         files = [self._write(self.filename, place, timestamp, prof.export_chrome_trace)]
         if self.memory_filename is not None:
             def export(path: str) -> None:
-                prof.export_memory_timeline(path, device=str(state.device))
+                prof.export_memory_timeline(path, device=str(state.device.torch_device))
             files.append(self._write(self.memory_filename, place, timestamp, export))
         for path, remote in zip(files, (self.remote_file_name, self.memory_remote_file_name)):
             if remote is not None:
@@ -181,7 +181,7 @@ def _trace_folder(template: str, filename: str, state: State, overwrite: bool) -
                      f"another torch_prof_folder")
     except OSError as e:
         error = f"Profiler: cannot use trace folder {folder}: {e}"
-    _agreement.raise_first_error(error, FileExistsError, device=state.device)
+    _agreement.raise_first_error(error, FileExistsError, device=state.device.torch_device)
     return folder
 
 

@@ -141,7 +141,7 @@ def save_named(name: str, state: State, layout: Layout, position: DataPosition, 
         config = CheckpointConfig(save_folder=os.path.dirname(name) or ".", save_filename=os.path.basename(name),
                                   save_latest_filename=None, save_overwrite=True, save_weights_only=weights_only)
         saver = make_saver(config, run_name=state.run_name, max_duration=state.max_duration, layout=layout,
-                           device=state.device)
+                           device=state.device.torch_device)
     except (TypeError, ValueError) as e:  # its messages name the Trainer's save_* arguments
         raise type(e)(f"save_checkpoint(name={name!r}, weights_only={weights_only}): {e}") from None
     assert saver is not None  # it has a save_folder
@@ -193,7 +193,7 @@ def _load(config: CheckpointConfig, state: State, layout: Layout, saver: Checkpo
         path = config.load_path
         if remote.is_remote(path) or config.load_object_store is not None:  # downloaded first
             path = fetch.load_path(path, config.load_object_store, layout_name=layout.name, run_name=state.run_name,
-                                   device=state.device, weights_only=config.load_weights_only)
+                                   device=state.device.torch_device, weights_only=config.load_weights_only)
         loaded = loader.load(path, state, layout, run_name=state.run_name,
                              weights_only=config.load_weights_only, strict=config.load_strict_model_weights,
                              ignore=config.load_ignore_keys)

@@ -24,12 +24,13 @@ AlgorithmPass = Callable[[Sequence[Algorithm], Event], Sequence[Algorithm]]
 """Composer's algorithm pass: the algorithms that match an event -> the ones to run, in order."""
 
 
-_AFTER = frozenset(e for e in Event if e.name.startswith("AFTER_"))
+_AFTER = frozenset(e for e in Event if e.is_after_event)
 
 
 def filo_order(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorithm]:
-    """Composer's default pass: at the ``AFTER_*`` events algorithms run in reverse order, so that
-    one that changed something at ``BEFORE_*`` undoes it after the others."""
+    """Composer's default pass: at the events that close a pair (``AFTER_LOSS``, ``BATCH_END``, ...;
+    :attr:`Event.is_after_event`) algorithms run in reverse order, so that one that changed something
+    at the opening event undoes it after the others."""
     return list(reversed(algorithms)) if event in _AFTER else algorithms
 
 
@@ -50,11 +51,13 @@ class Events:
         self.passes, self.log_traces = list(passes), log_traces
         """The user's passes, which run after Composer's default one (:func:`filo_order`)."""
         self.callbacks: CallbackList = CallbackList()
+        state._callbacks = self.callbacks  # state.callbacks is the list that runs, as in Composer
         self.step_heard = False
         """Whether a callback acts at one of :data:`STEP_EVENTS`."""
 
     def set_callbacks(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
+        self.state._callbacks = self.callbacks
         self._indexed_version = -1  # a CallbackList counts from 0: re-index at the next event
 
     def run(self, event: Event) -> None:

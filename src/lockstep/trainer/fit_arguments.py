@@ -125,7 +125,7 @@ def _check(trainer: Trainer, given: FitArguments) -> _Changes:
         changes.split = setup.split_schedulers(changes.schedulers, given.step_schedulers_every_batch)
     if given.eval_dataloader is not None:
         changes.evaluators = evaluation.build_evaluators(
-            given.eval_dataloader, s.model, s.device, _interval(given.eval_interval),
+            given.eval_dataloader, s.model, s.device.torch_device, _interval(given.eval_interval),
             subset("eval_subset_num_batches", given.eval_subset_num_batches))
     elif given.eval_interval not in (0, 1) or given.eval_subset_num_batches != -1:
         warnings.warn("fit(eval_interval=..., eval_subset_num_batches=...) apply to fit(eval_dataloader=...); "

@@ -68,6 +68,22 @@ def as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def default_optimizer(model: Any) -> torch.optim.Optimizer | None:
+    """Composer's default when no optimizer is given: ``DecoupledSGDW(model.parameters(), lr=0.1)``,
+    with a warning; None (and a warning) for a model without parameters."""
+    import warnings
+
+    from lockstep.optim.decoupled import DecoupledSGDW
+
+    if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
+        warnings.warn("No optimizer was specified, and the model does not have parameters. Skipping auto-creating "
+                      "optimizer.", stacklevel=3)
+        return None
+    optimizer = DecoupledSGDW(model.parameters(), lr=0.1)
+    warnings.warn("No optimizer was specified. Defaulting to DecoupledSGDW(lr=0.1)", stacklevel=3)
+    return optimizer
+
+
 def check_optimizers(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
     params = {id(p) for p in model.parameters()}
     for i, optimizer in enumerate(optimizers):
@@ -95,6 +111,17 @@ def resolve_run_folder(run_folder: str | None) -> Path | None:
     """The explicit folder, else the launcher's run directory, else none (nothing written)."""
     folder = run_folder or os.environ.get("LOCKSTEP_RUN_DIRECTORY")
     return Path(folder) if folder else None
+
+
+RUN_NAME_VARIABLES = ("COMPOSER_RUN_NAME", "RUN_NAME", "LOCKSTEP_RUN_NAME")
+"""Where a run name comes from when ``run_name`` is not given, in this order."""
+
+
+def run_name_from_environment(run_name: str | None) -> str | None:
+    """``run_name``, else the first of :data:`RUN_NAME_VARIABLES` that is set."""
+    if run_name is None:
+        run_name = next((os.environ[v] for v in RUN_NAME_VARIABLES if os.environ.get(v)), None)
+    return run_name
 
 
 def resolve_run_name(run_name: str | None) -> str:
@@ -150,7 +177,7 @@ def hyperparameters(trainer: Any) -> dict[str, Any]:
     """The run's configuration, as loggers record it at FIT_START."""
     s, loop = trainer.state, trainer.loop
     return {"run_name": s.run_name, "max_duration": str(s.max_duration), "world_size": dist.get_world_size(),
-            "device": str(s.device), "precision": s.precision, "seed": loop.seed,
+            "device": str(s.device.torch_device), "precision": s.precision, "seed": loop.seed,
             "device_train_microbatch_size": loop.device_train_microbatch_size, "grad_accum": loop.grad_accum,
             "scale_schedule_ratio": loop.scale_schedule_ratio, "strategy": type(trainer.strategy).__name__,
             "optimizers": [type(o).__name__ for o in s.optimizers],

@@ -79,9 +79,9 @@ class Trainer:
         step_schedulers_every_batch: bool | None = None,
         train_subset_num_batches: int = -1,
         eval_subset_num_batches: int = -1,
-        callbacks: Sequence[Callback] = (),
-        loggers: Sequence[LoggerDestination] = (),
-        algorithms: Sequence[Algorithm] = (),
+        callbacks: Callback | Sequence[Callback] | None = None,
+        loggers: LoggerDestination | Sequence[LoggerDestination] | None = None,
+        algorithms: Algorithm | Sequence[Algorithm] | None = None,
         run_name: str | None = None,
         run_folder: str | None = None,
         progress_bar: bool = True,
@@ -122,6 +122,9 @@ class Trainer:
         deterministic_mode: bool = False,
         profiler: Any = None,
     ) -> None:
+        callbacks, loggers, algorithms = setup.as_list(callbacks), setup.as_list(loggers), setup.as_list(algorithms)
+        optimizers = setup.default_optimizer(model) if optimizers is None else optimizers
+        run_name = setup.run_name_from_environment(run_name)
         arguments = dict(locals())  # auto_log_hparams logs them
         self.options = options.from_arguments(arguments)  # deterministic_mode acts here, before any kernel
         setup.set_python_log_level(python_log_level)
@@ -137,6 +140,7 @@ class Trainer:
             parallel, device=self.loop.device, precision=self.loop.precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
             microbatch_size=self.loop.fixed_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
         self.state = self._start_distributed(model, optimizer_list, schedulers, run_name, dist_timeout)
+        self.algorithms = self.state.algorithms  # one list: what state.algorithms shows is what runs
         self.state.device_train_microbatch_size = self.loop.fixed_microbatch_size
         self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
             self.state.schedulers, step_schedulers_every_batch)
@@ -166,7 +170,7 @@ class Trainer:
         self.layout = self.strategy.layout()
         self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
                                               max_duration=self.state.max_duration, layout=self.layout,
-                                              device=self.state.device)
+                                              device=self.state.device.torch_device)
         # The one hook before the weights change in place (the optimizer step; whatever acts at an
         # event): a checkpoint's background copy may still be reading them.
         self._before_weights_change = _nothing if self.saver is None else self.saver.before_weights_change
@@ -183,7 +187,7 @@ class Trainer:
         self.state.run_folder = None if folder is None else str(folder)
         destinations = setup.check_loggers(loggers) + ([console] if console is not None else [])
         self.logger = Logger(self.state, destinations)
-        self._events = Events(self.state, self.logger, self.algorithms, self._before_weights_change,
+        self._events = Events(self.state, self.logger, self.state.algorithms, self._before_weights_change,
                               passes=self.options.algorithm_passes, log_traces=self.options.log_traces)
         self._run_event = self._events.run
         profiler = self.options.profiler
@@ -228,12 +232,12 @@ class Trainer:
         """Each evaluator's batch count at its latest evaluation during fit, by label."""
         self.evaluators, eval_metrics = evaluation.build_evaluators(
             self._eval_dataloader, model, loop.device, loop.eval_interval, loop.eval_subset_num_batches)
-        state = State(model=model, optimizers=optimizers, schedulers=[],
-                      max_duration=loop.max_duration, run_name=setup.resolve_run_name(run_name),  # type: ignore[arg-type]
-                      device=loop.device, precision=loop.precision, scaler=self.strategy.scaler,  # type: ignore[arg-type]
-                      strategy=self.strategy,
-                      batches_per_epoch=setup.epoch_length(self.train_dataloader, loop.train_subset_num_batches),
-                      eval_metrics=eval_metrics, evaluators=self.evaluators)
+        state = State(model=model, rank_zero_seed=loop.seed, run_name=setup.resolve_run_name(run_name),
+                      device=loop.device, max_duration=loop.max_duration, train_dataloader=self.train_dataloader,
+                      evaluators=self.evaluators, precision=loop.precision,  # type: ignore[arg-type]
+                      optimizers=optimizers, scaler=self.strategy.scaler, save_metrics=self.checkpoints.save_metrics,
+                      algorithms=self.algorithms, strategy=self.strategy, eval_metrics=eval_metrics,
+                      batches_per_epoch=setup.epoch_length(self.train_dataloader, loop.train_subset_num_batches))
         state.schedulers = compile_schedulers(setup.as_list(schedulers), state, loop.scale_schedule_ratio)
         if state.max_duration is not None:
             self._follow_schedules(state)
@@ -302,7 +306,7 @@ class Trainer:
                         self._run_event(Event.ITERATION_START)
                     self._run_event(Event.EPOCH_START)
                 batches = data.epoch_batches(
-                    self.train_dataloader, self._count, self._step_sync, s.device, sum_tokens=self._sum_tokens,
+                    self.train_dataloader, self._count, self._step_sync, s.device.torch_device, sum_tokens=self._sum_tokens,
                     track=self._position if self.saver else None, resume=resume,
                     limit=self.loop.train_subset_num_batches, transform=self._batch_transforms)
                 try:
@@ -438,7 +442,7 @@ class Trainer:
         evaluators = self.evaluators
         if eval_dataloader is not None:
             evaluators, metrics = evaluation.build_evaluators(
-                eval_dataloader, self.state.model, self.state.device, self.loop.eval_interval,
+                eval_dataloader, self.state.model, self.state.device.torch_device, self.loop.eval_interval,
                 self.loop.eval_subset_num_batches)
             taken = sorted(set(metrics) & set(self.state.eval_metrics))
             if taken:
