@@ -26,7 +26,7 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Time", "TimeUnit", "Timestamp", "check_max_duration", "ensure_time", "fraction_done",
+__all__ = ["Time", "TimeTypeError", "TimeUnit", "Timestamp", "check_max_duration", "ensure_time", "fraction_done",
            "is_interval_due", "is_reached", "time_argument"]
 
 
@@ -39,14 +39,25 @@ class TimeUnit(StrEnum):
     SAMPLE = "sp"
     TOKEN = "tok"
     DURATION = "dur"
+    SECOND = "sec"
+    """Wall-clock seconds of training (``'90sec'``, or ``'1h20m40s'``): a max_duration in seconds
+    stops at the first batch boundary past it."""
 
 
-_HINT = "expected a number followed by one of ep, ba, sp, tok, dur (e.g. '2ep', '100ba', '0.5dur')"
+class TimeTypeError(TypeError, ValueError, RuntimeError):
+    """A value that cannot be a Time: a count that is not whole, or an object of another type.
+    Composer raises TypeError for the first and RuntimeError for the second; it is both (and a
+    ValueError, which lockstep raised before)."""
+
+
+_HINT = ("expected a number followed by one of ep, ba, sp, tok, dur, iter, sec (e.g. '2ep', '100ba', '0.5dur'), "
+         "or hours, minutes and seconds such as '1h20m40s'")
+_WALL_CLOCK = re.compile(r"(?:(?P<h>\d+)h)?(?:(?P<m>\d+)m)?(?:(?P<s>\d+)s)?")
 _DIGITS = r"\d(?:_?\d)*"
 # the exponent is capped so that '1e999999999tok' cannot make int() build a huge number
 _PATTERN = re.compile(
     rf"(?P<number>(?:{_DIGITS}(?:\.(?:{_DIGITS})?)?|\.{_DIGITS})(?:[eE][+-]?\d{{1,3}})?)"
-    r"(?P<unit>iter|ep|ba|sp|tok|dur)"
+    r"(?P<unit>iter|ep|ba|sp|tok|dur|sec)"
 )
 
 
@@ -109,6 +120,9 @@ class Time(Generic[TValue]):
 
     @classmethod
     def _parse_string(cls, text: str) -> Time:
+        clock = _WALL_CLOCK.fullmatch(text.strip())
+        if clock is not None and clock.group(0):
+            return cls.from_timedelta(text)
         match = _PATTERN.fullmatch(text.strip())
         if match is None:
             reason = "durations cannot be negative; " if text.strip().startswith("-") else ""
@@ -117,12 +131,28 @@ class Time(Generic[TValue]):
         number = Decimal(match["number"].replace("_", ""))
         try:
             if unit is not TimeUnit.DURATION and number != number.to_integral_value():
-                raise ValueError(f"'{unit.value}' counts must be whole numbers")
+                raise TimeTypeError(f"'{unit.value}' counts must be whole numbers")
             value = float(number) if unit is TimeUnit.DURATION else int(number)
             _check_duration(value, unit)
+        except TimeTypeError as e:
+            raise TimeTypeError(f"invalid duration {text!r}: {e}; {_HINT}") from None
         except ValueError as e:
             raise ValueError(f"invalid duration {text!r}: {e}; {_HINT}") from None
         return cls(value, unit)
+
+    @classmethod
+    def from_timedelta(cls, timestring: str) -> Time:
+        """Hours, minutes and seconds (``'1h20m40s'``, ``'20m'``, ``'90s'``) as a Time in seconds."""
+        clock = _WALL_CLOCK.fullmatch(timestring.strip())
+        if clock is None or not clock.group(0):
+            raise ValueError(f"invalid wall-clock duration {timestring!r}: give hours, minutes and seconds "
+                             f"such as '1h20m40s'")
+        hours, minutes, seconds = (int(clock[k] or 0) for k in "hms")
+        return cls(hours * 3600 + minutes * 60 + seconds, TimeUnit.SECOND)
+
+    @classmethod
+    def from_second(cls, second: int) -> Time:
+        return cls(second, TimeUnit.SECOND)
 
     @classmethod
     def from_epoch(cls, epoch: int) -> Time:
@@ -156,11 +186,11 @@ class Time(Generic[TValue]):
         unit = default_int_unit if default_int_unit is not None else default_unit
         if isinstance(i, (int, float)) and not isinstance(i, bool):
             if unit is None:
-                raise ValueError(f"got the number {i} without a unit: write it as a string "
-                                 f"such as '{i}ep' or '{i}ba'")
+                raise TimeTypeError(f"got the number {i} without a unit: write it as a string "
+                                    f"such as '{i}ep' or '{i}ba'")
             return cls(i, TimeUnit(unit))
-        raise TypeError(f"expected a Time, a duration string such as '2ep', or an int; "
-                        f"got {type(i).__name__}")
+        raise TimeTypeError(f"expected a Time, a duration string such as '2ep', or an int; "
+                            f"got {type(i).__name__}")
 
     def to_timestring(self) -> str:
         return str(self)
@@ -322,6 +352,10 @@ class _Count:
         _set(time, "unit", self.unit)
         return time
 
+    def __set__(self, timestamp: Timestamp, value: int | Time) -> None:
+        """Composer lets a count be set in place (``timestamp.epoch_in_iteration = 2``)."""
+        _set(timestamp, self.slot, _count_argument(self.slot[1:], value))
+
     @staticmethod
     def make(value: int, unit: TimeUnit) -> Time:
         time = _new_time(Time)
@@ -386,6 +420,8 @@ class Timestamp:
         if name is None:  # 'dur', or not a unit at all: TimeUnit() names what is wrong
             TimeUnit(unit)
             raise ValueError("a Timestamp has no 'dur' count; use fraction_done(timestamp, max_duration)")
+        if name == "_total_wct":
+            return Time(int(self._total_wct), TimeUnit.SECOND)
         return self._time(name, TimeUnit(unit))
 
     def to_next_batch(self, samples: int | Time = 0, tokens: int | Time = 0,
@@ -545,7 +581,8 @@ _new_timestamp, _new_time, _set = object.__new__, object.__new__, object.__setat
 
 # a StrEnum member hashes and compares as its value: "ba" finds TimeUnit.BATCH here
 _COUNT_OF: dict[TimeUnit | str, str] = {TimeUnit.EPOCH: "_epoch", TimeUnit.BATCH: "_batch",
-                                        TimeUnit.SAMPLE: "_sample", TimeUnit.TOKEN: "_token"}
+                                        TimeUnit.SAMPLE: "_sample", TimeUnit.TOKEN: "_token",
+                                        TimeUnit.SECOND: "_total_wct", TimeUnit.ITERATION: "_iteration"}
 
 TIMESTAMP_FIELDS = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
 """The counts of training progress that a checkpoint must hold."""

@@ -18,10 +18,12 @@ from lockstep.models.base import ComposerModel
 if TYPE_CHECKING:
     from lockstep.checkpoint.huggingface import write_huggingface_pretrained_from_composer_checkpoint
     from lockstep.models.huggingface import HuggingFaceModel
+    from lockstep.models.initializers import Initializer
     from lockstep.models.tasks.classification import ComposerClassifier
 
 # public name -> module that defines it
 _LAZY = {"ComposerClassifier": "lockstep.models.tasks.classification",
+         "Initializer": "lockstep.models.initializers",
          "HuggingFaceModel": "lockstep.models.huggingface",
          "write_huggingface_pretrained_from_composer_checkpoint": "lockstep.checkpoint.huggingface"}
 

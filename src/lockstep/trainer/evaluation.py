@@ -33,11 +33,10 @@ def build_evaluators(eval_dataloader: Any, model: Model, device: torch.device, e
     if eval_dataloader is None:
         return [], {}
     given = list(eval_dataloader) if isinstance(eval_dataloader, (list, tuple)) else [eval_dataloader]
-    if len(given) > 1 and not all(isinstance(e, Evaluator) for e in given):
-        raise ValueError("eval_dataloader: a list must hold only Evaluators (give each dataloader a label with "
-                         "lockstep.Evaluator(label=..., dataloader=...))")
     evaluators = [ensure_evaluator(e) for e in given]
-    labels = [e.label for e in evaluators]
+    # As in Composer, each plain dataloader is an Evaluator labelled 'eval' (several share its
+    # metrics); labels the user chose must differ.
+    labels = [e.label for e, g in zip(evaluators, given) if isinstance(g, Evaluator)]
     if len(set(labels)) != len(labels):
         raise ValueError(f"eval_dataloader: the Evaluators' labels {labels} repeat; give each a different label")
     model_metrics = model.get_metrics(is_train=False)
@@ -94,9 +93,10 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
 
     Samples a DistributedSampler repeats to pad the ranks' shares are left out."""
     was_training, training_batch = state.model.training, state.batch
-    outer = state.dataloader, state.dataloader_label
+    outer = state.dataloader, state.dataloader_label, state.dataloader_len
     spec = evaluator.dataloader
-    state.dataloader, state.dataloader_label = spec.dataloader, evaluator.label
+    state.set_dataloader(spec.dataloader, evaluator.label, -1 if limit is None else limit)
+    state.eval_timestamp = Timestamp()
     state.model.eval()
     run_event(Event.EVAL_START)
     for metric in metrics.values():
@@ -110,7 +110,9 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
     run_event(Event.EVAL_END)
     state.model.train(was_training)
     state.batch, state.outputs = training_batch, None
-    state.dataloader, state.dataloader_label = outer
+    state.set_dataloader(outer[0], outer[1])
+    if outer[0] is not None and outer[2] is not None:
+        state.dataloader_len = outer[2]
     return results
 
 
@@ -164,5 +166,6 @@ def _evaluate_batch(state: State, strategy: Strategy, evaluator: Evaluator, batc
         for name, metric in metrics.items():
             if metric is not loss_metric:
                 model.update_metric(state.batch, eval_outputs, metric)
+    state.eval_timestamp = state.eval_timestamp.to_next_batch(n)
     run_event(Event.EVAL_BATCH_END)
     progress.heartbeat(state.timestamp.batch.value)

@@ -142,6 +142,9 @@ class Trainer:
         self.state = self._start_distributed(model, optimizer_list, schedulers, run_name, dist_timeout)
         self.algorithms = self.state.algorithms  # one list: what state.algorithms shows is what runs
         self.state.device_train_microbatch_size = self.loop.fixed_microbatch_size
+        if self.state.device_train_microbatch_size is None:  # Composer reports the whole batch
+            self.state.device_train_microbatch_size = getattr(train_dataloader, "batch_size", None)
+        self._set_train_dataloader()
         self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
             self.state.schedulers, step_schedulers_every_batch)
         self._set_up_checkpoints()
@@ -205,6 +208,14 @@ class Trainer:
     @callbacks.setter
     def callbacks(self, callbacks: Sequence[Callback]) -> None:
         self._events.set_callbacks(callbacks)
+
+    def _set_train_dataloader(self) -> None:
+        """Make the training dataloader ``state.dataloader`` (and ``state.train_dataloader``), as Composer does."""
+        s = self.state
+        s.train_dataloader = self.train_dataloader
+        if self.train_dataloader is not None:
+            limit = self.loop.train_subset_num_batches
+            s.set_dataloader(self.train_dataloader, self.options.train_dataloader_label, -1 if limit is None else limit)
 
     def _follow_loader(self, spec: DataSpec | None) -> None:
         """What the loop needs to know of the training data: whether ranks must agree on each
@@ -296,7 +307,7 @@ class Trainer:
         if self._logging:
             self.logger.log_hyperparameters(setup.hyperparameters(self))
         self._clock = time.perf_counter()  # wall clock of the batches: Timestamp.total_wct, batch_wct
-        s.dataloader, s.dataloader_label = self.train_dataloader, self.options.train_dataloader_label
+        self._set_train_dataloader()
         self._run_event(Event.FIT_START)
         with StopSignal() if self.saver else contextlib.nullcontext() as stop:
             while not is_reached(s.timestamp, s.max_duration):
@@ -344,14 +355,16 @@ class Trainer:
                 run(Event.AFTER_DATALOADER)
                 run(Event.BATCH_START)
             s.loss_tensor = self._train_batch(s.batch, samples, tokens, loud)
-            self._end_batch(samples, tokens, is_last, stop)
-            if is_reached(s.timestamp, s.max_duration):
+            self._end_batch(samples, tokens, is_last, stop, loud)
+            if is_last or is_reached(s.timestamp, s.max_duration):
                 return trained
 
-    def _end_batch(self, samples: int, tokens: SupportsInt, is_last: bool, stop: StopSignal | None) -> None:
+    def _end_batch(self, samples: int, tokens: SupportsInt, is_last: bool, stop: StopSignal | None,
+                   loud: bool) -> None:
         """After a step, in Composer's order: move the timestamp and the schedules, log, then
-        BATCH_END, evaluate and save when due, BATCH_CHECKPOINT; after the epoch's last batch, the
-        epoch's turn (:meth:`_end_epoch`); then stop if SIGTERM arrived."""
+        BATCH_END, evaluate and save when due, BATCH_CHECKPOINT; after the epoch's last batch,
+        BEFORE_DATALOADER once more (Composer asks its exhausted dataloader for one more batch) and
+        the epoch's turn (:meth:`_end_epoch`); then stop if SIGTERM arrived."""
         s = self.state
         before = s.timestamp
         tokens = int(tokens)  # a sum over the ranks may still be on its way
@@ -373,6 +386,8 @@ class Trainer:
             self._saves.after_batch(before, after)
         self._run_event(Event.BATCH_CHECKPOINT)
         if is_last:
+            if loud:
+                self._run_event(Event.BEFORE_DATALOADER)
             self._end_epoch(before)
         if stop and stop.agreed():
             self._preempt()
