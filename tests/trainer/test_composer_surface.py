@@ -57,8 +57,9 @@ def test_events_fire_in_composers_order(tmp_path) -> None:
     assert first == ["fit_start", "iteration_start", "epoch_start", *batch, "batch_checkpoint"]
     # Composer's order: a batch's evaluation and checkpoint event come before the epoch's end
     last = ["before_dataloader", "after_dataloader", "batch_start", "before_train_batch", *micro, *micro,
-            "after_train_batch", "batch_end", *evaluation, "batch_checkpoint", "epoch_end", "epoch_checkpoint",
-            "fit_end"]
+            "after_train_batch", "batch_end", *evaluation, "batch_checkpoint",
+            "before_dataloader",  # Composer asks the exhausted dataloader once more before the epoch ends
+            "epoch_end", "epoch_checkpoint", "fit_end"]
     assert record.events[-len(last):] == last
     assert "iteration_end" not in record.events and "iteration_checkpoint" not in record.events
     record.events.clear()

@@ -5,7 +5,9 @@ optimizer state. Its top level is Composer's (``state`` and ``rng``), so code th
 Composer checkpoint (``ckpt['state']['model']``) reads lockstep's::
 
     {"state": {"model": {...}, "optimizers": [...], "schedulers": [...], "timestamp": {"Timestamp": {...}},
-               "scaler": {...}, "run_name": str, "integrations": {...}, ("metrics": {...})},
+               "scaler": {...}, "run_name": str, "rank_zero_seed": int, "integrations": {...},
+               "callbacks": {name: {...}}, "algorithms": [[name, {...}], ...], "dataset_state": {...},
+               ("metrics": {...})},
      "rng": [...],                                                  # one RNG state per rank, by rank
      "lockstep": {"version", "layout", "optimizer_keys", "world_size", "run_name", "history", "rank"},
      "ranks": [{"epoch_rng", "fetch_rng", "loader_state"}, ...]}    # the rest of each rank's position
@@ -33,14 +35,14 @@ Only tensors, numbers, strings, lists and dicts: it loads with ``weights_only=Tr
 from __future__ import annotations
 
 import datetime
-import sys
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep.checkpoint import composer, ignore
+from lockstep.checkpoint import composer, ignore, stateful
+from lockstep.core.state_dict import integrations
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.core import eval_metrics
 from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, Layout
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
     from lockstep.state import State
 
 VERSION = 2
+STATEFUL = ("callbacks", "algorithms", "dataset_state")
+"""The parts of ``state`` that :mod:`lockstep.checkpoint.stateful` writes and reads."""
 READABLE = (1, 2)
 """Version 1: the flat layout before Composer's; both load."""
 
@@ -66,22 +70,14 @@ def build(state: State, ranks: list[dict[str, Any]], history: list[str],
                   "schedulers": [s.state_dict() for s in state.schedulers],
                   "timestamp": {"Timestamp": _plain(state.timestamp.state_dict())},
                   "scaler": state.scaler.state_dict() if state.scaler is not None else {},
-                  "run_name": state.run_name, "integrations": integrations(state.model), **extra},
+                  "run_name": state.run_name, "rank_zero_seed": state.rank_zero_seed,
+                  "integrations": integrations(state.model), **stateful.save(state), **extra},
         "rng": [r.get("rng") for r in ranks],
         "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
                      "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
                      "rank": rank, **layout.extra_meta()},
         "ranks": [{k: v for k, v in r.items() if k != "rng"} for r in ranks],
     }
-
-
-def integrations(model: Any) -> dict[str, Any]:
-    """Composer's ``state['integrations']``: a HuggingFaceModel's config and tokenizer files
-    (``huggingface``), which the Hugging Face converters read back."""
-    module = sys.modules.get("lockstep.models.huggingface")  # loaded only if a HuggingFaceModel exists
-    if module is not None and isinstance(model, module.HuggingFaceModel):
-        return {"huggingface": model.get_metadata()}
-    return {}
 
 
 def without(content: dict[str, Any], save_ignore_keys: Any, *, weights_only: bool) -> dict[str, Any]:
@@ -122,6 +118,7 @@ def normalized(content: Any, path: Path) -> Any:
                       for i, entry in enumerate(ranks)]}
     if "metrics" in state:
         flat["metrics"] = state["metrics"]
+    flat.update({k: state[k] for k in STATEFUL if k in state})
     return flat
 
 
@@ -180,6 +177,7 @@ def apply(payload: dict[str, Any], state: State, path: Path, rank: int, world_si
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     if "metrics" in payload:
         eval_metrics.restore_values(state.eval_metrics, payload["metrics"])
+    stateful.load(state, payload)
     ranks = payload["ranks"]
     return ranks[rank] if len(ranks) == world_size else None
 

@@ -9,7 +9,7 @@ from lockstep.core.evaluator import Evaluator, ensure_evaluator
 from lockstep.core.event import Event
 from lockstep.core.precision import Precision, get_precision_context
 from lockstep.core.types import JSON, Batch, Dataset, TrainerMode
-from lockstep.state import State
+from lockstep.core.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, ensure_time
 
 __all__ = ["JSON", "Algorithm", "Batch", "Callback", "DataSpec", "Dataset", "Engine", "Evaluator", "Event", "Precision", "State",

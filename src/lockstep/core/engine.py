@@ -19,6 +19,7 @@ import atexit
 import functools
 import logging
 import os
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -128,10 +129,12 @@ class Engine:
         return traces
 
     def _run_callbacks(self, event: Event, *, loggers: bool) -> None:
-        from lockstep.loggers.logger_destination import LoggerDestination
-
+        # Without lockstep.loggers imported, no callback can be a destination (and the loop's
+        # vocabulary does not import the layer of destinations).
+        destinations = sys.modules.get("lockstep.loggers.logger_destination")
+        kind = destinations.LoggerDestination if destinations is not None else ()
         for callback in list(self.state.callbacks):
-            if isinstance(callback, LoggerDestination) is loggers:
+            if isinstance(callback, kind) is loggers:
                 self._debug(event, f"Running callback {type(callback).__name__}")
                 callback.run_event(event, self.state, self.logger)
 

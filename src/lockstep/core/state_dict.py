@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from lockstep import dist
-from lockstep.utils.misc import ensure_tuple
+from lockstep.batch import ensure_tuple
 
 if TYPE_CHECKING:
-    from lockstep.state import State
+    from lockstep.core.state import State
 
 BY_CLASS = ("schedulers", "callbacks", "scaler", "timestamp")
 """Attributes saved as ``{class name: obj.state_dict()}`` (optimizers too, through DCP)."""
@@ -86,7 +86,6 @@ def optimizers_of(state: State) -> dict[str, Any]:
 def dataset_state_of(state: State) -> dict[str, Any]:
     """Composer's ``{'train': ..., 'eval': {}}``: the train dataset's ``state_dict(num_samples,
     from_beginning=True)`` where it has one (mosaicml-streaming's ``StreamingDataset``), else None."""
-    from lockstep.state import dataset_of
     dataset = dataset_of(state.train_dataloader)
     train = None
     if hasattr(dataset, "state_dict"):
@@ -204,7 +203,6 @@ def load_dataset_state(state: State, saved: dict[str, Any] | None) -> None:
     no ``load_state_dict`` yet (set with ``state.train_dataloader``)."""
     if saved is None:
         return
-    from lockstep.state import dataset_of
     dataset = dataset_of(state.train_dataloader)
     saved = dict(saved)
     if hasattr(dataset, "load_state_dict") and saved.get("train") is not None:
@@ -236,3 +234,11 @@ def _load_metric_group(live: dict[str, Any], saved: dict[str, Any], state: State
         metric._computed = entry["_computed"]
         metric.persistent(mode=True)
         state.device.module_to_device(metric)
+
+
+
+def dataset_of(dataloader: Any) -> Any:
+    """The dataset behind a DataLoader, a DataSpec or an Evaluator; None for any other iterable."""
+    dataloader = getattr(dataloader, "dataloader", dataloader)  # an Evaluator or a DataSpec
+    dataloader = getattr(dataloader, "dataloader", dataloader)  # an Evaluator's DataSpec
+    return dataloader.dataset if isinstance(dataloader, torch.utils.data.DataLoader) else None

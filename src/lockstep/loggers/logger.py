@@ -22,7 +22,7 @@ class Logger:
     that logs on this rank. A destination that raises is reported once, and training goes on."""
 
     def __init__(self, state: State, destinations: LoggerDestination | Sequence[LoggerDestination] | None = None) -> None:
-        from lockstep.utils.misc import ensure_tuple
+        from lockstep.batch import ensure_tuple
 
         self._state = state
         self.destinations = list(ensure_tuple(destinations))

@@ -135,7 +135,7 @@ def _check(trainer: Trainer, given: FitArguments) -> _Changes:
     if given.precision is not None and given.precision != s.precision and \
             (trainer.parallel.fsdp_config is not None or trainer.parallel.deepspeed_config is not None):
         raise ValueError(f"fit(precision={given.precision!r}): under FSDP or DeepSpeed the precision is part of "
-                         f"the wrapped model, fixed at Trainer(precision={s.precision!r}); give it there")
+                         f"the wrapped model, fixed at Trainer(precision={s.precision.value!r}); give it there")
     return changes
 
 

@@ -9,19 +9,11 @@ from typing import Any
 
 from torch import nn
 
+from lockstep.batch import ensure_tuple
 
-def ensure_tuple(x: Any) -> tuple[Any, ...]:
-    """``x`` as a tuple: None is empty, a list, tuple or range becomes one, a dict its values,
-    anything else a tuple of itself."""
-    if x is None:
-        return ()
-    if isinstance(x, (str, bytes, bytearray)):
-        return (x,)
-    if isinstance(x, (tuple, list, range)):
-        return tuple(x)
-    if isinstance(x, dict):
-        return tuple(x.values())
-    return (x,)
+__all__ = ["ensure_tuple", "get_free_tcp_port", "is_model_fsdp", "map_collection", "model_eval_mode"]
+
+
 
 
 def map_collection(collection: Any, map_fn: Callable[[Any], Any]) -> Any:
