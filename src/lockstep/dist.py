@@ -229,7 +229,8 @@ def get_node_rank() -> int:
 # ----------------------------------------------------------------------------- process group
 
 
-def _backend_for(device: str | torch.device | None) -> str:
+def _backend_for(device: Any) -> str:
+    device = getattr(device, "torch_device", device)  # a lockstep.devices.Device (Composer passes DeviceCPU())
     if device is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
@@ -254,7 +255,7 @@ def _destroy_at_exit() -> None:
         gc.collect()
 
 
-def _check_existing_backend(device: str | torch.device | None, backend: str) -> None:
+def _check_existing_backend(device: Any, backend: str) -> None:
     existing = str(torch_dist.get_backend())
     if device is not None and backend not in existing:
         raise RuntimeError(
@@ -273,11 +274,12 @@ def _require_rendezvous_env(world_size: int) -> None:
             )
 
 
-def initialize_dist(device: str | torch.device | None = None, timeout: float = 300.0, *,
+def initialize_dist(device: Any = None, timeout: float = 300.0, *,
                     single_process_group: bool = False) -> None:
     """Create the default process group from the environment contract, if one is needed.
 
-    ``device`` picks the backend: ``'cpu'`` -> gloo, ``'gpu'``/``'cuda'`` -> nccl; None picks nccl
+    ``device`` picks the backend: ``'cpu'`` or ``DeviceCPU()`` -> gloo, ``'gpu'``/``'cuda'`` or
+    ``DeviceGPU()`` (any :class:`lockstep.devices.Device`, or a ``torch.device``) -> nccl; None picks nccl
     when CUDA is available, else gloo. With world size 1 and no ``MASTER_ADDR`` this is a no-op, and so
     it is when a process group already exists (whose backend must then suit ``device``). The group is
     destroyed when the interpreter exits. ``timeout`` (seconds) bounds rendezvous and collectives.

@@ -70,6 +70,8 @@ class Engine:
                  algorithm_passes: AlgorithmPass | Sequence[AlgorithmPass] | None = None) -> None:
         self.state, self.logger = state, logger
         self._is_closed = False
+        self._started = False
+        """Whether its INIT ran: only then does its deletion close the callbacks (another engine may own them)."""
         self.algorithm_passes: list[AlgorithmPass] = [filo]
         if algorithm_passes is not None:
             for algorithm_pass in algorithm_passes if isinstance(algorithm_passes, Sequence) else [algorithm_passes]:
@@ -92,6 +94,7 @@ class Engine:
         self._check_state(event)
         if event is Event.INIT:
             self._claim_callbacks()
+            self._started = True
             self._run_callbacks(event, loggers=True)
             self._run_callbacks(event, loggers=False)
             return self._run_algorithms(event)
@@ -157,8 +160,12 @@ class Engine:
         self._is_closed = True
 
     def __del__(self) -> None:
-        if not getattr(self, "_is_closed", True):
+        if getattr(self, "_is_closed", True):
+            return
+        if self._started:
             self.close()
+        else:
+            atexit.unregister(self._at_exit)
 
     @staticmethod
     def _close(state: State, logger: Logger) -> None:

@@ -258,11 +258,7 @@ class State:
         """A train dataset state loaded before the dataset was known is applied to it now."""
         self._train_dataloader = train_dataloader
         if self.dataset_state is not None and self.dataset_state.get("train") is not None:
-            dataset = serialization.dataset_of(train_dataloader)
-            if hasattr(dataset, "load_state_dict"):
-                dataset.load_state_dict(self.dataset_state["train"])
-                self.dataset_resumption["train"] = True
-            self.dataset_state["train"] = None
+            serialization.load_dataset_state(self, self.dataset_state)
 
     @property
     def dataloader(self) -> Any:

@@ -10,6 +10,7 @@ and dataset state through :func:`stateful_parts`.
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 import warnings
@@ -88,9 +89,23 @@ def dataset_state_of(state: State) -> dict[str, Any]:
     from_beginning=True)`` where it has one (mosaicml-streaming's ``StreamingDataset``), else None."""
     dataset = dataset_of(state.train_dataloader)
     train = None
-    if hasattr(dataset, "state_dict"):
+    if _takes_a_position(dataset) and not hasattr(state.train_dataloader, "state_dict"):
         train = dataset.state_dict(int(state.timestamp.sample_in_epoch), True)
     return {"train": train, "eval": {}}
+
+
+def _takes_a_position(dataset: Any) -> bool:
+    """Whether ``dataset.state_dict`` is the streaming kind, ``(num_samples, from_beginning)``. A
+    dataset whose ``state_dict()`` takes nothing follows torchdata's protocol instead, and its
+    StatefulDataLoader saves it (lockstep keeps the loader's state with each rank's position)."""
+    method = getattr(dataset, "state_dict", None)
+    if method is None:
+        return False
+    try:
+        inspect.signature(method).bind(0, True)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _metrics(metrics: dict[str, Any]) -> dict[str, Any]:

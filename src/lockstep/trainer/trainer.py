@@ -369,6 +369,7 @@ class Trainer:
         before = s.timestamp
         tokens = int(tokens)  # a sum over the ranks may still be on its way
         now = time.perf_counter()
+        s.previous_timestamp = before
         s.timestamp = after = before.to_next_batch(samples, tokens, now - self._clock)
         self._clock = now
         progress.heartbeat(after.batch.value)
@@ -397,7 +398,7 @@ class Trainer:
         step, EPOCH_END, evaluate and save when due (a save the last batch was due included),
         EPOCH_CHECKPOINT."""
         s = self.state
-        after_batch = s.timestamp
+        s.previous_timestamp = after_batch = s.timestamp
         s.timestamp = s.timestamp.to_next_epoch()
         for scheduler in self._epoch_schedulers:
             scheduler.step()

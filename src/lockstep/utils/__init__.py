@@ -5,7 +5,13 @@ as ``lockstep.utils.object_store``) and small helpers."""
 import sys
 
 from lockstep import dist, objectstore
-from lockstep.utils import reproducibility
+from lockstep.batch import batch_get, batch_set
+from lockstep.utils import compression, reproducibility
+from lockstep.utils.compression import KNOWN_COMPRESSORS, CliCompressor, get_compressor, is_compressed_pt
+from lockstep.utils.file_helpers import get_file, is_tar
+from lockstep.utils.hparams import (
+    convert_flat_dict_to_nested_dict, convert_nested_dict_to_flat_dict, extract_hparams)
+from lockstep.utils.interval import create_interval_scheduler
 from lockstep.utils.device import get_device
 from lockstep.utils.misc import ensure_tuple, get_free_tcp_port, is_model_fsdp, map_collection, model_eval_mode
 from lockstep.core.types import StringEnum
@@ -17,7 +23,10 @@ from lockstep.objectstore import ObjectStore, ObjectStoreTransientError, S3Objec
 sys.modules[f"{__name__}.dist"] = dist
 sys.modules[f"{__name__}.object_store"] = objectstore
 
-__all__ = ["ObjectStore", "ObjectStoreTransientError", "S3ObjectStore", "StringEnum", "configure_deterministic_mode",
-           "dist", "ensure_tuple", "format_name_with_dist", "format_name_with_dist_and_time", "get_device",
+__all__ = ["KNOWN_COMPRESSORS", "CliCompressor", "ObjectStore", "ObjectStoreTransientError", "S3ObjectStore",
+           "StringEnum", "batch_get", "batch_set", "compression", "configure_deterministic_mode",
+           "convert_flat_dict_to_nested_dict", "convert_nested_dict_to_flat_dict", "create_interval_scheduler",
+           "dist", "ensure_tuple", "extract_hparams", "format_name_with_dist", "format_name_with_dist_and_time",
+           "get_compressor", "get_device", "get_file", "is_compressed_pt", "is_tar",
            "get_free_tcp_port", "get_random_seed", "is_model_fsdp", "map_collection", "model_eval_mode", "parse_uri",
            "partial_format", "reproducibility", "seed_all"]
