@@ -453,3 +453,26 @@ def test_a_memory_plot_that_fails_to_render_leaves_no_file_and_the_others_are_wr
     assert written == [str(tmp_path / "a.pickle"), str(tmp_path / "c.html")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pickle", "c.html"]
     assert (tmp_path / "c.html").read_text() == "<p>2</p>"
+
+
+def test_activation_monitor_logs_each_modules_statistics_on_its_interval() -> None:
+    from lockstep.callbacks import ActivationMonitor
+
+    seen: dict[str, torch.Tensor] = {}
+    model = MLP()
+    first = model.net[0]
+    first.register_forward_hook(lambda m, i, o: seen.setdefault(f"b{len(seen)}", o.detach().clone()))
+    memory = InMemoryLogger()
+    monitor = ActivationMonitor(interval="10ba", only_log_wandb=True)  # no W&B destination: every destination
+    trainer = Trainer(model=model, train_dataloader=loader(2), max_duration="12ba", progress_bar=False,
+                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), loggers=memory, callbacks=monitor)
+    trainer.fit()
+    steps = [int(t.batch) for t, _ in memory.data["activations/max/net.0_output.0"]]
+    assert steps == [0, 10]  # batches 0 and 10, once each
+    output = seen["b0"]  # net.0's output on batch 0
+    logged = memory.data["activations/max/net.0_output.0"][0][1]
+    assert logged == pytest.approx(float(output.max(dim=-1).values.mean()))
+    l2 = memory.data["activations/l2_norm/net.0_output.0"][0][1]
+    assert l2 == pytest.approx(float(output.norm(dim=-1).mean()))
+    assert "activations/average/MLP_input.0.0" in memory.data  # the root, named by its class; a tuple input: each tensor
+    assert not monitor.handles  # hooks only for the forward that logs

@@ -1,5 +1,5 @@
 """Composer's Trainer methods beyond fit, eval and predict: ``save_checkpoint`` and
-``save_checkpoint_to_save_folder``, on one process and on 2 ranks; ``export_for_inference`` refused."""
+``save_checkpoint_to_save_folder``, on one process and on 2 ranks; and ``export_for_inference``."""
 
 from __future__ import annotations
 
@@ -68,10 +68,26 @@ def test_save_checkpoint_to_save_folder_saves_as_the_run_does_and_moves_latest(t
         assert torch.equal(params(from_ba2.state.model)[name], value), name
 
 
-def test_export_for_inference_is_one_line_naming_what_to_use() -> None:
-    said = error_of(trainer(max_duration="1ba").export_for_inference, "torchscript", "model.pt")
-    assert said.startswith("Trainer.export_for_inference is not in lockstep: export the weights with ") and \
-        "\n" not in said
+class TypedMLP(MLP):
+    """An MLP whose forward TorchScript can compile as it is called: on an (inputs, targets) pair."""
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.net(batch[0])
+
+
+def test_export_for_inference_writes_a_torchscript_model_that_computes_the_same(tmp_path) -> None:
+    model = TypedMLP()
+    run = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", progress_bar=False,
+                  optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
+    run.fit()
+    run.export_for_inference("torchscript", str(tmp_path / "model.pt"))
+    sample = (torch.randn(5, 6), torch.zeros(5, dtype=torch.long))
+    loaded = torch.jit.load(str(tmp_path / "model.pt"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(sample), model(sample))
+    with pytest.raises(ValueError, match="needs sample_input"):
+        from lockstep.utils.inference import export_for_inference
+        export_for_inference(model, "onnx", str(tmp_path / "model.onnx"))
 
 
 def _on_two_ranks(folder: str) -> tuple[str | None, dict, dict]:

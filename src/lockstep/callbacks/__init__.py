@@ -4,8 +4,10 @@ The base class and the events are :class:`lockstep.core.Callback` and :class:`lo
 (whose docstring shows where each event fires); this package holds the built-in callbacks.
 """
 
+from lockstep.callbacks.activation_monitor import ActivationMonitor
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver
 from lockstep.callbacks.early_stopper import EarlyStopper
+from lockstep.callbacks.export_for_inference import ExportForInferenceCallback
 from lockstep.callbacks.free_outputs import FreeOutputs
 from lockstep.callbacks.generate import Generate
 from lockstep.callbacks.load_checkpoint import LoadCheckpoint
@@ -19,7 +21,8 @@ from lockstep.callbacks.threshold_stopper import ThresholdStopper
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
 
-__all__ = ["Callback", "CheckpointSaver", "EarlyStopper", "Event", "FreeOutputs", "Generate", "LRMonitor",
+__all__ = ["ActivationMonitor", "Callback", "CheckpointSaver", "EarlyStopper", "Event", "ExportForInferenceCallback",
+           "FreeOutputs", "Generate", "LRMonitor",
            "LoadCheckpoint", "MemoryMonitor", "MemorySnapshot",
            "NaNMonitor", "OOMObserver", "OptimizerMonitor", "RuntimeEstimator", "SpeedMonitor",
            "SystemMetricsMonitor", "ThresholdStopper"]

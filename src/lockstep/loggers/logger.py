@@ -55,6 +55,10 @@ class Logger:
         for destination in self.active:
             self._call(destination, destination.log_traces, traces)
 
+    def has_file_upload_destination(self) -> bool:
+        """Whether a destination stores files (a RemoteUploaderDownloader): :meth:`upload_file` does something."""
+        return any(getattr(d, "can_upload_files", lambda: False)() for d in self.destinations)
+
     def upload_file(self, remote_file_name: str, file_path: str | pathlib.Path, *, overwrite: bool = False) -> None:
         """Hand a local file to every destination that stores files (with none, nothing happens). Both
         names may hold ``{run_name}``, ``{rank}``, ... ."""

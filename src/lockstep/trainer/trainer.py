@@ -551,11 +551,20 @@ class Trainer:
         and kept as the run's saves are, and point ``latest`` at it (on every rank)."""
         checkpointing.save_to_folder(self._saves, self.saver, fitting=self._fitting)
 
-    def export_for_inference(self, save_format: Any = None, save_path: Any = None, **_: Any) -> None:
-        """Composer's TorchScript/ONNX export is not in lockstep: a one-line error naming what is."""
-        raise NotImplementedError("Trainer.export_for_inference is not in lockstep: export the weights with "
-                                  "lockstep.checkpoint.export_state_dict(checkpoint) or trainer.save_checkpoint(..., "
-                                  "weights_only=True), then torch.export / torch.onnx.export the model yourself")
+    def export_for_inference(self, save_format: str, save_path: str, save_object_store: Any = None,
+                             sample_input: Any = None, transforms: Any = None, input_names: list[str] | None = None,
+                             output_names: list[str] | None = None) -> None:
+        """Composer's: write the model for inference as TorchScript or ONNX (on rank 0; see
+        :func:`lockstep.utils.inference.export_for_inference`). Without ``sample_input``, the last
+        training batch is the sample to trace with."""
+        from lockstep.utils.inference import export_with_logger
+
+        if dist.get_global_rank() != 0:
+            return
+        if sample_input is None and self.state.batch is not None:
+            sample_input = (self.state.batch,)
+        export_with_logger(self.state.model, save_format, save_path, self.logger, save_object_store, sample_input,
+                           transforms=transforms, input_names=input_names, output_names=output_names)
 
     def close(self) -> None:
         """Finish: every callback and logger writes what it holds and releases what it opened (logger
