@@ -8,6 +8,10 @@ from typing import Any
 
 from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
 from lockstep.core.callback import Callback
+from lockstep.time import Timestamp
+from lockstep.utils.checkpoint import PartialFilePath
+from lockstep.utils.compression import get_compressor, is_compressed_pt
+from lockstep.utils.interval import create_interval_scheduler
 
 __all__ = ["CheckpointSaver"]
 
@@ -46,11 +50,16 @@ class CheckpointSaver(Callback):
         upload_timeout_in_seconds: int = 3600,
     ) -> None:
         self.folder = str(folder)
-        self.filename = str(filename)
-        self.latest_filename = None if latest_filename is None else str(latest_filename)
-        self.remote_file_name = None if remote_file_name is None else str(remote_file_name)
-        self.latest_remote_file_name = None if latest_remote_file_name is None else str(latest_remote_file_name)
-        self.save_interval = save_interval
+        self.filename = PartialFilePath(str(filename))
+        self.latest_filename = None if latest_filename is None else PartialFilePath(str(latest_filename))
+        self.remote_file_name = None if remote_file_name is None else PartialFilePath(str(remote_file_name))
+        self.latest_remote_file_name = None if latest_remote_file_name is None \
+            else PartialFilePath(str(latest_remote_file_name))
+        if is_compressed_pt(str(filename)):  # an unknown extension or a missing tool: say so now
+            get_compressor(str(filename)).check_exists()
+        self._interval = save_interval
+        self.save_interval = save_interval if callable(save_interval) else create_interval_scheduler(save_interval)
+        """Composer's: a function ``(state, event) -> bool``, True at the events a save is due."""
         self.overwrite = overwrite
         self.num_checkpoints_to_keep = num_checkpoints_to_keep
         self.weights_only = weights_only
@@ -60,10 +69,40 @@ class CheckpointSaver(Callback):
         CheckpointConfig(**self.trainer_arguments())  # bad names or counts: an error here, not at the Trainer
         self.saved_checkpoints: list[str] = []
         """The checkpoints this rank wrote, oldest first (the Trainer's ``saved_checkpoints``)."""
+        self.all_saved_checkpoints_to_timestamp: dict[str, Timestamp] = {}
+        """Composer's: every checkpoint this run wrote (earlier attempts included, through the
+        checkpoint it resumed from), with the timestamp it was written at."""
+        self._recorded = 0
 
     def trainer_arguments(self) -> dict[str, Any]:
         """The Trainer's ``save_*`` arguments that say what this callback says."""
-        return {"save_folder": self.folder, "save_filename": self.filename,
-                "save_latest_filename": self.latest_filename, "save_interval": self.save_interval,
-                "save_overwrite": self.overwrite, "save_num_checkpoints_to_keep": self.num_checkpoints_to_keep,
+        return {"save_folder": self.folder, "save_filename": self.filename.filename,
+                "save_latest_filename": None if self.latest_filename is None else self.latest_filename.filename,
+                "save_interval": self._interval, "save_overwrite": self.overwrite,
+                "save_num_checkpoints_to_keep": self.num_checkpoints_to_keep,
                 "save_weights_only": self.weights_only, "save_ignore_keys": self.ignore_keys}
+
+    def _record(self, state: Any) -> None:
+        """Note the checkpoints written since the last event, at the timestamp they were written at
+        (the Trainer saves just before BATCH_CHECKPOINT and EPOCH_CHECKPOINT, and at the end of fit)."""
+        for path in self.saved_checkpoints[self._recorded:]:
+            self.all_saved_checkpoints_to_timestamp[path] = state.timestamp
+        self._recorded = len(self.saved_checkpoints)
+
+    def batch_checkpoint(self, state: Any, logger: Any) -> None:
+        self._record(state)
+
+    def epoch_checkpoint(self, state: Any, logger: Any) -> None:
+        self._record(state)
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        self._record(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Composer's: ``all_saved_checkpoints_to_timestamp`` as a list of (path, timestamp state)."""
+        return {"all_saved_checkpoints_to_timestamp": [
+            (path, timestamp.state_dict()) for path, timestamp in self.all_saved_checkpoints_to_timestamp.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for path, timestamp in state.get("all_saved_checkpoints_to_timestamp", []):
+            self.all_saved_checkpoints_to_timestamp[path] = Timestamp.from_state_dict(timestamp)

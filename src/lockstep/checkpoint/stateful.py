@@ -7,12 +7,13 @@ A checkpoint holds each callback's ``state_dict()`` under its class name, each a
 from_beginning=True)`` where it has one (mosaicml-streaming's ``StreamingDataset``); a resumed run
 hands them back to ``load_state_dict``. Checkpoints load with ``weights_only=True``, so what a
 part returns is kept as tensors, numbers, strings, lists and dicts: enum members become their
-values, and a part whose state holds anything else is left out of the checkpoint with a warning
+values, time spans seconds, and a part whose state holds anything else is left out of the checkpoint with a warning
 naming it, rather than making the checkpoint unloadable.
 """
 
 from __future__ import annotations
 
+import datetime
 import enum
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,8 @@ def plain(value: Any) -> Any:
         return value
     if isinstance(value, enum.Enum):
         return plain(value.value)
+    if isinstance(value, datetime.timedelta):  # a Timestamp's clocks (Timestamp.from_state_dict reads seconds)
+        return value.total_seconds()
     if isinstance(value, (str, int, float)):  # a subclass (a StrEnum not caught above, a numpy scalar)
         return type(value).__mro__[-2](value) if not isinstance(value, bool) else bool(value)
     if isinstance(value, dict):

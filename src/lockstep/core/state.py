@@ -10,9 +10,10 @@ in :mod:`lockstep.core.state_dict`; ``lockstep.state`` is this module's other na
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import random
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -390,3 +391,21 @@ class State:
     def get_optim_state_dict(self) -> dict[str, Any]:
         return serialization.optimizers_of(self)
 
+
+
+@contextlib.contextmanager
+def fsdp_state_dict_type_context(module: nn.Module, state_dict_type: str = "full") -> Iterator[None]:
+    """Composer's: inside the block, a module wrapped with torch's first FSDP (``FullyShardedDataParallel``)
+    gives ``full``, ``sharded`` or ``local`` state dicts. lockstep shards with FSDP2 (``fully_shard``),
+    whose state dicts are always DTensors: such a module is left as it is."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    kinds = {"full": StateDictType.FULL_STATE_DICT, "sharded": StateDictType.SHARDED_STATE_DICT,
+             "local": StateDictType.LOCAL_STATE_DICT}
+    if state_dict_type not in kinds:
+        raise NotImplementedError(f"state_dict_type={state_dict_type!r}: use one of {', '.join(kinds)}")
+    if not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        yield
+        return
+    with FullyShardedDataParallel.state_dict_type(module, kinds[state_dict_type]):
+        yield

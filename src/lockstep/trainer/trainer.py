@@ -159,8 +159,11 @@ class Trainer:
         self._microbatches.spec = self._train_spec
         self._logging, self._closed, self._fitting = False, False, False
         self._events.index()
+        self.local_hparams = options.hyperparameters_of(arguments)
+        """Composer's: the Trainer's arguments as loggable values, and ``is_model_compiled``."""
+        self.local_hparams["is_model_compiled"] = compile_config is not None
         if auto_log_hparams:
-            self.logger.log_hyperparameters(options.hyperparameters_of(arguments))
+            self.logger.log_hyperparameters(self.local_hparams)
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
