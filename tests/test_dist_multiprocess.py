@@ -410,3 +410,24 @@ def test_initialize_dist_exit_after_exception_does_not_hang() -> None:
     assert results[1].returncode == 1, results[1].stderr
     assert "rank 1 fails after a collective" in results[1].stderr
     assert results[0].returncode != 0, results[0].stderr
+
+
+@pytest.mark.timeout(120)
+def test_initialize_dist_takes_a_device_object_as_composer_does(tmp_path: Path) -> None:
+    """Composer's two-process tests start with ``dist.initialize_dist(DeviceCPU())``."""
+    script = tmp_path / "init.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from lockstep.devices import DeviceCPU
+        from lockstep.utils import dist
+        dist.initialize_dist(DeviceCPU(), timeout=60)
+        total = torch.tensor([dist.get_global_rank() + 1.0])
+        dist.all_reduce(total)
+        print("sum", dist.get_global_rank(), torch.distributed.get_backend(), float(total[0]))
+    """))
+    out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", "--stdout", str(tmp_path / "rank{rank}.out"),
+                          str(script)], capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = (tmp_path / "rank1.out").read_text() if (tmp_path / "rank1.out").exists() else ""
+    assert "sum 0 gloo 3.0" in out.stdout and "sum 1 gloo 3.0" in said

@@ -33,6 +33,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
+
+dist = torch_dist
+"""``torch.distributed``, under the name Composer's ``composer.utils.dist`` gives it."""
 from torch.utils.data import Dataset, DistributedSampler
 
 from lockstep.progress import heartbeat, heartbeat_paused
@@ -338,7 +341,8 @@ def _group_ready(caller: str, group: torch_dist.ProcessGroup | None = None) -> b
     if world_size > 1:
         raise RuntimeError(
             f"lockstep.dist.{caller}() needs a process group: WORLD_SIZE={world_size} but "
-            "torch.distributed is not initialized. Call `lockstep.dist.initialize_dist()` first."
+            "the distributed package is not available or has not been initialized. Call "
+            "`lockstep.dist.initialize_dist()` first."
         )
     return False
 
