@@ -69,8 +69,8 @@ CASES = [
     (CosineAnnealingWarmRestartsScheduler("10ba", t_mult=2.0), at(30), 1.0, 1.0),  # 3rd cycle starts
     (PolynomialScheduler(power=2.0, alpha_f=0.1), at(50), 1.0, 0.1 + 0.25 * 0.9),
     (ConstantWithWarmupScheduler("10ba", alpha=0.5), at(4), 1.0, 0.2),
-    (ConstantWithWarmupScheduler("10ba", alpha=0.5, t_max="20ba"), at(19), 1.0, 0.5),
-    (ConstantWithWarmupScheduler("10ba", alpha=0.5, t_max="20ba"), at(20), 1.0, 1.0),
+    (ConstantWithWarmupScheduler("10ba", alpha=0.5, t_max="20ba"), at(19, max_duration="20ba"), 1.0, 0.5),
+    (ConstantWithWarmupScheduler("10ba", alpha=0.5, t_max="20ba"), at(20, max_duration="20ba"), 1.0, 1.0),
     (LinearWithWarmupScheduler("10ba", alpha_i=1.0, alpha_f=0.0), at(5), 1.0, 0.5),
     (LinearWithWarmupScheduler("10ba", alpha_i=1.0, alpha_f=0.0), at(55), 1.0, 0.5),  # (55-10)/(100-10)
     (CosineAnnealingWithWarmupScheduler("10ba", alpha_f=0.1), at(3), 1.0, 0.3),
@@ -205,3 +205,16 @@ def test_token_durations_need_a_token_count() -> None:
     message = error_of(Trainer(model=plain, train_dataloader=loader(4), max_duration="10tok", progress_bar=False,
                                optimizers=torch.optim.SGD(plain.parameters(), lr=1.0)).fit)
     assert "counts no tokens" in message and "num_tokens" in message
+
+
+@pytest.mark.parametrize("scheduler", [
+    LinearWithWarmupScheduler("10tok", t_max="100ba"), CosineAnnealingWithWarmupScheduler("0.1dur", t_max="5000sp")])
+def test_a_warmup_and_t_max_in_different_units_are_refused_as_in_composer(scheduler) -> None:
+    assert error_of(scheduler, at(3)).startswith("Cannot use warmup scheduler ")
+
+
+def test_a_t_max_shorter_than_the_run_is_refused_as_in_composer() -> None:
+    said = error_of(CosineAnnealingWithWarmupScheduler("2ba", t_max="5ep"), at(3, max_duration="6ep"))
+    assert "t_max '5ep' (50ba) must be greater than or equal to max_duration 6ep" in said
+    assert error_of(CosineAnnealingWithWarmupScheduler("2ba", t_max="6ep"), at(3, max_duration="6ep")) == "no error"
+    assert not hasattr(MultiStepWithWarmupScheduler("2ba", milestones=["5ba"]), "t_max")  # it has none to check

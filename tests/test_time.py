@@ -46,7 +46,7 @@ def test_from_string_parses_every_unit(text: str, value: int | float, unit: Time
 
 
 @pytest.mark.parametrize(
-    "text", ["2x", "ep", "", "abc", "1.5ba", "1.5ep", "-1ep", "-0.5dur", "0dur", "1.5dur", "1__0sp",
+    "text", ["2x", "ep", "", "abc", "1.5ba", "1.5ep", "-1ep", "-0.5dur", "1__0sp",
              "_1sp", "1e-1tok", "2 ep", "nanep", "infdur", "1e9999tok"],
 )
 def test_from_string_rejects_bad_input_quoting_it(text: str) -> None:
@@ -62,8 +62,8 @@ def test_error_messages_say_why() -> None:
         Time.from_string("1.5ba")
     with pytest.raises(ValueError, match="negative"):
         Time.from_string("-1ep")
-    with pytest.raises(ValueError, match=r"\(0, 1\]"):
-        Time.from_string("2dur")
+    assert Time.from_string("1.25dur").value == 1.25  # as in Composer: a schedule may outlast the run
+    assert Time.from_string("0dur").value == 0.0
     assert str(_error(Time.from_string, "2x")) == (
         "invalid duration '2x': expected a number followed by one of ep, ba, sp, tok, dur, iter, sec "
         "(e.g. '2ep', '100ba', '0.5dur'), or hours, minutes and seconds such as '1h20m40s'"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -73,9 +74,10 @@ def _check_count(value: int | float, unit: TimeUnit) -> int | float:
 
 
 def _check_duration(value: int | float, unit: TimeUnit) -> None:
-    """What a duration written by a user must be: not negative, and a ``dur`` in (0, 1]."""
-    if unit is TimeUnit.DURATION and not 0 < value <= 1:
-        raise ValueError("'dur' is a fraction of max_duration and must be in (0, 1]")
+    """What a duration written by a user must be: not negative (``dur`` included, which may pass 1,
+    as in Composer: a schedule's ``t_max`` may outlast the run)."""
+    if unit is TimeUnit.DURATION and not math.isfinite(value):
+        raise ValueError("a 'dur' fraction of max_duration must be a finite number")
     if value < 0:
         raise ValueError("durations cannot be negative")
 
@@ -670,6 +672,8 @@ def is_interval_due(timestamp_before: Timestamp, timestamp_after: Timestamp, int
         return getattr(timestamp_after, name) // step > getattr(timestamp_before, name) // step
     interval = time_argument("interval", interval)
     unit, step = _resolve(interval, max_duration, "interval")
+    if step <= 0:  # as in Composer, an empty interval is never due
+        return False
     return count(timestamp_after, unit) // step > count(timestamp_before, unit) // step
 
 

@@ -60,14 +60,15 @@ class LoadCheckpoint(Callback):
         """The Trainer's checkpoint layout (how its backend's state goes into a checkpoint)."""
         self._layout = layout
 
-    def listens_to(self, event: Event) -> bool:
+    def _listens_to(self, event: Event) -> bool:
         return event is self.event
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         if event is not self.event:
             return
-        if self._layout is None:
-            raise RuntimeError("LoadCheckpoint runs inside a lockstep Trainer: pass it in Trainer(callbacks=[...])")
+        if self._layout is None:  # driven by an Engine of the user's, not a Trainer: the State's model as it is
+            from lockstep.checkpoint.states import ReplicatedLayout
+            self._layout = ReplicatedLayout(state.model, list(state.optimizers))
         log.info("loading checkpoint %s at %s", self.load_path, self.event.name)
         self.loaded = loader.load(self.load_path, state, self._layout, run_name=state.run_name,
                                   weights_only=self.load_weights_only, strict=self.strict_model_weights,

@@ -70,7 +70,8 @@ class ProgressBar(Callback):
         done = fraction_done(state.timestamp, state.max_duration, batches_per_epoch=state.batches_per_epoch)
         rate = (state.timestamp.sample.value - self._start_samples) / max(now - self._start, 1e-9)
         self._bar.set_description(f"ep {state.timestamp.epoch.value} ba {state.timestamp.batch.value}", refresh=False)
-        self._bar.set_postfix_str(f"loss {state.loss:.4f}, {rate:.0f} samples/s", refresh=False)
+        loss = "" if state.loss is None or not state.loss.numel() else f"loss {float(state.loss):.4f}, "
+        self._bar.set_postfix_str(f"{loss}{rate:.0f} samples/s", refresh=False)
         self._bar.update(int(1000 * done) - self._bar.n)
 
     def eval_end(self, state: State, logger: Logger) -> None:

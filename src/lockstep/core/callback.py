@@ -23,7 +23,7 @@ class Callback:
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         getattr(self, event.value)(state, logger)
 
-    def listens_to(self, event: Event) -> bool:
+    def _listens_to(self, event: Event) -> bool:
         """Whether this callback does something at ``event`` (the Trainer skips it where not)."""
         kind = type(self)
         return kind.run_event is not Callback.run_event or getattr(kind, event.value) is not getattr(Callback, event.value)

@@ -1,7 +1,8 @@
 """Composer's general metrics as torchmetrics ``Metric`` objects, whose states are summed over ranks:
-cross entropy, any loss function averaged over batches, and segmentation's mIoU and Dice."""
+cross entropy, any loss function averaged over batches, and segmentation's mIoU and Dice.
 
-from __future__ import annotations
+(No ``from __future__ import annotations`` here: TorchScript reads these classes' annotations,
+and cannot resolve them as strings.)"""
 
 from collections.abc import Callable
 

@@ -62,10 +62,14 @@ def convert(duration: Duration, state: State, ssr: float = 1.0) -> Time:
 
 
 def _batches_per_epoch(state: State, time: Time) -> int:
-    if not state.batches_per_epoch:
+    """The Trainer's batches per epoch; for a State built by hand, its dataloader's length (Composer's)."""
+    known = state.batches_per_epoch
+    if not known and getattr(state, "dataloader_len", None) is not None:
+        known = int(state.dataloader_len)
+    if not known:
         raise ValueError(f"the schedule duration '{time}' is counted in batches per epoch, but the "
                          f"train_dataloader has no len(): give durations in ba, sp or tok")
-    return state.batches_per_epoch
+    return known
 
 
 def _elapsed(state: State, unit: TimeUnit) -> int:
@@ -189,13 +193,20 @@ class PolynomialScheduler:
 
 class _Warmup:
     """A linear warmup from 0 over ``t_warmup``, then the schedule of :meth:`after` (``t`` counted from
-    the start of the run; ``after_fraction`` is the share of (t_warmup, t_max] done)."""
+    the start of the run; ``after_fraction`` is the share of (t_warmup, t_max] done).
 
-    def __init__(self, t_warmup: Duration, t_max: Duration, peak: float, scale_warmup: bool) -> None:
-        self.t_warmup, self.t_max, self.peak, self.scale_warmup = t_warmup, t_max, peak, scale_warmup
+    As Composer's, one with a ``t_max`` checks at every call that ``t_warmup`` and ``t_max`` are
+    counted in the same unit, and that ``t_max`` covers ``max_duration`` where the two compare."""
+
+    def __init__(self, t_warmup: Duration, t_max: Duration | None, peak: float, scale_warmup: bool) -> None:
+        self.t_warmup, self.peak, self.scale_warmup = t_warmup, peak, scale_warmup
+        if t_max is not None:  # MultiStepWithWarmupScheduler has none, as in Composer
+            self.t_max = t_max
 
     def __call__(self, state: State, ssr: float = 1.0) -> float:
         warmup = convert(self.t_warmup, state, ssr if self.scale_warmup else 1.0)
+        if hasattr(self, "t_max"):
+            _check_warmup_and_max(self, warmup, convert(self.t_max, state, ssr), state)
         if warmup.value == 0:
             warnings.warn(f"{type(self).__name__}: the warmup '{self.t_warmup}' is 0 {warmup.unit.value} long "
                           f"(a 'dur' warmup is counted in max_duration's unit)", stacklevel=2)
@@ -206,13 +217,30 @@ class _Warmup:
 
     def after_fraction(self, state: State, ssr: float, warmup: Time, now: int) -> float:
         t_max = convert(self.t_max, state, ssr)
-        if t_max.unit is not warmup.unit:
-            raise ValueError(f"{type(self).__name__}: t_warmup '{self.t_warmup}' and t_max '{self.t_max}' "
-                             f"must be counted in the same unit")
         return _fraction(now - warmup.value, t_max.value - warmup.value)
 
     def after(self, state: State, ssr: float, warmup: Time, now: int) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def _check_warmup_and_max(scheduler: _Warmup, warmup: Time, t_max: Time, state: State) -> None:
+    """Composer's checks: both counted in one unit, and ``t_max`` (as counted) not shorter than
+    ``max_duration`` where the two are comparable (epochs and batches are, through the epoch length)."""
+    if warmup.unit is not t_max.unit:
+        raise ValueError(f"Cannot use warmup scheduler {type(scheduler).__name__} with t_warmup "
+                         f"'{scheduler.t_warmup}' and t_max '{scheduler.t_max}': they count in different units "
+                         f"({warmup.unit.value}, {t_max.unit.value}); give both in the same unit")
+    max_duration = state.max_duration
+    if max_duration is None:
+        return
+    needed = max_duration.value
+    if t_max.unit is TimeUnit.BATCH and max_duration.unit is TimeUnit.EPOCH:
+        needed = max_duration.value * _batches_per_epoch(state, max_duration)
+    elif t_max.unit is not max_duration.unit:
+        return  # not comparable: nothing to check
+    if t_max.value < needed:
+        raise ValueError(f"{type(scheduler).__name__}: t_max '{scheduler.t_max}' ({t_max}) must be greater than or "
+                         f"equal to max_duration {max_duration}, or the schedule ends before training does")
 
 
 class ConstantWithWarmupScheduler(_Warmup):
@@ -270,7 +298,7 @@ class MultiStepWithWarmupScheduler(_Warmup):
 
     def __init__(self, t_warmup: Duration, milestones: Sequence[Duration], gamma: float = 0.1,
                  scale_warmup: bool = False) -> None:
-        super().__init__(t_warmup, "1dur", 1.0, scale_warmup)
+        super().__init__(t_warmup, None, 1.0, scale_warmup)
         self.milestones, self.gamma = list(milestones), gamma
 
     def after(self, state: State, ssr: float, warmup: Time, now: int) -> float:

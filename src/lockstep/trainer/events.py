@@ -93,7 +93,7 @@ class Events:
 
     def index(self) -> None:
         """Note what acts at each event."""
-        self._handlers_of = {e: [_handler(c, e) for c in self.callbacks if c.listens_to(e)] for e in Event}
+        self._handlers_of = {e: [_handler(c, e) for c in self.callbacks if c._listens_to(e)] for e in Event}
         self.step_heard = any(self._handlers_of[e] for e in STEP_EVENTS)
         self._indexed_version = self.callbacks.version
 

@@ -26,6 +26,7 @@ from lockstep.core.data_spec import DataSpec
 from lockstep.core.event import Event
 from lockstep.parallel.strategy import Strategy
 from lockstep.state import State
+from lockstep.trainer import train_metrics
 from lockstep.trainer.config import LoopConfig
 
 T = TypeVar("T")
@@ -128,6 +129,9 @@ class Microbatches:
         losses, counts, last = [], [], len(microbatches) - 1
         spec = self.spec
         transform = spec.microbatch_transforms if spec is not None else None
+        metrics = bool(s.train_metrics)
+        if metrics:  # here, not per batch: a retry after running out of memory starts them over
+            train_metrics.reset(s)
         for i, micro in enumerate(microbatches):
             n = self._num_samples(micro) if count is None else count(micro)
             s.batch = micro if transform is None else transform(micro)
@@ -151,6 +155,8 @@ class Microbatches:
                 strategy.backward(loss if weight == 1.0 else loss * weight)
                 if loud:
                     run(Event.AFTER_BACKWARD)
+                if metrics:
+                    train_metrics.update(s, s.batch, s.outputs)
             losses.append(loss.detach())
             counts.append(n)
         return losses, counts

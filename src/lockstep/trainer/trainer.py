@@ -25,7 +25,8 @@ from lockstep.parallel.config import build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
 from lockstep.trainer import arguments as arguments_of
-from lockstep.trainer import checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, setup
+from lockstep.trainer import (
+    checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, setup, train_metrics)
 from lockstep.trainer.config import subset
 from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
@@ -140,6 +141,7 @@ class Trainer:
             parallel, device=self.loop.device, precision=self.loop.precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
             microbatch_size=self.loop.fixed_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
         self.state = self._start_distributed(model, optimizer_list, schedulers, run_name, dist_timeout)
+        train_metrics.build(self.state)
         self.algorithms = self.state.algorithms  # one list: what state.algorithms shows is what runs
         self.state.device_train_microbatch_size = self.loop.fixed_microbatch_size
         if self.state.device_train_microbatch_size is None:  # Composer reports the whole batch
@@ -372,6 +374,8 @@ class Trainer:
         before = s.timestamp
         tokens = int(tokens)  # a sum over the ranks may still be on its way
         now = time.perf_counter()
+        if s.train_metrics:  # Composer's order: computed over the ranks before the timestamp moves
+            train_metrics.compute_and_log(s, self.logger)
         s.previous_timestamp = before
         s.timestamp = after = before.to_next_batch(samples, tokens, now - self._clock)
         self._clock = now

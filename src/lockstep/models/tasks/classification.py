@@ -35,8 +35,6 @@ class ComposerClassifier(Model):
     their keys in the collection (``'CrossEntropy'``, ``'MulticlassAccuracy'`` by default).
     """
 
-    num_classes: int | None = None
-
     def __init__(self, module: torch.nn.Module, num_classes: int | None = None,
                  train_metrics: Metric | MetricCollection | None = None,
                  val_metrics: Metric | MetricCollection | None = None,
