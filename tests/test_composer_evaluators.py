@@ -53,7 +53,9 @@ def test_each_evaluator_has_its_interval_subset_metrics_and_logged_names() -> No
     assert evaluated.seen == [("often", 2), ("often", 4), ("rare", 4), ("often", 6), ("often", 8), ("rare", 8)]
     assert set(trainer.state.eval_metrics) == {"often", "rare", "never"}
     assert set(trainer.state.eval_metrics["rare"]) == {"accuracy", "loss"}
-    assert {k for k in logger.data if k.startswith("metrics/")} == {"metrics/often/accuracy", "metrics/rare/accuracy"}
+    # the model's training metrics too (its get_metrics gives them for is_train=True), as in Composer
+    assert {k for k in logger.data if k.startswith("metrics/")} == {"metrics/often/accuracy", "metrics/rare/accuracy",
+                                                                    "metrics/train/accuracy"}
     # the subset: 'often' saw the first batch of 4 only
     first = Trainer(model=model, eval_dataloader=DataLoader(torch.utils.data.Subset(dataset(), range(4)),
                                                             batch_size=4), progress_bar=False).eval()["eval"]
@@ -133,8 +135,6 @@ def test_evaluator_and_dataspec_errors_are_one_line() -> None:
         (lambda: Evaluator(label="a", dataloader=loader(4), device_eval_microbatch_size="auto"), "no 'auto'"),
         (lambda: Evaluator(label="a", dataloader=loader(4), subset_num_batches=0), "must be -1"),
         (lambda: DataSpec(loader(4), split_batch=3), "must be a function"),
-        (lambda: Trainer(model=model, eval_dataloader=[loader(4), Evaluator(label="a", dataloader=loader(4))]),
-         "must hold only Evaluators"),
         (lambda: Trainer(model=model, eval_dataloader=[Evaluator(label="a", dataloader=loader(4))] * 2), "repeat"),
     ]
     for make, message in cases:
@@ -204,3 +204,12 @@ def test_save_metrics_before_the_first_evaluation_on_two_ranks(tmp_path: Path) -
     results = run_distributed(_save_metrics_before_any_evaluation, world_size=2, args=(str(tmp_path),), timeout=100)
     assert results == [["accuracy", "loss"]] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt", "latest-rank0.pt"]
+
+
+def test_plain_dataloaders_in_a_list_are_each_an_eval_evaluator_as_in_composer() -> None:
+    model = MLP()
+    trainer = Trainer(model=model, eval_dataloader=[loader(4), loader(8), Evaluator(label="a", dataloader=loader(4))],
+                      progress_bar=False)
+    assert [e.label for e in trainer.state.evaluators] == ["eval", "eval", "a"]
+    results = trainer.eval()
+    assert set(results) == {"eval", "a"}

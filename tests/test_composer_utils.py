@@ -26,7 +26,7 @@ def test_the_trainer_takes_a_precision_member() -> None:
     model = MLP()
     trainer = Trainer(model=model, train_dataloader=loader(7), max_duration="1ba", precision=Precision.AMP_BF16,
                       optimizers=torch.optim.SGD(model.parameters(), lr=0.1), progress_bar=False)
-    assert trainer.state.precision == "amp_bf16" and type(trainer.state.precision) is str
+    assert trainer.state.precision == "amp_bf16" and trainer.state.precision is Precision.AMP_BF16  # Composer's member
     trainer.fit(precision=Precision.FP32)
     assert trainer.state.precision == Precision.FP32
 
