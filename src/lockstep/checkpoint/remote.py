@@ -12,7 +12,8 @@ The bucket's latest pointer (``<save_latest_filename>.symlink``, holding the key
 as Composer's) is moved only once every rank has uploaded every part of a checkpoint: the saver
 learns that at the next save's agreement, or at the end of ``fit``, and then asks the pointer's
 writer to :meth:`Uploader.publish` it, after which older checkpoints beyond
-``save_num_checkpoints_to_keep`` are deleted from the bucket.
+``save_num_checkpoints_to_keep`` are deleted from the bucket (which ones, the bucket's own record
+says: :mod:`~lockstep.checkpoint.bucket_rotation`).
 
 A rank hands its upload process one checkpoint at a time. Where saves come faster than uploads
 end (training leaves the upload too little CPU, or the link is slow), the others wait, and a
@@ -86,6 +87,11 @@ class RemoteFolder:
         """Why this process could not write the folder's objects (None: it can), in one line."""
         found = problem(self.store, self.key, write=True)
         return None if found is None else f"save_folder {self.uri!r}: {found}"
+
+    def names(self) -> set[str]:
+        """The names directly under the folder (a folder checkpoint's objects give its name), leases aside."""
+        prefix = self.key_of("")
+        return {key[len(prefix):].split("/", 1)[0] for key in self.store.list_objects(prefix) if not is_lease(key)}
 
     def holds_objects(self) -> str | None:
         """The key of an object already under the folder, if any (jobs' leases aside)."""

@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import threading
+import warnings
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle, progress
-from lockstep.checkpoint import (bucket_claim, files, integrity, leftovers, ownership, payload, remote, staging,
-                                 templates, writable)
+from lockstep.checkpoint import (bucket_claim, bucket_rotation, files, integrity, leftovers, ownership, payload, remote,
+                                 staging, templates, writable)
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -87,11 +88,11 @@ class CheckpointSaver:
         self.uploader: remote.Uploader | None = None
         if remote.is_remote(config.save_folder):
             self.remote, self.uploader = self._bucket_folder()
-        self._uploaded: dict[int, tuple[str, list[str]]] = {}
-        """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's
-        name of it and the save history it was saved with."""
+        self._uploaded: dict[int, str] = {}
+        """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's name of it."""
         self._saves = 0
-        self._removed_remote: set[str] = set()
+        self._rotation = bucket_rotation.BucketRotation(config.save_num_checkpoints_to_keep)
+        """The bucket's own record of this rank's checkpoints there, which its rotation follows."""
         latest = config.save_latest_filename
         self.latest = None if latest is None else self.folder / templates.format_name(latest, self.place)
         self.latest_template = None if latest is None else os.path.join(folder, latest)
@@ -227,6 +228,21 @@ class CheckpointSaver:
             self.last_saved_batch = resumed.batch
             if config.autoresume:
                 self.history = resumed.history
+        if self.remote is not None and self.writes and config.autoresume:
+            self._left_in_bucket(resumed)
+
+    def _left_in_bucket(self, resumed: Loaded | None) -> None:
+        """A restarted job: the bucket's rotation starts from the checkpoints earlier attempts left
+        there under this rank's names (more than the resumed checkpoint's history may name)."""
+        assert self.remote is not None
+        try:
+            names = self.remote.names()
+        except Exception as e:  # rotation then deletes only this attempt's checkpoints
+            warnings.warn(f"could not list {self.remote.uri} ({remote.error_line(e)}): checkpoints an earlier "
+                          f"attempt left there are not rotated", stacklevel=2)
+            return
+        ours = None if resumed is None or resumed.weights_only else (resumed.history or [None])[-1]
+        self._rotation.earlier(*bucket_rotation.left_earlier(names, self.config.save_filename, self.place, ours))
 
     @property
     def writes(self) -> bool:
@@ -299,8 +315,9 @@ class CheckpointSaver:
         history = [n for n in self.history if n != name] + [name]
         if self.uploader is not None:
             self._saves += 1
-            # a copy: the local prune shortens the list it is given; only writers move the pointer
-            self._uploaded[self._saves] = (name, list(history) if self.writes else [])
+            self._uploaded[self._saves] = name
+            if self.writes:
+                self._rotation.saved(name)
         if is_folder(layout):
             self._save_folder(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.writes:
@@ -487,7 +504,7 @@ class CheckpointSaver:
             return None
         done, failure = self.uploader.state()
         names = set(done)
-        return [save for save, (name, _) in self._uploaded.items() if name in names], failure
+        return [save for save, name in self._uploaded.items() if name in names], failure
 
     def _upload_folder_part(self, temp: Path, path: Path) -> None:
         """Hand this rank's files of a folder checkpoint to the uploader (rank 0: the files no
@@ -506,17 +523,16 @@ class CheckpointSaver:
         if failed is not None:
             where = "" if dist.get_world_size() == 1 else f" on rank {failed[0]}"
             raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {failed[1]}")
-        if not (self.writes and self._uploaded):
-            return
-        save = remote.complete(list(self._uploaded), [None if s is None else s[0] for s in states])
+        done = [None if s is None else s[0] for s in states]
+        save = remote.complete(list(self._uploaded), done)
         if save is None:
             return
-        newest, history = self._uploaded[save]
-        for earlier in [s for s in self._uploaded if s <= save]:
-            del self._uploaded[earlier]
-        keep = self.config.save_num_checkpoints_to_keep
-        old = [n for n in (history[:-keep] if keep != -1 else []) if n not in self._removed_remote]
-        self._removed_remote.update(old)
+        settled = [(s, self._uploaded.pop(s)) for s in sorted(self._uploaded) if s <= save]
+        if not self.writes:
+            return
+        # each earlier save, complete or not (dropped from some rank's queue), with its name
+        old = self._rotation.settle([(name, remote.complete([s], done) is not None) for s, name in settled])
+        newest = settled[-1][1]
         pointer = None
         if self.latest is not None:
             pointer = self.remote.key_of(str(self.latest.relative_to(self.folder))) + remote.POINTER_SUFFIX
