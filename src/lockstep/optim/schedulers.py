@@ -216,7 +216,11 @@ class _Warmup:
         return self.after(state, ssr, warmup, now)
 
     def after_fraction(self, state: State, ssr: float, warmup: Time, now: int) -> float:
+        """The share of (t_warmup, t_max] done; 0 when the warmup fills t_max (as in Composer: the
+        schedule then stays at its peak)."""
         t_max = convert(self.t_max, state, ssr)
+        if t_max.value <= warmup.value:
+            return 0.0
         return _fraction(now - warmup.value, t_max.value - warmup.value)
 
     def after(self, state: State, ssr: float, warmup: Time, now: int) -> float:  # pragma: no cover - abstract
