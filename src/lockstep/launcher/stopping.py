@@ -6,7 +6,8 @@ prints every rank's stacks) leaves the job running too. The handlers only wake t
 each signal's number arrives as a byte on a pipe that it selects on with the ranks.
 
 The teardown, after any end of the job, gives the live ranks the grace period and then SIGKILLs
-each rank's whole process group. After a stopping signal, a rank it had to kill counts as stopped
+every process of the job (:mod:`tree`): each rank's process group, and whatever left it, since
+as a subreaper the launcher adopts every orphan below it. After a stopping signal, a rank it had to kill counts as stopped
 as asked: the kill was the launcher's doing, and the report says so instead of blaming the rank.
 """
 
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 
 from lockstep.launcher.ranks import Rank, Waiter
 from lockstep.launcher.report import report_failure, say, shell_code
+from lockstep.launcher.tree import below_me, job_processes, kill_job, reap_adopted, signal_job
 from lockstep.launcher.watchdog import Watchdog
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -67,12 +69,10 @@ def pass_on(ranks: list[Rank], signum: int) -> None:
 
 def teardown(ranks: list[Rank], wake_r: int, watchdog: Watchdog, grace_period: float,
              first: int | None) -> list[int]:
-    """Signal the live ranks with ``first`` (unless None: already done), give them the grace
-    period, then SIGKILL every rank's group; the stopping signals that came meanwhile."""
+    """Signal the job with ``first`` (unless None: already done), give the live ranks the grace
+    period, then SIGKILL every process of the job; the stopping signals that came meanwhile."""
     if first is not None:
-        for r in ranks:
-            if r.returncode is None:
-                r.signal_group(first)
+        _signal_job(ranks, watchdog, first)
     deadline = time.monotonic() + grace_period
     stopping: list[int] = []
     with Waiter(ranks, wake_r, HANDLED) as waiter:
@@ -87,13 +87,32 @@ def teardown(ranks: list[Rank], wake_r: int, watchdog: Watchdog, grace_period: f
                 break
     why = "had not exited at the second signal" if stopping else \
         f"did not exit within the {grace_period:g} s grace period (--grace_period)"
+    kill_job(below_me(watchdog.mark), spare=(watchdog.pid,), mine=True)
     for r in ranks:
         _kill(r, watchdog, why)
+    reap_adopted(keep=(watchdog.pid,))  # every rank is waited for by now: only orphans are left
     return stopping
 
 
+def _signal_job(ranks: list[Rank], watchdog: Watchdog, signum: int) -> None:
+    """``signum`` to each live rank's group, and once to every other process of the job."""
+    groups = {r.pgid for r in ranks if r.returncode is None}
+    for r in ranks:
+        if r.returncode is None:
+            r.signal_group(signum)
+    others = []
+    for pid in job_processes(below_me(watchdog.mark), (os.getpid(),), (watchdog.pid,)):
+        try:
+            if os.getpgid(pid) not in groups:
+                others.append(pid)
+        except ProcessLookupError:
+            pass
+    signal_job(others, signum)
+
+
 def _kill(rank: Rank, watchdog: Watchdog, why: str) -> None:
-    """SIGKILL the rank's group, also when the rank itself is gone: children it left die with it."""
+    """Wait for the rank, killed with the rest of the job, and close its files. Its group is
+    SIGKILLed once more, in case a process in D state outlasted the job's kill."""
     running = rank.returncode is None
     rank.signal_group(signal.SIGKILL)
     rank.proc.wait()

@@ -2,7 +2,8 @@
 
 With ``ranks`` (a rank's process) and ``stopping`` (the launcher's signals, the teardown), the only
 module of the launcher that touches processes, sockets and signals. Each rank leads a process group
-of its own, which the watchdog kills if the launcher itself is killed.
+of its own; the launcher is a child subreaper, so whatever a rank starts stays below it whatever its
+group or session, and the watchdog kills all of it (:mod:`tree`) if the launcher itself is killed.
 
 SIGQUIT prints every rank's stacks and the job goes on. The ranks' progress slots and stack files
 live in a node-local control folder that exists while the launcher runs. On several nodes, a
@@ -50,6 +51,7 @@ from lockstep.launcher.stopping import (
     signalled_code,
     teardown,
 )
+from lockstep.launcher.tree import Reaper, become_subreaper, marked, new_mark
 from lockstep.launcher.watchdog import Watchdog
 from lockstep.progress import CONTROL_DIR_ENV
 
@@ -97,14 +99,20 @@ class Supervisor:
         self._stashed: tuple[list[int], list[Rank]] = ([], [])
         """Signals and rank exits :meth:`_meanwhile` saw, for the monitor to act on."""
         self._channel: JobChannel | None = None
+        self._mark = ""
+        """What every rank's environment carries so that the watchdog finds the job (:mod:`tree`)."""
+        self._reaper = Reaper(lambda: ())
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
         if isinstance(listener, int):
             return listener  # a usage error, already reported
         port = listener.getsockname()[1] if listener else self.plan.master_port
-        watchdog = Watchdog()  # forked first, so it inherits no handlers and no wakeup pipe
-        with caught_signals() as wake_r, no_terminal_stops():
+        watchdog = Watchdog(new_mark())  # forked first, so it inherits no handlers and no wakeup pipe
+        self._mark = watchdog.mark
+        become_subreaper()  # not inherited by the watchdog (fork) nor by the ranks
+        self._reaper = Reaper(lambda: {watchdog.pid, *(r.proc.pid for r in self._ranks)})
+        with caught_signals() as wake_r, no_terminal_stops(), self._reaper:
             self._wake_r = wake_r
             launcher_store = None
             shm = Path("/dev/shm")
@@ -338,7 +346,7 @@ class Supervisor:
             for opened in logs:
                 opened.close()
             raise
-        base_env = {k: v for k, v in os.environ.items() if k != "LOCKSTEP_STORE_FD"}
+        base_env = marked({k: v for k, v in os.environ.items() if k != "LOCKSTEP_STORE_FD"}, self._mark)
         base_env[CONTROL_DIR_ENV] = str(self._control_dir)
         base_env.update(self._interface)
         for spec in specs:
@@ -346,14 +354,16 @@ class Supervisor:
         if self._board is not None:
             self._board.close()
         self._board = ProgressBoard(self._control_dir, [spec.rank for spec in specs])
-        ranks = []
-        for spec, rank_logs in zip(specs, logs):
-            env = self.plan.worker_env(spec.local_rank, port, attempt, base_env)
-            pass_fds: tuple[int, ...] = ()
-            if spec.local_rank == 0 and store_fd is not None:
-                env["LOCKSTEP_STORE_FD"] = str(store_fd)
-                pass_fds = (store_fd,)
-            ranks.append(spawn(self.plan, spec, rank_logs, env, pass_fds, watchdog))
+        ranks: list[Rank] = []
+        self._ranks = ranks  # each pid is in it before the reaper may collect an exit
+        with self._reaper.starting():
+            for spec, rank_logs in zip(specs, logs):
+                env = self.plan.worker_env(spec.local_rank, port, attempt, base_env)
+                pass_fds: tuple[int, ...] = ()
+                if spec.local_rank == 0 and store_fd is not None:
+                    env["LOCKSTEP_STORE_FD"] = str(store_fd)
+                    pass_fds = (store_fd,)
+                ranks.append(spawn(self.plan, spec, rank_logs, env, pass_fds, watchdog))
         if self.plan.verbose:
             for r in ranks:
                 where = f"{r.spec.stdout_path or 'console'}, {r.spec.stderr_path or 'console'}"

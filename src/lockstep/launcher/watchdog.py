@@ -1,9 +1,12 @@
-"""Orphan guard: a forked helper that kills every rank's process group if the launcher dies.
+"""Orphan guard: a forked helper that kills every process of the job if the launcher dies.
 
 The launcher may be killed with SIGKILL, which it cannot catch. The watchdog holds the read end of
 a pipe whose write end only the launcher has; when the launcher dies, for any reason, the kernel
-closes that end, the watchdog reads EOF and SIGKILLs every process group it was told about. It
-runs in its own session so that killing the launcher's process group does not take it along.
+closes that end, the watchdog reads EOF and SIGKILLs every process of the job (:mod:`tree`): each
+rank it was told about and all that descends from it, however it groups itself, and every process
+that carries the launcher's mark in its environment, also one whose parent died before the
+launcher did (the launcher had adopted it as their subreaper; at its death init takes it). It runs
+in its own session so that killing the launcher's process group does not take it along.
 
 Each rank registers *itself*, between fork and exec (Popen's ``preexec_fn``), so no instant exists
 in which a rank runs unguarded: had the launcher registered the pid after Popen returned, a SIGKILL
@@ -17,17 +20,21 @@ from __future__ import annotations
 import os
 import signal
 
+from lockstep.launcher.tree import kill_job
+
 
 class Watchdog:
-    """Launcher-side handle: register each rank's process group, forget it once it is gone."""
+    """Launcher-side handle: register each rank's process group, forget it once it is gone.
+    ``mark``: the one :func:`~lockstep.launcher.tree.marked` puts in the ranks' environment."""
 
-    def __init__(self) -> None:
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
         read_fd, self._write_fd = os.pipe()
         # Forked before any thread exists, so the child is a plain copy with nothing half-locked.
         self.pid = os.fork()
         if self.pid == 0:
             os.close(self._write_fd)
-            _watch(read_fd)
+            _watch(read_fd, mark)
         os.close(read_fd)
         os.set_inheritable(self._write_fd, False)
 
@@ -53,7 +60,7 @@ class Watchdog:
         os.write(self._write_fd, line.encode())
 
 
-def _watch(read_fd: int) -> None:
+def _watch(read_fd: int, mark: str) -> None:
     """Child side; never returns."""
     try:
         os.setsid()
@@ -72,7 +79,9 @@ def _watch(read_fd: int) -> None:
             for line in lines:
                 pgid = int(line[1:])
                 (groups.add if line[:1] == b"+" else groups.discard)(pgid)
-        for pgid in groups:
+        # Walk down from the ranks before killing any: a child without the mark is found through them.
+        kill_job(mark, roots=groups)
+        for pgid in groups:  # a rank killed between fork and exec does not carry the mark yet
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except OSError:
