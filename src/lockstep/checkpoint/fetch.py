@@ -99,7 +99,9 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bo
         found = _agreement.gather_small_objects((pointer is not None, holds))
         if all(holds for _, holds in found) and not _bucket_ahead(saver, run_name, per_rank=False):
             return True
-        return _folder_from_pointer(saver) or all(seen for seen, _ in found)
+        seen = [seen for seen, _ in found]
+        # no rank sees a local pointer: nothing was left anywhere, a fresh start rather than a stopped job's copies
+        return _folder_from_pointer(saver) or all(seen) or not any(seen)
     local = own.exists() or own.is_symlink() or zero.exists() or zero.is_symlink()
     seen = _agreement.gather_small_objects(local)
     if seen[0] and not _bucket_ahead(saver, run_name, per_rank=False):
