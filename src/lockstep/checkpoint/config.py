@@ -8,7 +8,7 @@ from typing import Any
 
 from lockstep.checkpoint import ignore, templates
 from lockstep.objectstore import ObjectStore
-from lockstep.objectstore.uri import check_uri, is_uri
+from lockstep.objectstore.uri import check_path
 from lockstep.state import State
 from lockstep.time import Time, time_argument
 
@@ -65,10 +65,8 @@ class CheckpointConfig:
             templates.check_template(self.save_filename, "save_filename")
             if self.save_latest_filename is not None:
                 templates.check_template(self.save_latest_filename, "save_latest_filename", time_fields=False)
-        if self.save_folder is not None and is_uri(self.save_folder):
-            check_uri(self.save_folder, "save_folder")
-        if self.load_path is not None and is_uri(self.load_path) and self.load_object_store is None:
-            check_uri(self.load_path, "load_path")
+        check_path(self.save_folder, "save_folder")
+        check_path(self.load_path, "load_path", any_scheme=self.load_object_store is not None)
         if self.load_object_store is not None:
             if not isinstance(self.load_object_store, ObjectStore):
                 raise TypeError(f"load_object_store must be an object store (such as "
