@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 IgnoreKeys = list[str] | Callable[[dict[str, Any]], None] | None
@@ -77,22 +77,80 @@ def check_save(value: Any) -> IgnoreKeys:
     return list(value) or None
 
 
+_EXACT = ("rng", "state/timestamp")
+"""What a resumed run needs to continue exactly as an uninterrupted one: its RNG states and its place."""
+
+
+def check_save_globs(ignore: IgnoreKeys, model_keys: Collection[str], *, weights_only: bool) -> None:
+    """At ``Trainer(...)``: a one-line ValueError when the globs of ``save_ignore_keys`` leave every
+    model weight out of every checkpoint (``'**'``, ``'state'``, ``'state/model'``, ...), which then
+    could neither resume a run nor be loaded; a warning when they leave out what an exact resume
+    needs (the RNG states, the timestamp). ``model_keys``: the names of the model's state_dict."""
+    if ignore is None or callable(ignore):
+        return
+    weights = [f"{MODEL}/{k}" for k in model_keys]
+    if _left_out(MODEL, ignore) or (weights and all(_left_out(w, ignore) for w in weights)):
+        raise ValueError(f"save_ignore_keys={ignore!r} leaves every model weight out of every checkpoint, which "
+                         f"then holds nothing to resume or load: name only the parts to leave out, e.g. "
+                         f"['state/optimizers', 'rng'], or give no save_folder to save nothing")
+    lost = [p for p in _EXACT if _left_out(p, ignore) or any(g.strip("/").startswith(p + "/") for g in ignore)]
+    if lost and not weights_only:
+        _warn_inexact(repr(ignore), lost, stacklevel=5)  # the caller of Trainer(...)
+
+
+def _left_out(path: str, globs: list[str]) -> bool:
+    """Whether a glob removes ``path``: it matches the path or a part above it."""
+    parts = path.split("/")
+    return any(fnmatch.fnmatchcase("/".join(parts[:n]), glob) for n in range(1, len(parts) + 1) for glob in globs)
+
+
+def _warn_inexact(what: str, lost: list[str], stacklevel: int) -> None:
+    warnings.warn(f"save_ignore_keys={what} leaves {' and '.join(repr(p) for p in lost)} out of the checkpoints: a run "
+                  f"resumed from them does not continue exactly as an uninterrupted one would", stacklevel=stacklevel)
+
+
 def remove_for_save(ignore: IgnoreKeys, tree: dict[str, Any]) -> None:
     """Apply ``save_ignore_keys`` to ``tree`` (``{'state': {...}, 'rng': [...]}``) in place, as
     Composer does: each glob is matched against every path of the tree, ``/``-joined (list items
     by index, so ``state/optimizers/0/state/*/exp_avg_sq``), and what matches is removed with
     everything below it; a glob that matches nothing is warned about. A function edits ``tree``.
-    ``tree`` must not share containers with live state (see :func:`copy_containers`)."""
+    ``tree`` must not share containers with live state (see :func:`copy_containers`).
+
+    A ValueError when nothing of the model is left (a function's doing: globs that would do it
+    are refused at ``Trainer(...)`` by :func:`check_save_globs`), and a warning when a function
+    removed what an exact resume needs."""
+    what = getattr(ignore, "__name__", repr(ignore)) if callable(ignore) else repr(ignore)
+    had = [p for p in _EXACT if _holds(tree, p)]
     if callable(ignore):
         ignore(tree)
-        return
+    else:
+        _remove_globs(ignore or [], tree)
+    if not _holds(tree, MODEL):
+        raise ValueError(f"save_ignore_keys={what} left no model weight in the checkpoint, which would hold "
+                         f"nothing to resume or load: leave state/model in the dict")
+    lost = [p for p in had if not _holds(tree, p)]
+    if lost and callable(ignore):  # globs were warned about at Trainer(...)
+        _warn_inexact(what, lost, stacklevel=3)
+
+
+def _holds(tree: dict[str, Any], path: str) -> bool:
+    """Whether ``tree`` holds something at ``path`` (``state/model``: at least one entry)."""
+    node: Any = tree
+    for part in path.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return bool(node) if path == MODEL else True
+
+
+def _remove_globs(ignore: list[str], tree: dict[str, Any]) -> None:
     paths: list[str] = []
     _paths(tree, "", paths)
     remove: set[str] = set()
-    for pattern in ignore or []:
+    for pattern in ignore:
         matched = fnmatch.filter(paths, pattern)
         if not matched:
-            warnings.warn(f"save_ignore_keys: {pattern!r} matches nothing in the checkpoint", stacklevel=2)
+            warnings.warn(f"save_ignore_keys: {pattern!r} matches nothing in the checkpoint", stacklevel=3)
         remove.update(matched)
     for path in remove:  # list items are marked first and dropped together, so indices hold meanwhile
         _mark(tree, path.split("/"))

@@ -360,7 +360,12 @@ class CheckpointSaver:
             state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
             metrics=self.config.save_metrics)
         if self.config.save_ignore_keys is not None:
-            content = payload.without(content, self.config.save_ignore_keys, weights_only=self.config.save_weights_only)
+            try:
+                content = payload.without(content, self.config.save_ignore_keys,
+                                          weights_only=self.config.save_weights_only)
+            except ValueError as e:  # nothing of the model left: raised on every rank by wait() or the next save
+                self._failure = e
+                return
         staged = None if wait else self._staged(content, layout.step_storages())
         if staged is not None:
             self.copying = threading.Event()

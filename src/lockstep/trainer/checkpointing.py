@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import dist, progress
-from lockstep.checkpoint import fetch, loader, remote, templates
+from lockstep.checkpoint import fetch, ignore, loader, remote, templates
 from lockstep.checkpoint.files import DAMAGED, CheckpointError, DamagedCheckpoint, point_latest, set_aside
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
@@ -74,6 +74,9 @@ def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | 
         raise ValueError(f"save_ignore_keys leaves parts out of single-file checkpoints, and this run saves "
                          f"{layout.name!r} checkpoints: use fsdp_config={{'state_dict_type': 'full'}} (or "
                          f"'local'), or remove save_ignore_keys")
+    if config.save_ignore_keys is not None:  # what they leave out, before any checkpoint is written
+        ignore.check_save_globs(config.save_ignore_keys, layout.model.state_dict().keys(),
+                                weights_only=config.save_weights_only)
     saver = CheckpointSaver(config, run_name=run_name, max_duration=max_duration, layout=layout.name, device=device)
     saver.check_folder()
     return saver
