@@ -93,6 +93,7 @@ def compile_schedulers(schedulers: list[Any], state: State, ssr: float) -> list[
     compiled: list[Any] = []
     for i, scheduler in enumerate(schedulers):
         if is_torch_scheduler(scheduler):
+            _check_steps_an_optimizer_of(scheduler, i, state.optimizers)
             compiled.append(scale_torch_scheduler(scheduler, ssr))
         elif callable(scheduler):
             compiled.extend(ScheduledLR(optimizer, scheduler, state, ssr) for optimizer in state.optimizers)
@@ -100,6 +101,19 @@ def compile_schedulers(schedulers: list[Any], state: State, ssr: float) -> list[
             raise TypeError(f"schedulers[{i}] is a {type(scheduler).__name__}: give a torch lr scheduler or a "
                             f"schedule from lockstep.optim (a callable (state, ssr) -> multiplier)")
     return compiled
+
+
+def _check_steps_an_optimizer_of(scheduler: Any, index: int, optimizers: list[torch.optim.Optimizer]) -> None:
+    """A torch scheduler built on another optimizer than the Trainer's would change nothing that
+    trains: a one-line ValueError naming both."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) or any(optimizer is o for o in optimizers):
+        return
+    held = ", ".join(type(o).__name__ for o in optimizers) or "none"
+    name = type(scheduler).__name__
+    raise ValueError(f"schedulers[{index}] ({name}) steps a {type(optimizer).__name__} that is not one of the "
+                     f"Trainer's optimizers ({held}), so training would go on without its schedule: build it on "
+                     f"the optimizer given as optimizers=..., e.g. {name}(optimizer, ...)")
 
 
 def scale_torch_scheduler(scheduler: Any, ssr: float) -> Any:
