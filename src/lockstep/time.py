@@ -611,7 +611,8 @@ def time_argument(name: str, value: Time | str | int) -> Time:
         _check_duration(time.value, time.unit)
         return time.require_positive(name)
     except (TypeError, ValueError) as e:
-        message = str(e) if str(e).startswith(name) else f"{name}={value!r}: {e}"
+        # named already ('duration must be ...'), but not by a word that starts alike ('durations cannot ...')
+        message = str(e) if str(e).startswith((f"{name} ", f"{name}=")) else f"{name}={value!r}: {e}"
         raise type(e)(message) from None
 
 
