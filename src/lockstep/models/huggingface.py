@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,7 @@ class HuggingFaceModel(Model):
         transformers = _import_transformers()
         if not isinstance(model, transformers.PreTrainedModel):
             raise TypeError(f"HuggingFaceModel wraps a transformers PreTrainedModel, got {type(model).__name__}")
+        _check_tokenizer(tokenizer, transformers)
         super().__init__()
         self.model = model
         self.config = model.config
@@ -155,6 +157,18 @@ def _import_transformers() -> Any:
     except ImportError as e:
         raise ImportError(f"HuggingFaceModel needs transformers: {HUGGINGFACE_INSTALL_HINT}") from e
     return transformers
+
+
+def _check_tokenizer(tokenizer: Any, transformers: Any) -> None:
+    """A tokenizer object or None; a name or path (which ``len`` and the checkpoint would take as
+    the tokenizer) is a one-line TypeError saying how to make the object."""
+    if tokenizer is None or isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
+        return
+    if isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError(f"HuggingFaceModel(tokenizer={str(tokenizer)!r}) takes a tokenizer object, not its name or "
+                        f"path: pass tokenizer=AutoTokenizer.from_pretrained({str(tokenizer)!r})")
+    raise TypeError(f"HuggingFaceModel(tokenizer=...) takes a transformers tokenizer (PreTrainedTokenizerBase), got a "
+                    f"{type(tokenizer).__name__}: pass tokenizer=AutoTokenizer.from_pretrained(...)")
 
 
 def _by_name(metrics: Sequence[Any] | Any) -> dict[str, Any]:
