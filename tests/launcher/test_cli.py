@@ -244,7 +244,7 @@ def test_torchrun_nproc_words(script) -> None:
         (["--monitor_interval", "nan"], {}, "expected seconds >= 0, got 'nan'"),
         (["--standalone", "--nnodes", "2", "--node-rank", "1"], {}, "--standalone runs one node"),
         (["--rdzv-backend", "etcd"], {}, "--rdzv-backend etcd: not supported"),
-        (["--rdzv-endpoint", "h:99999"], {}, "port 0-65535"),
+        (["--rdzv-endpoint", "h:99999"], {}, "the port must be a number 0-65535"),
         (["--rdzv-endpoint", "h:0", "--nnodes", "2", "--node-rank", "1"], {},
          "--rdzv-endpoint h:0: port 0 picks a free port, which works on one node only"),
         (["--log-dir", "a", "--run_directory", "b"], {}, "--log-dir a and --run_directory b name two folders"),
@@ -441,3 +441,66 @@ def test_torchrun_pet_variables_stand_for_their_flags_and_flags_win(script: str)
     assert parse_plan([script], env={"PET_STANDALONE": "0", "PET_NPROC_PER_NODE": "2"}).world_size == 2
     with pytest.raises(LaunchError, match="--run-path: lockstep starts every rank in a fresh interpreter"):
         parse_plan([script], env={"PET_RUN_PATH": "1"})
+
+
+@pytest.mark.parametrize(("endpoint", "host", "port"), [
+    ("tcp://10.0.0.1:29500", "10.0.0.1", 29500),  # as in init_method URLs: the scheme is dropped
+    ("TCP://node-1", "node-1", 29400),
+    ("tcp://[fd00::1]:7", "fd00::1", 7),
+    ("[fe80::1]", "fe80::1", 29400),
+    (" h:5 ", "h", 5),
+    ("my_service.local:6", "my_service.local", 6),
+])
+def test_rdzv_endpoint_forms(script, endpoint, host, port) -> None:
+    plan = parse_plan(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint, script], env={})
+    assert (plan.master_addr, plan.master_port) == (host, port)
+
+
+@pytest.mark.parametrize(("endpoint", "why"), [
+    ("::::", "too many ':'"),
+    ("a:b:c", "too many ':'"),
+    ("::1", "an IPv6 address goes in brackets, [::1]:PORT"),
+    ("fe80::1:29400", "an IPv6 address goes in brackets, [fe80::1]:29400"),
+    ("http://h:1", "only tcp:// may come before the host, not http://"),
+    ("tcp://", "no host"),
+    (":5", "no host"),
+    ("", "no host"),
+    ("h:", "the port must be a number 0-65535"),
+    ("h:x", "the port must be a number 0-65535"),
+    ("[::1", "brackets hold an IPv6 address, with :PORT after them"),
+    ("[h]:1", "brackets hold an IPv6 address, with :PORT after them"),
+    ("[::1]5", "brackets hold an IPv6 address, with :PORT after them"),
+    ("tcp://h:1/", "the port must be a number 0-65535"),
+    ("h/x:1", "'h/x' is not a host name or an IPv4 address"),
+])
+def test_a_malformed_rdzv_endpoint_is_a_usage_error_not_a_host_to_wait_for(script, endpoint, why) -> None:
+    """Each was read as a host name on port 29400 and waited for until --rdzv_timeout (issue 49)."""
+    for argv, env, source in ((["--rdzv-endpoint", endpoint], {}, "--rdzv-endpoint"),
+                              ([], {"PET_RDZV_ENDPOINT": endpoint}, "env PET_RDZV_ENDPOINT")):
+        if not endpoint and env:
+            continue  # an empty PET_ variable counts as unset, as under torchrun
+        with pytest.raises(LaunchError) as info:
+            parse_plan(["--nnodes", "2", "--node-rank", "1", *argv, script], env=env)
+        message = str(info.value)
+        assert message.startswith(f"{source} {endpoint!r}: {why}; expected HOST, HOST:PORT or [IPv6]:PORT"), message
+        assert "\n" not in message
+
+
+@pytest.mark.parametrize(("argv", "env", "needle"), [
+    (["--master_addr", "tcp://10.0.0.1"], {}, "--master_addr 'tcp://10.0.0.1' is not a host name or an IP address"),
+    ([], {"MASTER_ADDR": "h:29500"}, "env MASTER_ADDR 'h:29500' is not a host name or an IP address"),
+    ([], {"PET_MASTER_ADDR": "h:1"}, "env PET_MASTER_ADDR 'h:1' is not a host name or an IP address"),
+    (["--master_addr", "[::1]"], {}, "(write an IPv6 address without brackets)"),
+    (["--log-dir", ""], {}, "--log-dir '': expected a path"),
+    (["--log_dir", " "], {}, "--log-dir ' ': expected a path"),
+    (["--run_directory", ""], {}, "--run_directory '': expected a path"),
+    (["--stdout", ""], {}, "--stdout '': expected a path"),
+])
+def test_values_that_would_be_read_as_something_else_are_usage_errors(script, argv, env, needle) -> None:
+    with pytest.raises(LaunchError) as info:
+        parse_plan([*argv, script], env=env)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_ipv6_master_addr_without_brackets_is_taken(script) -> None:
+    assert parse_plan(["--master_addr", "::1", script], env={}).master_addr == "::1"

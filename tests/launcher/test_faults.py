@@ -111,6 +111,11 @@ def test_rendezvous_refuses_a_port_held_by_another_protocol(tmp_path: Path, writ
         # judged writable by permissions, fails only when created: the supervisor says so the same way
         (["-n", "2", "--stderr", "/proc/lockstep-test/{rank}.err"], "--stderr: cannot write rank 1's log"),
         (["--run_directory", "/proc/lockstep-test"], "--run_directory '/proc/lockstep-test' cannot be used"),
+        # issue 49: read as a host name on port 29400 and waited for until the rendezvous timeout, or
+        # (on one node) a misleading bind error; an empty --log-dir became the default folder
+        (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "a:b:c"], "--rdzv-endpoint 'a:b:c': too many ':'"),
+        (["--rdzv-endpoint", "a:b:c"], "--rdzv-endpoint 'a:b:c': too many ':'"),
+        (["--log-dir", ""], "--log-dir '': expected a path"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_rank(tmp_path: Path, write_script, argv, needle) -> None:
@@ -120,6 +125,26 @@ def test_bad_input_is_one_line_exit_2_before_any_rank(tmp_path: Path, write_scri
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_malformed_endpoint_from_the_environment_is_one_line_exit_2(tmp_path: Path, write_script) -> None:
+    script = write_script("ran.py", "open('ran', 'w').write('yes')\n")
+    start = time.monotonic()
+    result = launch(["--nnodes", "2", "--node-rank", "1", "-n", "1", str(script)], cwd=tmp_path, timeout=60,
+                    env={"PET_RDZV_ENDPOINT": "::::"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("lockstep: error: env PET_RDZV_ENDPOINT '::::': too many ':'; expected HOST")
+    assert time.monotonic() - start < 20 and not (tmp_path / "ran").exists()
+
+
+def test_a_tcp_scheme_before_the_endpoint_is_dropped(tmp_path: Path, write_script) -> None:
+    """``tcp://H:P`` (as in init_method) names host H and port P, not a host 'tcp://H:P' on port 29400."""
+    port = _free_port()
+    script = write_script("ran.py", "open('ran', 'w').write('yes')\n")
+    result = launch(["--nnodes", "2", "--node-rank", "1", "-n", "1", "--rdzv-endpoint", f"tcp://127.0.0.1:{port}",
+                     "--rdzv_timeout", "2", str(script)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 1 and not (tmp_path / "ran").exists(), result.stderr
+    assert f"no rendezvous store at 127.0.0.1:{port} after 2 s: nothing accepts connections there" in result.stderr
 
 
 def test_binary_training_script_is_one_line_instead_of_a_traceback_per_rank(tmp_path: Path) -> None:

@@ -119,6 +119,12 @@ def test_flags_and_the_usual_variables_win_over_slurm(script, argv, env, expecte
     assert (plan.world_size, plan.node_rank, plan.master_addr, plan.master_port) == expected
 
 
+def test_a_node_id_outside_the_step_names_slurm_nodeid(script: str) -> None:
+    with pytest.raises(LaunchError) as info:
+        parse_plan(["-n", "2", script], env=_srun(3))
+    assert str(info.value).startswith("env SLURM_NODEID is 3, but the job has 2 node(s) (world_size 4, -n 2)")
+
+
 def test_a_single_node_run_ignores_slurms_node_and_master(script: str) -> None:
     # --nnodes 1 (or --standalone) on one node of a bigger job: no SLURM rank, no SLURM port
     for extra in (["--nnodes", "1"], ["--standalone"], ["--world_size", "2"]):

@@ -214,6 +214,10 @@ def _node(args: argparse.Namespace, env: Mapping[str, str], nproc: int, world_si
     if base_rank is None and node_rank is None and world_size > nproc and (step := slurm.step(env)) is not None:
         node_rank = step.node_rank
         notes.append(f"SLURM: this is node {node_rank} (SLURM_NODEID)")
+        if (node_rank + 1) * nproc > world_size:
+            raise LaunchError(f"env SLURM_NODEID is {node_rank}, but the job has {math.ceil(world_size / nproc)} "
+                              f"node(s) (world_size {world_size}, -n {nproc}): run lockstep under srun on the "
+                              f"step's nodes, or pass --node_rank")
     if base_rank is None and node_rank is None and world_size > nproc and _torchrun_style(args):
         raise torchrun.missing_node_rank(args, math.ceil(world_size / nproc))
     return _resolve_ranks(nproc, world_size, base_rank, node_rank)
@@ -224,7 +228,7 @@ def _torchrun_style(args: argparse.Namespace) -> bool:
 
 
 def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool,
-            notes: list[str]) -> tuple[str | None, int | None]:
+            notes: list[str], pet: list[str]) -> tuple[str | None, int | None]:
     addr, port = args.master_addr, args.master_port
     endpoint = getattr(args, "rdzv_endpoint", None)
     free_port = False  # --rdzv-endpoint HOST:0, which no variable overrides
@@ -247,6 +251,12 @@ def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool,
         if port is None:
             port = step.master_port
             notes.append(f"SLURM: master port {port}, from SLURM_JOB_ID")
+    if addr is not None and not torchrun.is_host(addr):
+        source = "env PET_MASTER_ADDR" if "--master-addr" in pet else "--master_addr" if args.master_addr \
+            is not None else "env MASTER_ADDR"
+        raise LaunchError(f"{source} {addr!r} is not a host name or an IP address"
+                          f"{' (write an IPv6 address without brackets)' if addr.startswith('[') else ''}; "
+                          f"for HOST:PORT use --rdzv-endpoint")
     if multinode and addr is None:
         raise LaunchError("multi-node run needs --master_addr (or env MASTER_ADDR): the address of the node with rank 0")
     if multinode and port is None:
@@ -293,6 +303,18 @@ def _stall_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
     return _from_env(env, "LOCKSTEP_STALL_TIMEOUT", _stall_seconds, "--stall_timeout") or 0.0
 
 
+def _check_values(args: argparse.Namespace, pet: list[str]) -> None:
+    """Values no later step would refuse in time: an endpoint that is not one would be waited for
+    as a host name, an empty folder would silently become the default one."""
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    if endpoint is not None:
+        torchrun.parse_endpoint(endpoint, "env PET_RDZV_ENDPOINT" if "--rdzv-endpoint" in pet else "--rdzv-endpoint")
+    for flag, value in (("--log-dir", getattr(args, "log_dir", None)), ("--run_directory", args.run_directory),
+                        ("--stdout", args.stdout), ("--stderr", args.stderr)):
+        if value is not None and not value.strip():
+            raise LaunchError(f"{flag} {value!r}: expected a path; leave the flag out for the default")
+
+
 def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.datetime | None = None) -> LaunchPlan:
     """Turn the command line and environment into a LaunchPlan; raise LaunchError on bad input."""
     parser = build_parser()
@@ -303,6 +325,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     if args.training_script.startswith("-"):
         raise LaunchError(f"unknown option {args.training_script!r} (see lockstep --help)")
     torchrun.check_accepted(args)
+    _check_values(args, pet)
     standalone = getattr(args, "standalone", False)
     if standalone:
         env = torchrun.standalone_env(env)
@@ -312,7 +335,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     if standalone:
         _standalone(args, nproc, world_size)
     base_rank, node_rank = _node(args, env, nproc, world_size, notes)
-    master_addr, master_port = _master(args, env, world_size > nproc, notes)
+    master_addr, master_port = _master(args, env, world_size > nproc, notes, pet)
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = _from_env(env, "LOCKSTEP_MAX_RESTARTS", _non_negative_int, "--max_restarts") or 0

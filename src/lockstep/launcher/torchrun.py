@@ -9,6 +9,7 @@ one line names the lockstep way. Pure parsing, like the rest of cli.py.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,10 @@ from lockstep.launcher.plan import LaunchError, Stream
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 RDZV_BACKENDS = ("c10d", "static")
 _DEFAULT_RDZV_PORT = 29400  # torchrun's port for an endpoint given without one
+ENDPOINT_FORMS = "HOST, HOST:PORT or [IPv6]:PORT"
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_HOST = re.compile(r"[\w.-]+")
+"""Host names and IPv4 addresses: the characters torch's own check of an endpoint's host allows, less ':'."""
 _RANK_ENV = ("WORLD_SIZE", "NODE_RANK", "BASE_RANK", "MASTER_ADDR", "MASTER_PORT")
 _STREAM_MAP = re.compile(r"(\d+:[0-3],)*\d+:[0-3]")
 
@@ -115,8 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclu
     alias("--master-addr", dest="master_addr", help="= --master_addr")
     alias("--master-port", dest="master_port", type=types["master_port"], help="= --master_port")
     alias("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
-          help="HOST[:PORT] = --master_addr HOST --master_port PORT (default port 29400; one node: "
-               "port 0 picks a free one)")
+          help="HOST, HOST:PORT or [IPv6]:PORT (tcp:// in front is accepted) = --master_addr HOST "
+               "--master_port PORT (default port 29400; one node: port 0 picks a free one)")
     alias("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
           help="c10d or static: either is lockstep's static store on the master; give --node-rank on each node")
     alias("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="TORCHELASTIC_RUN_ID (default: the run directory's name)")
@@ -200,25 +205,54 @@ def parse_nnodes(text: str) -> int:
     return low_n
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """HOST[:PORT] or [IPv6]:PORT of --rdzv-endpoint; port 0: any free port."""
-    host, port = text, _DEFAULT_RDZV_PORT
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        if rest:
-            port = _endpoint_port(text, rest.removeprefix(":"))
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-        port = _endpoint_port(text, port_text)
-    if not host:
-        raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT, got {text!r}")
-    return host, port
+def parse_endpoint(text: str, source: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """HOST, HOST:PORT, [IPv6] or [IPv6]:PORT of --rdzv-endpoint (``source`` names where it came
+    from), with torchrun's port 29400 where none is given; port 0: any free port. A ``tcp://`` in
+    front is dropped: users copy it from ``init_method`` URLs. Anything else is a usage error, not a
+    host name to wait for."""
+    endpoint = text.strip()
+    scheme = _SCHEME.match(endpoint)
+    if scheme:
+        if scheme[1].lower() != "tcp":
+            raise _bad_endpoint(text, source, f"only tcp:// may come before the host, not {scheme[0]}")
+        endpoint = endpoint[scheme.end():]
+    if endpoint.startswith("["):
+        host, closed, rest = endpoint[1:].partition("]")
+        if not closed or not is_ipv6(host) or (rest and not rest.startswith(":")):
+            raise _bad_endpoint(text, source, "brackets hold an IPv6 address, with :PORT after them")
+        return host, _endpoint_port(text, source, rest[1:]) if rest else _DEFAULT_RDZV_PORT
+    if endpoint.count(":") > 1:
+        head, _, port = endpoint.rpartition(":")
+        hint = f"[{endpoint}]:PORT" if is_ipv6(endpoint) else f"[{head}]:{port}" if is_ipv6(head) else None
+        raise _bad_endpoint(text, source, f"an IPv6 address goes in brackets, {hint}" if hint else "too many ':'")
+    host, colon, port = endpoint.partition(":")
+    if not _HOST.fullmatch(host):
+        raise _bad_endpoint(text, source, f"{host!r} is not a host name or an IPv4 address" if host else "no host")
+    return host, _endpoint_port(text, source, port) if colon else _DEFAULT_RDZV_PORT
 
 
-def _endpoint_port(text: str, port: str) -> int:
+def is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def is_host(text: str) -> bool:
+    """A host name (labels of letters, digits, '-' and '_'), an IPv4 address, or an IPv6 one."""
+    return bool(_HOST.fullmatch(text)) or is_ipv6(text)
+
+
+def _bad_endpoint(text: str, source: str, why: str) -> LaunchError:
+    return LaunchError(f"{source} {text!r}: {why}; expected {ENDPOINT_FORMS}, e.g. 10.0.0.1:29400 or "
+                       f"[fd00::1]:29400 (tcp:// in front is accepted)")
+
+
+def _endpoint_port(text: str, source: str, port: str) -> int:
     if port.isdigit() and 0 <= int(port) <= 65535:
         return int(port)
-    raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT with a port 0-65535, got {text!r}")
+    raise _bad_endpoint(text, source, "the port must be a number 0-65535")
 
 
 def parse_rdzv_conf(text: str) -> float | None:
