@@ -117,6 +117,17 @@ RUN_NAME_VARIABLES = ("COMPOSER_RUN_NAME", "RUN_NAME", "LOCKSTEP_RUN_NAME")
 """Where a run name comes from when ``run_name`` is not given, in this order."""
 
 
+def seed_the_script_started_from() -> int:
+    """``state.rank_zero_seed`` without ``seed=``: rank 0's ``torch.initial_seed()`` (what the script
+    seeded torch with, or torch's own seed), the same on every rank. Unlike Composer, which draws
+    a fresh seed and reseeds every generator, lockstep leaves the generators as the script set
+    them, so a script that seeds before building the Trainer stays reproducible."""
+    seed = [torch.initial_seed() % 2**32]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return int(seed[0])
+
+
 def run_name_from_environment(run_name: str | None) -> str | None:
     """``run_name``, else the first of :data:`RUN_NAME_VARIABLES` that is set."""
     if run_name is None:

@@ -248,7 +248,8 @@ class Trainer:
         """Each evaluator's batch count at its latest evaluation during fit, by label."""
         self.evaluators, eval_metrics = evaluation.build_evaluators(
             self._eval_dataloader, model, loop.device, loop.eval_interval, loop.eval_subset_num_batches)
-        state = State(model=model, rank_zero_seed=loop.seed, run_name=setup.resolve_run_name(run_name),
+        rank_zero_seed = loop.seed if loop.seed is not None else setup.seed_the_script_started_from()
+        state = State(model=model, rank_zero_seed=rank_zero_seed, run_name=setup.resolve_run_name(run_name),
                       device=loop.device, max_duration=loop.max_duration, train_dataloader=self.train_dataloader,
                       evaluators=self.evaluators, precision=loop.precision,  # type: ignore[arg-type]
                       optimizers=optimizers, scaler=self.strategy.scaler, save_metrics=self.checkpoints.save_metrics,
@@ -532,6 +533,8 @@ class Trainer:
         self._train_spec = self._microbatches.spec = spec
         self.train_dataloader = data.shielded(loader)
         s.batches_per_epoch = setup.epoch_length(loader, self.loop.train_subset_num_batches)
+        if self.loop.fixed_microbatch_size is None:  # Composer reports the whole batch
+            s.device_train_microbatch_size = getattr(loader, "batch_size", None)
         self._follow_loader(spec)
 
     def _preempt(self) -> None:
