@@ -49,3 +49,13 @@ class Model(nn.Module):
 
     def num_tokens(self, batch: Any) -> int:
         return 0
+
+
+def total_loss(loss: Any) -> torch.Tensor:
+    """What is backpropagated when ``model.loss`` returns several losses, as in Composer: a dict's
+    ``'total'`` entry, else the sum of its values; the sum of a tuple's or list's."""
+    if isinstance(loss, dict):
+        return loss["total"] if "total" in loss else sum(loss.values())  # type: ignore[return-value]
+    if isinstance(loss, (tuple, list)):
+        return sum(loss)  # type: ignore[return-value]
+    raise TypeError(f"model.loss returned a {type(loss).__name__}: return a tensor, or a dict or tuple of tensors")

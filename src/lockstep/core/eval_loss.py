@@ -21,6 +21,9 @@ class EvalLoss(Metric):
         self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, loss: torch.Tensor, num_samples: int) -> None:  # type: ignore[override]
+        if not isinstance(loss, torch.Tensor):  # several losses: what training backpropagates
+            from lockstep.model import total_loss
+            loss = total_loss(loss)
         self.total += loss.detach().double() * num_samples
         self.count += num_samples
 

@@ -5,6 +5,7 @@ dataloader whose metrics equal one process's over the whole dataset."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +141,7 @@ def _real_batches(state: State, strategy: Strategy, spec: DataSpec, limit: int |
 
 def _evaluate_batch(state: State, strategy: Strategy, evaluator: Evaluator, batch: Any, n: int,
                     metrics: dict[str, Any], run_event: Callable[[Event], None]) -> None:
+    started = time.perf_counter()
     model = state.model
     module = strategy.eval_module  # the bare module: no DDP hooks, nothing to hang on
     spec = evaluator.dataloader
@@ -166,6 +168,6 @@ def _evaluate_batch(state: State, strategy: Strategy, evaluator: Evaluator, batc
         for name, metric in metrics.items():
             if metric is not loss_metric:
                 model.update_metric(state.batch, eval_outputs, metric)
-    state.eval_timestamp = state.eval_timestamp.to_next_batch(n)
+    state.eval_timestamp = state.eval_timestamp.to_next_batch(n, duration=time.perf_counter() - started)
     run_event(Event.EVAL_BATCH_END)
     progress.heartbeat(state.timestamp.batch.value)

@@ -13,7 +13,7 @@ from lockstep.core.data_spec import DataSpec, ensure_data_spec
 from lockstep.core.precision import precision_name
 from lockstep.optim.stepper import compile_schedulers
 from lockstep.parallel.precision import PRECISIONS, make_grad_scaler
-from lockstep.time import Time, Timestamp, time_argument
+from lockstep.time import Time, Timestamp, TimeUnit, time_argument
 from lockstep.trainer import data, evaluation, setup
 from lockstep.trainer.config import check_ratio, scale_duration, subset
 from lockstep.trainer.options import check_label
@@ -103,6 +103,24 @@ def apply(trainer: Trainer, given: FitArguments) -> None:
         trainer.saver.max_duration = s.max_duration
 
 
+def _check_duration(trainer: Trainer, given: FitArguments, changes: _Changes) -> None:
+    """Composer's refusals: epochs of a dataloader without a length, and a second ``fit()`` that
+    would train nothing (a resumed run whose checkpoint is already at the end is not one: it ends
+    quietly, so a job restarted after its last save still exits 0)."""
+    loader = changes.spec.dataloader if changes.spec is not None else trainer.train_dataloader
+    subset_given = (changes.subset if changes.subset is not None else trainer.loop.train_subset_num_batches) \
+        not in (None, -1)
+    if changes.max_duration.unit is TimeUnit.EPOCH and setup.safe_len(loader) is None and not subset_given:
+        raise ValueError(f"max_duration cannot be specified in epochs when using an infinite dataloader (got "
+                         f"'{changes.max_duration}'): give it in ba, sp or tok, or pass train_subset_num_batches")
+    elapsed = changes.timestamp.get(changes.max_duration.unit)
+    if trainer.fit_count and given.duration is None and not given.reset_time \
+            and elapsed.value >= changes.max_duration.value:
+        raise ValueError(f"The max_duration ({changes.max_duration}) is less than or equal to the elapsed training "
+                         f"duration ({elapsed}). No training would occur. Please provide the `duration` or specify "
+                         f"`reset_time=True` in Trainer.fit().")
+
+
 def _check(trainer: Trainer, given: FitArguments) -> _Changes:
     """Everything ``given`` changes, checked, with nothing changed yet."""
     s = trainer.state
@@ -114,11 +132,14 @@ def _check(trainer: Trainer, given: FitArguments) -> _Changes:
     changes.timestamp = Timestamp() if given.reset_time else s.timestamp
     changes.max_duration = s.max_duration if given.duration is None else \
         setup.more_duration(given.duration, changes.timestamp, given.reset_time)
-    if (trainer.train_dataloader is None and changes.spec is None) or changes.max_duration is None \
-            or not s.optimizers:
-        raise ValueError("fit() needs a train_dataloader, a max_duration (or duration=) and optimizers")
+    if not s.optimizers:
+        raise ValueError("No optimizer was specified when constructing the Trainer (the model has no parameters "
+                         "to train, so none was made): give a model with parameters, or only call eval()")
+    if (trainer.train_dataloader is None and changes.spec is None) or changes.max_duration is None:
+        raise ValueError("fit() needs a train_dataloader and a max_duration (or duration=)")
     if given.train_subset_num_batches is not None:
         changes.subset = subset("train_subset_num_batches", given.train_subset_num_batches)
+    _check_duration(trainer, given, changes)
     if given.schedulers is not None:  # stretched with the duration by the ratio
         changes.max_duration = scale_duration(changes.max_duration, given.scale_schedule_ratio)
         changes.schedulers = compile_schedulers(setup.as_list(given.schedulers), s, given.scale_schedule_ratio)

@@ -25,6 +25,7 @@ from lockstep import dist
 from lockstep.core.data_spec import DataSpec
 from lockstep.core.event import Event
 from lockstep.parallel.strategy import Strategy
+from lockstep.model import total_loss
 from lockstep.state import State
 from lockstep.trainer import train_metrics
 from lockstep.trainer.config import LoopConfig
@@ -150,7 +151,7 @@ class Microbatches:
                     auto.agree(False)  # every rank got here: the gradient all-reduce may start
                 if loud:
                     run(Event.BEFORE_BACKWARD)
-                loss = s.loss_tensor
+                loss = s.loss_tensor if isinstance(s.loss_tensor, torch.Tensor) else total_loss(s.loss_tensor)
                 weight = n * share  # its share of the global batch: 1.0 (no op) for one even microbatch
                 strategy.backward(loss if weight == 1.0 else loss * weight)
                 if loud:
@@ -177,6 +178,7 @@ class Microbatches:
         if spec is not None and spec.get_num_samples_in_batch is not None:
             return spec.get_num_samples_in_batch(batch)
         return self.state.model.num_samples(batch)
+
 
 
 def mean_loss(losses: list[torch.Tensor], counts: list[int]) -> torch.Tensor:

@@ -160,6 +160,8 @@ class Trainer:
             count=(lambda micro: self._num_tokens(micro)) if on_tokens else None)
         self._microbatches.spec = self._train_spec
         self._logging, self._closed, self._fitting = False, False, False
+        self.fit_count = 0
+        """How many times ``fit`` ran (a second one that would train nothing is refused, as in Composer)."""
         self._events.index()
         self.local_hparams = options.hyperparameters_of(arguments)
         """Composer's: the Trainer's arguments as loggable values, and ``is_model_compiled``."""
@@ -288,6 +290,7 @@ class Trainer:
         if self.saver is not None:  # held since Trainer(...); a later fit() claims the folder again
             self.saver.claim()
         self._fitting = True
+        self.fit_count += 1
         self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
         with setup.kept_out_of_gc():
             try:
