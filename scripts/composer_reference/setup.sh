@@ -30,6 +30,12 @@ pip_install "mosaicml-cli>=0.5.25,<0.8" "numpy>=1.21.5,<2.3.0" "pyyaml>=6.0,<7" 
     "coolname>=1.1.0,<3" "tabulate==0.9.0" "py-cpuinfo>=8.0.0,<10" "packaging>=21.3.0,<25.1" \
     "importlib-metadata>=5.0.0,<9" "pillow>=10.3.0,<12" "requests>=2.26.0,<3" "typing-extensions"
 
+# Composer's own tests (scripts/composer_suite.py): pytest, and mlflow in Composer's range, since an
+# autouse fixture of theirs skips every test where mlflow does not import; boto3, which
+# test_checkpoint.py needs at collection; pandas, for the loggers' log_table.
+pip_install "pytest>=8" "pytest-timeout>=2.1" "mlflow-skinny>=2.14.1,<3.0" "boto3>=1.21.45,<2" \
+    "pandas>=2.0.0,<3.0"
+
 # torchvision 0.28's only wheel is a CUDA build whose C++ ops do not load against CPU torch; it then
 # registers fake kernels for ops that were never defined, which fails at import. Register those two
 # only when the ops exist.
