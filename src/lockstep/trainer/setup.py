@@ -33,6 +33,16 @@ def check_inputs(model: Any, optimizers: Any, train_dataloader: Any,
     return optimizer_list
 
 
+def already_compiled(model: Any) -> bool:
+    """Whether ``model`` is what ``torch.compile`` returned (Composer warns: ``compile_config`` is the way)."""
+    compiled = type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
+    if compiled:
+        logging.getLogger("lockstep.trainer").warning(
+            "`model` is already compiled with `torch.compile`: pass the plain model and compile_config={} instead, "
+            "so that lockstep compiles it after wrapping it for DDP or FSDP")
+    return compiled
+
+
 def check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a lockstep.Model (an nn.Module), got {type(model).__name__}")
@@ -182,6 +192,13 @@ def _list_of(name: str, value: Any, kind: type, expected: str) -> list[Any]:
         if not isinstance(item, kind):
             raise TypeError(f"{name}[{i}] is a {type(item).__name__}, not {expected}")
     return items
+
+
+def placement(state: Any) -> dict[str, Any]:
+    """Where the run is, as Composer logs it at ``Trainer(...)``: nodes, devices per node, rank 0's seed."""
+    local = max(dist.get_local_world_size(), 1)
+    return {"num_nodes": max(dist.get_world_size() // local, 1), f"num_{state.device.name}s_per_node": local,
+            "rank_zero_seed": state.rank_zero_seed}
 
 
 def hyperparameters(trainer: Any) -> dict[str, Any]:

@@ -165,9 +165,10 @@ class Trainer:
         self._events.index()
         self.local_hparams = options.hyperparameters_of(arguments)
         """Composer's: the Trainer's arguments as loggable values, and ``is_model_compiled``."""
-        self.local_hparams["is_model_compiled"] = compile_config is not None
+        self.local_hparams["is_model_compiled"] = compile_config is not None or setup.already_compiled(model)
         if auto_log_hparams:
             self.logger.log_hyperparameters(self.local_hparams)
+        self.logger.log_hyperparameters(setup.placement(self.state))
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
