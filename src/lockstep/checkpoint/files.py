@@ -30,8 +30,9 @@ _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)$")
 _before_publish: Callable[[Path], None] | None = None
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, damaged, or does not fit this run; the message names the file."""
+class CheckpointError(ValueError, RuntimeError):
+    """A checkpoint that is missing, damaged, or does not fit this run; the message names the file.
+    Also a RuntimeError, which is what torch (and so Composer) raises for a state_dict that does not fit."""
 
 
 class DamagedCheckpoint(CheckpointError):

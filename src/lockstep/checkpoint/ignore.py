@@ -17,6 +17,8 @@ from typing import Any
 IgnoreKeys = list[str] | Callable[[dict[str, Any]], None] | None
 _WHOLE = ("state/optimizers", "state/schedulers", "rng")
 MODEL = "state/model"
+STATEFUL = ("state/callbacks", "state/algorithms", "state/dataset_state")
+"""The parts of :mod:`lockstep.checkpoint.stateful`, which paths (and globs) below them name too."""
 
 
 def check(value: Any) -> IgnoreKeys:
@@ -28,17 +30,21 @@ def check(value: Any) -> IgnoreKeys:
                         "or a function that edits the checkpoint's dict")
     for key in value:
         path = key.strip("/")
-        if not (path == MODEL or path.startswith(MODEL + "/") or path in _WHOLE or path in ("state", "*")):
+        if not (path == MODEL or path.startswith(MODEL + "/") or path in _WHOLE or path in ("state", "*")
+                or any(path == part or path.startswith(part + "/") for part in STATEFUL)):
             raise ValueError(f"load_ignore_keys has {key!r}: lockstep checkpoints hold 'state/model/<name>' "
-                             f"(globs allowed), 'state/optimizers', 'state/schedulers' and 'rng'")
+                             f"(globs allowed), 'state/optimizers', 'state/schedulers', 'state/callbacks/<name>', "
+                             f"'state/algorithms', 'state/dataset_state' and 'rng'")
     return list(value)
 
 
 def apply(ignore: IgnoreKeys, model: dict[str, Any], optimizers: list[Any] | None,
-          schedulers: list[Any] | None, rngs: list[Any] | None) -> dict[str, Any]:
-    """The Composer-shaped tree of what is left to load: ``tree['state']['model']`` and so on;
-    a part that was left out is missing from it."""
-    tree: dict[str, Any] = {"state": {"model": dict(model)}}
+          schedulers: list[Any] | None, rngs: list[Any] | None,
+          stateful: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Composer-shaped tree of what is left to load: ``tree['state']['model']`` and so on
+    (``stateful``: the callbacks', algorithms' and dataset's parts); a part that was left out is
+    missing from it."""
+    tree: dict[str, Any] = {"state": {"model": dict(model), **copy_containers(stateful or {})}}
     if optimizers is not None:
         tree["state"]["optimizers"] = optimizers
     if schedulers is not None:
@@ -56,6 +62,9 @@ def apply(ignore: IgnoreKeys, model: dict[str, Any], optimizers: list[Any] | Non
         if pattern in _WHOLE:
             parent, _, leaf = pattern.rpartition("/")
             (tree["state"] if parent else tree).pop(leaf, None)
+            continue
+        if any(pattern == part or pattern.startswith(part + "/") for part in STATEFUL):
+            remove_for_save([pattern], tree)  # a glob over the paths below, as when saving
             continue
         names = tree["state"].get("model", {})
         for name in [n for n in names if _covers(pattern, f"{MODEL}/{n}")]:

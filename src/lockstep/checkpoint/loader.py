@@ -20,6 +20,7 @@ import torch
 
 from lockstep import _agreement, dist
 from lockstep.checkpoint import ignore as ignore_keys
+from lockstep.checkpoint.payload import STATEFUL
 from lockstep.checkpoint import composer, files, integrity, payload, templates
 from lockstep.checkpoint.files import CheckpointError, DamagedCheckpoint
 from lockstep.checkpoint.layout import (
@@ -517,10 +518,12 @@ def _apply_ignoring(opened: _Opened, state: State, layout: Layout, *, weights_on
     tree = ignore_keys.apply(ignore, weights, content["optimizers"] if full and content["optimizers"] is not None
                              else None,
                              content["schedulers"] if full else None,
-                             [r.get("rng") for r in content["ranks"]] if full else None)
+                             [r.get("rng") for r in content["ranks"]] if full else None,
+                             {k: content[k] for k in STATEFUL if full and k in content})
     kept = tree.get("state", {})
     reader = layout if opened.layout == LOCAL else layout.full_reader()
-    reader.load_model(kept.get("model", {}), path, strict)
+    if kept.get("model"):  # ignoring every weight leaves the model as it is, as in Composer
+        reader.load_model(kept["model"], path, strict)
     if meta is None or weights_only:
         return Loaded(weights_only=True)
     if "optimizers" in kept:
@@ -529,7 +532,8 @@ def _apply_ignoring(opened: _Opened, state: State, layout: Layout, *, weights_on
             optimizers = [rekey_optimizer(sd, keys, layout.model, o, path)
                           for sd, o in zip(optimizers, layout.optimizers)]
         reader.load_optimizers(optimizers, path)
-    rest = {**content, "schedulers": kept.get("schedulers")}
+    rest = {**{k: v for k, v in content.items() if k not in STATEFUL}, "schedulers": kept.get("schedulers"),
+            **{k: kept[k] for k in STATEFUL if k in kept}}
     if len(content["ranks"]) > rank:
         rngs = tree.get("rng")
         ranks = list(content["ranks"])

@@ -16,6 +16,10 @@ _ALMOST = re.compile(rf"^(?P<scheme>{'|'.join(SUPPORTED + _KNOWN_OTHERS)}):/(?!/
 """A known scheme, then ``:/`` without the second slash: taken as a local path, ``s3:/b/x`` is a folder ``s3:``."""
 
 
+class UnsupportedScheme(ValueError, NotImplementedError):
+    """A URI whose scheme lockstep has no store for: a ValueError, and the NotImplementedError Composer raises."""
+
+
 def is_uri(path: object) -> bool:
     """Whether ``path`` names an object in a store (``scheme://...``) rather than a local path."""
     return isinstance(path, str) and "://" in path and bool(urlparse(path).scheme)
@@ -46,8 +50,8 @@ def check_path(path: object, what: str, *, any_scheme: bool = False) -> None:
         return
     scheme = almost["scheme"].lower()
     if scheme == "dbfs":  # Databricks writes its URIs with one slash: dbfs:/Volumes/...
-        raise ValueError(f"{what}={path!r}: dbfs: object stores are not supported (lockstep supports s3:// only for "
-                         f"now); use an s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) or a local path")
+        raise UnsupportedScheme(f"{what}={path!r}: dbfs: object stores are not supported (lockstep supports s3:// "
+                                f"only for now); use an s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) or a local path")
     raise ValueError(f"{what}={path!r} is not an object store URI (it would be a local path under "
                      f"'{path.split('/', 1)[0]}'): write '{scheme}://{almost['rest']}'")
 
@@ -60,8 +64,8 @@ def check_uri(uri: str, what: str) -> tuple[str, str]:
     backend, bucket, key = parse_uri(uri)
     if backend not in SUPPORTED:
         known = " (lockstep supports s3:// only for now)" if backend in _KNOWN_OTHERS else ""
-        raise ValueError(f"{what}={uri!r}: {backend}:// object stores are not supported{known}; use an "
-                         f"s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) or a local path")
+        raise UnsupportedScheme(f"{what}={uri!r}: {backend}:// object stores are not supported{known}; use an "
+                                f"s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) or a local path")
     if not bucket:
         raise ValueError(f"{what}={uri!r} names no bucket: write s3://BUCKET/PREFIX")
     extra = re.search(r"[?#].*$", uri.split("://", 1)[1])

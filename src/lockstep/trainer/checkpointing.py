@@ -41,6 +41,19 @@ def saving_arguments(callbacks: Sequence[Any], arguments: dict[str, Any]) -> dic
     return savers[0].trainer_arguments()
 
 
+def with_saver_callback(callbacks: list[Any], config: CheckpointConfig) -> list[Any]:
+    """``callbacks`` with a ``CheckpointSaver`` that stands for ``save_folder`` when none is there, as
+    Composer's Trainer makes one: its state (every checkpoint written, with its timestamp) is then in
+    each checkpoint's ``state['callbacks']``. The Trainer's saver still writes the files."""
+    if config.save_folder is None or any(isinstance(c, SaverCallback) for c in callbacks):
+        return callbacks
+    return [*callbacks, SaverCallback(
+        folder=config.save_folder, filename=config.save_filename, latest_filename=config.save_latest_filename,
+        save_interval=config.save_interval, overwrite=config.save_overwrite,
+        num_checkpoints_to_keep=config.save_num_checkpoints_to_keep, weights_only=config.save_weights_only,
+        ignore_keys=config.save_ignore_keys)]
+
+
 def bind_callbacks(callbacks: Sequence[Any], layout: Layout, saved: list[str]) -> None:
     """Give the checkpoint callbacks what they need of the Trainer: ``CheckpointSaver`` the list of
     checkpoints saved, ``LoadCheckpoint`` the backend's checkpoint layout."""

@@ -130,6 +130,7 @@ class Trainer:
         self.options = options.from_arguments(arguments)  # deterministic_mode acts here, before any kernel
         setup.set_python_log_level(python_log_level)
         configs = arguments_of.sort(arguments)
+        callbacks = checkpointing.with_saver_callback(callbacks, configs.checkpoints)
         self.loop, self.checkpoints, self.algorithms = configs.loop, configs.checkpoints, configs.algorithms
         self.parallel = parallel = configs.parallel
         self._train_spec = None if train_dataloader is None else ensure_data_spec(train_dataloader)
