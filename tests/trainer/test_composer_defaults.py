@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from lockstep import Trainer
 from lockstep.algorithms import EMA, GradientClipping
@@ -112,3 +113,38 @@ def test_a_max_duration_in_wall_clock_seconds_stops_training() -> None:
     assert trainer.state.max_duration == Time(1, TimeUnit.SECOND)
     trainer.fit()
     assert trainer.state.timestamp.batch == 3
+
+
+class LazyRandomDataset(torch.utils.data.Dataset):
+    """Draws its samples from the global generator when first read, as Composer's test datasets do."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.x, self.y = size, None, None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i):
+        if self.x is None:
+            self.x, self.y = torch.randn(self.size, 6), torch.randint(0, 3, (self.size,))
+        return self.x[i], self.y[i]
+
+
+def test_a_resumed_run_reads_the_data_a_lazy_random_dataset_drew_as_the_uninterrupted_one(tmp_path) -> None:
+    """Composer's spin: before a resumed run's RNG goes back, the evaluation loaders and the epochs
+    already done are read once, so a dataset drawn at random when first read is drawn alike."""
+    def run(folder: str, load_path: str | None = None, spin: bool = True) -> dict[str, torch.Tensor]:
+        model = MLP()
+        train, evaluation = LazyRandomDataset(12), LazyRandomDataset(6)
+        trainer = Trainer(model=model, train_dataloader=DataLoader(train, batch_size=4),
+                          eval_dataloader=DataLoader(evaluation, batch_size=3), max_duration="3ep",
+                          optimizers=sgd(model), seed=3, progress_bar=False, save_folder=str(tmp_path / folder),
+                          save_interval="1ep", load_path=load_path, spin_dataloaders=spin)
+        trainer.fit()
+        return params(model)
+
+    whole = run("whole")
+    resumed = run("resumed", str(tmp_path / "whole" / "ep1-ba3-rank0.pt"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    unspun = run("unspun", str(tmp_path / "whole" / "ep1-ba3-rank0.pt"), spin=False)
+    assert any(not torch.equal(whole[k], unspun[k]) for k in whole)  # what the spin is for

@@ -76,6 +76,31 @@ def set_epoch(loader: Any, epoch: int) -> None:
             obj.set_epoch(epoch)
 
 
+def spin(train_loader: Any, completed_epochs: int, eval_loaders: list[Any]) -> None:
+    """Composer's dataloader spin at the start of ``fit``, before a resumed run's RNG state is put
+    back: the first batch of each evaluation loader, then of ``train_loader`` (None: not spun) in
+    each epoch already done. Whatever the data draws from the global generators when it is first
+    read (a dataset made lazily at random, a sampler without a seed of its own) is then drawn
+    where an uninterrupted run drew it, so the resumed run reads the same data."""
+    for loader in eval_loaders:
+        if isinstance(_sampler(loader), DistributedSampler):
+            _sampler(loader).set_epoch(0)
+        _first_batch(loader)
+    if train_loader is None:
+        return
+    for epoch in range(completed_epochs):
+        set_epoch(train_loader, epoch)
+        _first_batch(train_loader)
+
+
+def _first_batch(loader: Any) -> None:
+    iterator = iter(loader)
+    try:
+        next(iterator, None)
+    finally:
+        del iterator  # a DataLoader's workers stop with their iterator
+
+
 def equal_batches_guaranteed(loader: Any) -> bool:
     """True when every rank gets the same number of batches of the same sizes, so no per-step
     agreement is needed: a DistributedSampler pads or drops to equal shares."""

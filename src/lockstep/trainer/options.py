@@ -17,10 +17,11 @@ class RunOptions:
     train_dataloader_label: str = "train"
     """The label of the training data (Composer names training metrics with it)."""
     spin_dataloaders: bool = True
-    """Composer spins a resumed run's dataloaders through the epochs already done so that each
-    epoch's order is the one an uninterrupted run has. lockstep restores the exact data position
-    from the checkpoint (each epoch's sampler seed and the batches done in it), which gives that
-    order whichever value this has."""
+    """As Composer: at the start of ``fit`` read the first batch of each evaluation loader and, when
+    resuming, of the training loader in each epoch already done, before the checkpoint's RNG state
+    goes back (:func:`lockstep.trainer.data.spin`), so data drawn from the global generators when
+    first read is drawn as in the uninterrupted run. The order of the samples does not need it:
+    lockstep restores each epoch's sampler seed and the batches done from the checkpoint."""
     algorithm_passes: Any = None
     """Functions ``(algorithms, event) -> algorithms`` that order (or filter) the algorithms that
     match each event, after Composer's default pass (reverse order at ``AFTER_*`` events)."""

@@ -312,6 +312,9 @@ class Trainer:
         s.model.train()
         self._events.index()  # callbacks added since the Trainer was built
         entry, self._resume_entry = self._resume_entry, None
+        if self.options.spin_dataloaders:
+            spun = self.train_dataloader if entry is not None and not data.is_stateful(self.train_dataloader) else None
+            data.spin(spun, s.timestamp.epoch.value, [e.dataloader.dataloader for e in self.evaluators])
         resume = data.resume_position(entry, s.timestamp.batch_in_epoch.value, self._position)
         self._follow_schedules(s)
         self._logging = bool(self.logger.active)
