@@ -26,7 +26,8 @@ LAYERS: dict[str, int] = {
     "lockstep.state": 2, "lockstep.model": 2, "lockstep.core": 2, "lockstep.devices": 2, "lockstep.utils": 2,
     "lockstep.models": 2, "lockstep.metrics": 2, "lockstep.loss": 2,
     # 3: checkpoint files and layouts
-    "lockstep.checkpoint": 3, "lockstep.utils.checkpoint": 3,  # Composer's path for checkpoint helpers
+    # Composer's paths for checkpoint helpers and inference export, which read checkpoints
+    "lockstep.checkpoint": 3, "lockstep.utils.checkpoint": 3, "lockstep.utils.inference": 3,
     # 4: what a step does: backends (which name their checkpoint layout), optimizers, algorithms
     "lockstep.parallel": 4, "lockstep.optim": 4, "lockstep.algorithms": 4,
     # 5: what watches the loop: callbacks, logger destinations and the profiler

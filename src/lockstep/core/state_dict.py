@@ -126,19 +126,25 @@ def integrations(model: Any) -> dict[str, Any]:
     return {}
 
 
+def environment() -> dict[str, Any]:
+    """What the run ran on, under Composer's keys (``composer.utils.get_composer_env_dict``)."""
+    import lockstep
+
+    gpus = torch.cuda.is_available()
+    local = max(dist.get_local_world_size(), 1)
+    return {"composer_version": lockstep.__version__, "composer_commit_hash": None,
+            "cpu_model": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "num_nodes": max(dist.get_world_size() // local, 1),
+            "gpu_model": torch.cuda.get_device_name() if gpus else None,
+            "num_gpus_per_node": local if gpus else 0, "num_gpus": dist.get_world_size() if gpus else 0,
+            "cuda_device_count": torch.cuda.device_count()}
+
+
 def metadata(state: State) -> dict[str, Any]:
     """Composer's ``state['metadata']``: where and how the state was made."""
-    import lockstep
     loader = state.train_dataloader
     info: dict[str, Any] = {
-        "composer_env_info": {
-            "composer_version": lockstep.__version__, "composer_commit_hash": None,
-            "cpu_model": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "num_nodes": max(dist.get_world_size() // max(dist.get_local_world_size(), 1), 1),
-            "gpu_model": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "num_gpus_per_node": dist.get_local_world_size() if torch.cuda.is_available() else 0,
-            "num_gpus": dist.get_world_size() if torch.cuda.is_available() else 0,
-            "cuda_device_count": torch.cuda.device_count()},
+        "composer_env_info": environment(),
         "torch_version": torch.__version__, "device": state.device.name, "precision": state.precision.value,
         "world_size": dist.get_world_size(), "device_train_microbatch_size": state.device_train_microbatch_size,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -98,6 +99,12 @@ class FileLogger(LoggerDestination):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         for name, value in hyperparameters.items():
             self._add_text("[hyperparameter]: ", f"{name}: {format_log_data_value(value)} \n", own_line=True)
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table", step: int | None = None) -> None:
+        """One line: the table as JSON (``{"columns": [...], "data": [[...], ...]}``), as Composer writes it."""
+        table = json.dumps({"columns": list(columns), "data": [list(r) for r in rows]}, separators=(",", ":"),
+                           ensure_ascii=False)
+        self._add_text("[table]: ", f"{name}: {table}\n", own_line=True)
 
     def log_traces(self, traces: dict[str, Any]) -> None:
         if self.should_log_traces:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lockstep.loggers.logger_destination import LoggerDestination, as_number
 from lockstep.time import Timestamp
 
@@ -30,6 +32,15 @@ class InMemoryLogger(LoggerDestination):
         self.tables: dict[str, str] = {}
         self._state: State | None = None
 
+    @property
+    def state(self) -> State | None:
+        """The run's State (Composer's attribute): set at INIT; metrics are logged at its timestamp."""
+        return self._state
+
+    @state.setter
+    def state(self, state: State | None) -> None:
+        self._state = state
+
     def init(self, state: State, logger: Any = None) -> None:
         self._state = state
 
@@ -45,6 +56,20 @@ class InMemoryLogger(LoggerDestination):
         """Keep the table as Composer's InMemoryLogger does: ``tables[name]``, JSON in pandas'
         ``split`` orientation (``{"columns": [...], "data": [[...], ...]}``)."""
         self.tables[name] = json.dumps({"columns": list(columns), "data": [list(r) for r in rows]}, ensure_ascii=False)
+
+    def get_timeseries(self, metric: str) -> dict[str, Any]:
+        """Composer's: ``{metric: values, 'epoch': ..., 'batch': ..., ...}``, one numpy array per key,
+        each metric value beside the timestamp's counts (and clocks, in seconds) it was logged at."""
+        import numpy as np
+
+        if metric not in self.data:
+            raise ValueError(f"get_timeseries({metric!r}): no such metric was logged (there: {sorted(self.data)})")
+        series: dict[str, list[Any]] = {}
+        for timestamp, value in self.data[metric]:
+            series.setdefault(metric, []).append(float(value) if isinstance(value, torch.Tensor) else value)
+            for field, count in timestamp.state_dict().items():
+                series.setdefault(field, []).append(count if isinstance(count, int) else count.total_seconds())
+        return {key: np.array(values) for key, values in series.items()}
 
     @property
     def data(self) -> dict[str, list[tuple[Timestamp, float | int]]]:
