@@ -35,9 +35,9 @@ def test_globs_that_leave_out_every_weight_are_refused_at_construction(tmp_path:
     assert not list(tmp_path.rglob("*.pt"))
 
 
-@pytest.mark.parametrize(("globs", "lost"), [(["rng"], "'rng'"), (["state/timestamp"], "'state/timestamp'"),
-                                             (["rng/0/numpy"], "'rng'"),
-                                             (["state/optimizers", "r*", "state/time*"], "'rng' and 'state/timestamp'")])
+@pytest.mark.parametrize(("globs", "lost"), [
+    (["rng"], "'rng'"), (["state/timestamp"], "'state/timestamp'"), (["rng/0/numpy"], "'rng'"),
+    (["state/optimizers", "r*", "state/time*"], "'rng' and 'state/timestamp'")])
 def test_globs_that_lose_an_exact_resume_are_warned_about_once_at_construction(tmp_path: Path, globs: list[str],
                                                                               lost: str) -> None:
     with pytest.warns(UserWarning, match="does not continue exactly") as seen:

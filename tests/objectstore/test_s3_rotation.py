@@ -29,10 +29,10 @@ def _train(cwd: str, folder: str, layout: str, batches: int, autoresume: bool) -
     from tests.trainer.common import MLP, loader
 
     model = MLP()
-    trainer = Trainer(model=model, train_dataloader=loader(2), optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
-                      device="cpu", progress_bar=False, seed=3, max_duration=f"{batches}ba", run_name="r",
-                      save_folder=folder, save_interval="2ba", save_num_checkpoints_to_keep=2,
-                      autoresume=autoresume, **LAYOUTS[layout])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    trainer = Trainer(model=model, train_dataloader=loader(2), optimizers=optimizer, device="cpu", progress_bar=False,
+                      seed=3, max_duration=f"{batches}ba", run_name="r", save_folder=folder, save_interval="2ba",
+                      save_num_checkpoints_to_keep=2, autoresume=autoresume, **LAYOUTS[layout])
     trainer.fit()
     trainer.close()
 
