@@ -63,3 +63,5 @@ def test_left_earlier_splits_at_the_resumed_checkpoint_by_time() -> None:
     names = {ba(10), ba(2), "ep1-ba14-rank0.pt", ba(6), "latest-rank0.pt.symlink", "ep0-ba4-rank1.pt", "other"}
     assert left_earlier(names, NAME, PLACE, ba(6)) == (["ep0-ba10-rank0.pt", "ep1-ba14-rank0.pt"], [ba(2), ba(6)])
     assert left_earlier(names, NAME, PLACE, None) == ([ba(2), ba(6), ba(10), "ep1-ba14-rank0.pt"], [])
+    # resumed from a checkpoint whose name tells no time (no save history): nothing counts as newer
+    assert left_earlier(names, NAME, PLACE, "") == ([], [ba(2), ba(6), ba(10), "ep1-ba14-rank0.pt"])

@@ -241,7 +241,9 @@ class CheckpointSaver:
             warnings.warn(f"could not list {self.remote.uri} ({remote.error_line(e)}): checkpoints an earlier "
                           f"attempt left there are not rotated", stacklevel=2)
             return
-        ours = None if resumed is None or resumed.weights_only else (resumed.history or [None])[-1]
+        ours = None  # a fresh start: what earlier attempts left is stale
+        if resumed is not None and not resumed.weights_only:
+            ours = resumed.history[-1] if resumed.history else ""  # "": a name that tells no time
         self._rotation.earlier(*bucket_rotation.left_earlier(names, self.config.save_filename, self.place, ours))
 
     @property
