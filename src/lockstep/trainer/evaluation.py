@@ -120,6 +120,7 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
 def _real_batches(state: State, strategy: Strategy, spec: DataSpec, limit: int | None) -> Any:
     """This rank's prepared batches and their sample counts, cut where the sampler's padding starts."""
     dataloader = spec.dataloader
+    data.set_epoch(dataloader, int(state.timestamp.batch))  # as Composer: a shuffling sampler's order moves on
     remaining = data.real_eval_samples(dataloader)
     module = strategy.eval_module
     count = spec.get_num_samples_in_batch or state.model.num_samples
