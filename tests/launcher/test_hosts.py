@@ -387,23 +387,34 @@ def test_the_namespaces_of_a_test_process_killed_by_sigkill_are_swept(hosts: Hos
 
 _SILENT_NAME_SERVER = ("import socket, sys, time; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
                        "s.bind((sys.argv[1], 53)); print('up', flush=True); time.sleep(300)")
+_NO_ANSWER_NAME = "lockstep-master.invalid"
+
+
+@contextlib.contextmanager
+def _silent_names(hosts: Hosts, asker: int) -> Iterator[None]:
+    """Host ``asker`` asks host 0 for names, and host 0's name server reads each query and never
+    answers: the C library would retry for a minute per name (timeout:30 attempts:2)."""
+    silent = hosts.popen(0, [sys.executable, "-c", _SILENT_NAME_SERVER, hosts.address(0)], stdout=subprocess.PIPE)
+    assert silent.stdout is not None and silent.stdout.readline() == b"up\n"
+    folder = Path("/etc/netns") / hosts.name(asker)  # `ip netns exec` puts these files in /etc for the host
+    try:
+        folder.mkdir(parents=True)
+        (folder / "resolv.conf").write_text(f"nameserver {hosts.address(0)}\noptions timeout:30 attempts:2\n")
+        (folder / "hosts").write_text("127.0.0.1 localhost\n")
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path("/etc/netns").rmdir()  # only if no one else keeps files there
 
 
 @pytest.mark.timeout(150)
 def test_a_master_name_no_name_server_answers_for_ends_the_launcher_in_time_and_sigterm_ends_it_at_once(
         hosts: Hosts, tmp_path: Path) -> None:
-    # host 1 asks host 0 for names, and host 0's name server reads each query and never answers:
-    # the C library would retry for a minute per name (timeout:30 attempts:2)
-    silent = hosts.popen(0, [sys.executable, "-c", _SILENT_NAME_SERVER, hosts.address(0)], stdout=subprocess.PIPE)
-    assert silent.stdout is not None and silent.stdout.readline() == b"up\n"
-    folder = Path("/etc/netns") / hosts.name(1)  # `ip netns exec` puts these files in /etc for host 1
     script = tmp_path / "job.py"
     script.write_text(_JOB)
-    unresolvable = ["--master_addr", "lockstep-master.invalid", "--rdzv_timeout", "3"]
-    try:
-        folder.mkdir(parents=True)
-        (folder / "resolv.conf").write_text(f"nameserver {hosts.address(0)}\noptions timeout:30 attempts:2\n")
-        (folder / "hosts").write_text("127.0.0.1 localhost\n")
+    unresolvable = ["--master_addr", _NO_ANSWER_NAME, "--rdzv_timeout", "3"]
+    with _silent_names(hosts, 1):
         # two launchers at once: one is left to give up, the other is stopped while it waits
         (tmp_path / "term").mkdir()
         started = time.monotonic()
@@ -416,12 +427,51 @@ def test_a_master_name_no_name_server_answers_for_ends_the_launcher_in_time_and_
         stopping = time.monotonic() - signalled
         assert node.wait(timeout=60) == 1, node.err
         took = time.monotonic() - started
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            Path("/etc/netns").rmdir()  # only if no one else keeps files there
     # the interface lookup gives up after 10 s, then the rendezvous after its 3 s (+ start-up)
     assert 10 + 3 <= took < 10 + 3 + 8, (took, node.err)
     assert "error: the master's name 'lockstep-master.invalid' did not resolve on this host within 3 s" in node.err
     assert code == 128 + signal.SIGTERM and stopping < 3, (code, stopping, stopped.err)
-    assert "received SIGTERM while waiting for the rendezvous store" in stopped.err, stopped.err
+    # at 3 s it looks up the master's name for the ranks' interface (10 s), before the rendezvous
+    assert "received SIGTERM while looking up the master" in stopped.err, stopped.err
+
+
+@pytest.mark.timeout(150)
+def test_the_master_and_a_single_node_launcher_look_up_names_with_a_deadline(hosts: Hosts, tmp_path: Path) -> None:
+    # On host 1, whose name server never answers, each given a name as --master_addr: a launcher of
+    # one node, which looked it up in bind() for the C library's minute and more, and two masters
+    # of two nodes, whose store's own client looked it up on the main thread, deaf to signals,
+    # retrying for the store's 30-minute timeout (issue 49). c10d also looks up the name of each
+    # address its client connects to, even the loopback one: that has a deadline too now.
+    script = tmp_path / "job.py"
+    script.write_text("print('ran')\n")
+    name = ["--master_addr", _NO_ANSWER_NAME]
+    with _silent_names(hosts, 1):
+        started = time.monotonic()
+        with open(tmp_path / "single.err", "wb") as err:
+            single = hosts.popen(1, [sys.executable, "-m", "lockstep", "-n", "1", *name, "--run_directory",
+                                     str(tmp_path / "single"), str(script)],
+                                 cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=err, stderr=err)
+        (tmp_path / "term").mkdir()
+        left = Node(hosts, 0, tmp_path, [str(script)], name, first=1)
+        stopped = Node(hosts, 0, tmp_path / "term", [str(script)], [*name, "--master_port", str(PORT + 1)], first=1)
+        time.sleep(3)  # started: looking the name up
+        stopped.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        stopped_code = stopped.wait(timeout=30)
+        stopping = time.monotonic() - signalled
+        try:
+            code = single.wait(timeout=60)
+        finally:
+            if single.poll() is None:
+                single.kill()
+        single_took = time.monotonic() - started
+        left_code = left.wait(timeout=60)
+        left_took = time.monotonic() - started
+    said = (tmp_path / "single.err").read_text()
+    assert code == 2 and single_took < 10 + 8, (code, single_took, said)
+    assert f"error: cannot bind the store port on the master's name '{_NO_ANSWER_NAME}' did not resolve within 10 s" \
+        in said, said
+    assert stopped_code == 128 + signal.SIGTERM and stopping < 3, (stopped_code, stopping, stopped.err)
+    assert "received SIGTERM" in stopped.err, stopped.err
+    assert left_code == 1 and left_took < 10 + 10, (left_code, left_took, left.err)
+    assert "error: the rendezvous store on port 29400 did not start (not started within 10 s)" in left.err, left.err

@@ -127,3 +127,36 @@ def tcp_store() -> type[TCPStore]:
     from torch.distributed import TCPStore as store_class
 
     return store_class
+
+
+def start_within(make: Callable[[], Any], meanwhile: Meanwhile = idle, deadline: float = CALL_S) -> Any:
+    """``make()``, a store's constructor, on a thread of its own, waited for at most ``deadline``
+    seconds through ``meanwhile`` (which raises :class:`Stopped` at a stopping signal).
+
+    A TCPStore that hosts the store also connects a client to it, and c10d then looks up the name
+    of the address it connects to (``getnameinfo``) on the calling thread, for as long as the name
+    server takes: where it does not answer, a minute a try, deaf to signals. Not started within the
+    deadline, or failed: :class:`StoreLost`."""
+    box: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, make()))
+        except Exception as e:  # noqa: BLE001 - reported as the store's loss, in one line
+            box.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, name="lockstep-store-start", daemon=True).start()
+    until = time.monotonic() + deadline
+    pause = 0.001
+    while not done.wait(pause):
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            raise StoreLost(f"not started within {deadline:g} s")
+        pause = min(2 * pause, _SLICE_S, remaining)
+        meanwhile(pause)
+    ok, value = box[0]
+    if not ok:
+        raise StoreLost(str(value).splitlines()[0] if str(value) else type(value).__name__)
+    return value

@@ -13,6 +13,7 @@ any node makes every node print its own ranks' stacks.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lockstep.launcher import resolver
 from lockstep.launcher.interface import interface_env
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
@@ -40,7 +42,7 @@ from lockstep.launcher.report import (
 )
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
 from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose, stall_failures
-from lockstep.launcher.store import Stopped, StoreLost, tcp_store
+from lockstep.launcher.store import Stopped, StoreLost, start_within, tcp_store
 from lockstep.launcher.stopping import (
     HANDLED,
     PASSED_ON,
@@ -102,6 +104,8 @@ class Supervisor:
         self._mark = ""
         """What every rank's environment carries so that the watchdog finds the job (:mod:`tree`)."""
         self._reaper = Reaper(lambda: ())
+        self._store_host = plan.master_addr
+        """Where this launcher reaches the job's store: the master's address, or its own on the master."""
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -121,12 +125,18 @@ class Supervisor:
             try:
                 # On several nodes the store must outlive ranks and restarts: this launcher hosts it.
                 if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
-                    launcher_store = _store_server(self.plan, listener)
+                    launcher_store = self._host_store(listener)
+                    if isinstance(launcher_store, int):
+                        return launcher_store
                 if self.plan.is_multinode:
                     self._interface, line = interface_env(self.plan.master_addr, os.environ,
                                                           lambda: self._stopping(wake_r))
                     if self.plan.verbose:
                         say(line)
+                    if self._signals_seen:  # it came during the lookup, which gave up at once
+                        say(f"received {signal.Signals(self._signals_seen[0]).name} while looking up the master")
+                        return 128 + self._signals_seen[0]
+                    self._store_host = own_address(listener) if listener else self.plan.master_addr
                     joined = self._join_job(port, launcher_store, wake_r)
                     if isinstance(joined, int):
                         return joined
@@ -144,13 +154,25 @@ class Supervisor:
                 if listener:
                     listener.close()
 
+    def _host_store(self, listener: socket.socket) -> Any:
+        """The store this launcher hosts on ``listener``, started within a deadline (the exit code if not)."""
+        tcp_store()  # torch loads here, on the main thread, and not on the deadline's time
+        try:
+            return start_within(lambda: _store_server(self.plan, listener), self._meanwhile)
+        except Stopped as e:
+            return 128 + e.signum
+        except StoreLost as e:
+            say(f"error: the rendezvous store on port {listener.getsockname()[1]} did not start ({e}); torch's "
+                f"store looks up the names of the addresses it connects to: check this host's name server")
+            return LOST_EXIT_CODE
+
     def _join_job(self, port: int, launcher_store: Any, wake_r: int) -> JobChannel | int:
         """Connect this node's launcher to the others through the store (the exit code if not)."""
         if not self.plan.hosts_store:
             code = self._await_store(port, wake_r)
             if code is not None:
                 return code
-        channel = JobChannel.connect(self.plan.master_addr, port, self.plan.node_rank,
+        channel = JobChannel.connect(self._store_host, port, self.plan.node_rank,
                                      self.plan.group_world_size, server=launcher_store)
         channel.meanwhile = self._meanwhile
         self._channel = channel
@@ -258,7 +280,7 @@ class Supervisor:
         A restart's ranks rendezvous in a fresh store: torch's env:// rendezvous keeps no
         per-attempt prefix, so the old attempt's keys would mislead them."""
         if attempt and self.plan.hosts_store:
-            self._attempt_store = _store_server(self.plan)  # the previous one closes with it
+            self._attempt_store = start_within(lambda: _store_server(self.plan), self._meanwhile)  # the last one closes
             channel.publish_port(attempt, self._attempt_store.port)
         missing = channel.begin(attempt, self.plan.rdzv_timeout)
         if missing:
@@ -300,10 +322,19 @@ class Supervisor:
         multinode = self.plan.is_multinode
         host = "" if multinode else self.plan.master_addr
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            # looked up here, with a deadline: bind() would ask the C library, for a minute and more
+            # where the name server does not answer
+            address = resolver.getaddrinfo(host, self.plan.master_port or 0, family, socket.SOCK_STREAM)[0][4] \
+                if host else (host, self.plan.master_port or 0)
+        except resolver.Unresolved as e:
+            say(f"error: cannot bind the store port on the master's name {e}: pass --master_addr an "
+                f"address, or a name this host resolves")
+            return 2
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, self.plan.master_port or 0))
+            sock.bind(address)
         except OSError as e:
             sock.close()
             say(f"error: cannot bind the store port {self.plan.master_port} on {host or '*'} "
@@ -545,14 +576,24 @@ class Supervisor:
 
 def _store_server(plan: LaunchPlan, listener: socket.socket | None = None):
     """A c10d store hosted by this launcher: on ``listener``'s socket (-c runs commands that do
-    not host one; a multi-node job's store outlives its ranks), or on a free port (the ranks of a
-    multi-node restart)."""
+    not host one; a multi-node job's store outlives its ranks), or on a free port of every
+    interface (the ranks of a multi-node restart). Its own client connects to an address of this
+    host (:func:`own_address`), never to the master's name: c10d would look that up on the main
+    thread, retrying for as long as the store's timeout while a name server does not answer."""
     import datetime
 
     store_class = tcp_store()
     if listener is None:
-        return store_class(plan.master_addr, 0, plan.world_size, True, datetime.timedelta(seconds=1800),
+        return store_class("127.0.0.1", 0, plan.world_size, True, datetime.timedelta(seconds=1800),
                            wait_for_workers=False)
-    return store_class(plan.master_addr, listener.getsockname()[1], plan.world_size, True,
-                       datetime.timedelta(seconds=1800), wait_for_workers=False,
-                       master_listen_fd=listener.fileno())
+    return store_class(own_address(listener), listener.getsockname()[1], plan.world_size, True,
+                       datetime.timedelta(seconds=1800), wait_for_workers=False, master_listen_fd=listener.fileno())
+
+
+def own_address(listener: socket.socket | None) -> str:
+    """The address this launcher reaches the store it hosts at: the one its socket is bound to,
+    the loopback address where it listens on every interface (or hosts no socket)."""
+    host = listener.getsockname()[0] if listener is not None else "0.0.0.0"
+    if ipaddress.ip_address(host.split("%", 1)[0]).is_unspecified:
+        return "::1" if ":" in host else "127.0.0.1"
+    return host
