@@ -34,10 +34,6 @@ def s3() -> Iterator[seaweed.SeaweedServer]:
         server.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cause outside the launcher: lockstep/checkpoint/saver.py's _after_uploads and _finish_uploads raise "
-    "rank N's upload failure on every rank without progress.echo(N), so the launcher cannot tell the echo "
-    "from the origin; remove this mark once they call it"))
 def test_a_killed_upload_process_is_blamed_on_its_own_rank(s3: seaweed.SeaweedServer, tmp_path: Path) -> None:
     bucket = s3.create_bucket("attribution")
     result = launch(["-n", "2", "--run_directory", str(tmp_path / "run"), str(JOB), bucket], cwd=tmp_path,

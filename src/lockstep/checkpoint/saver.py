@@ -528,6 +528,7 @@ class CheckpointSaver:
         assert self.uploader is not None and self.remote is not None
         failed = next(((r, s[1]) for r, s in enumerate(states) if s is not None and s[1] is not None), None)
         if failed is not None:
+            progress.echo(failed[0])  # every rank raises it: the launcher names the rank it came from
             where = "" if dist.get_world_size() == 1 else f" on rank {failed[0]}"
             raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {failed[1]}")
         done = [None if s is None else s[0] for s in states]
@@ -556,6 +557,7 @@ class CheckpointSaver:
         first = _agreement.first_error(failure, device=self._device)
         if first is not None:
             assert self.remote is not None
+            progress.echo(first[0])
             where = "" if dist.get_world_size() == 1 else f" on rank {first[0]}"
             raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {first[1]}")
 
