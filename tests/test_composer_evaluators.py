@@ -78,7 +78,8 @@ def test_fit_evaluates_once_more_at_its_end_as_composer_does() -> None:
                               ("ep", 10), ("b3", 10)]
     trainer.fit(duration="2ba")
     assert evaluated.seen[9:] == [("b3", 12), ("ep", 12), ("b5", 12)]
-    trainer.fit()  # nothing left to train: no evaluation either
+    with pytest.raises(ValueError, match="No training would occur"):  # nothing left to train: refused, as Composer
+        trainer.fit()
     assert len(evaluated.seen) == 12
 
 

@@ -293,6 +293,14 @@ class State:
         else:
             self.dataloader_len = dataloader_len
 
+    def active_dataloader(self) -> tuple[Any, str | None, Time | None]:
+        """``(dataloader, dataloader_label, dataloader_len)``, to put back with :meth:`restore_dataloader`."""
+        return self._dataloader, self._dataloader_label, self._dataloader_len
+
+    def restore_dataloader(self, active: tuple[Any, str | None, Time | None]) -> None:
+        """Make what :meth:`active_dataloader` returned active again, as it was (nothing recounted)."""
+        self._dataloader, self._dataloader_label, self._dataloader_len = active
+
     @property
     def dataloader_len(self) -> Time | None:
         """Batches per iteration of the active dataloader (None: unknown, or no dataloader)."""

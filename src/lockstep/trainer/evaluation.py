@@ -94,7 +94,7 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
 
     Samples a DistributedSampler repeats to pad the ranks' shares are left out."""
     was_training, training_batch = state.model.training, state.batch
-    outer = state.dataloader, state.dataloader_label, state.dataloader_len
+    outer = state.active_dataloader()
     spec = evaluator.dataloader
     state.set_dataloader(spec.dataloader, evaluator.label, -1 if limit is None else limit)
     state.eval_timestamp = Timestamp()
@@ -111,9 +111,7 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
     run_event(Event.EVAL_END)
     state.model.train(was_training)
     state.batch, state.outputs = training_batch, None
-    state.set_dataloader(outer[0], outer[1])
-    if outer[0] is not None and outer[2] is not None:
-        state.dataloader_len = outer[2]
+    state.restore_dataloader(outer)
     return results
 
 
