@@ -12,6 +12,6 @@ from lockstep.core.types import JSON, Batch, Dataset, TrainerMode
 from lockstep.core.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, ensure_time
 
-__all__ = ["JSON", "Algorithm", "Batch", "Callback", "DataSpec", "Dataset", "Engine", "Evaluator", "Event", "Precision", "State",
-           "Time", "TimeUnit", "Timestamp", "Trace", "Traces", "TrainerMode", "ensure_data_spec", "ensure_evaluator", "ensure_time",
-           "get_precision_context"]
+__all__ = ["JSON", "Algorithm", "Batch", "Callback", "DataSpec", "Dataset", "Engine", "Evaluator", "Event",
+           "Precision", "State", "Time", "TimeUnit", "Timestamp", "Trace", "Traces", "TrainerMode", "ensure_data_spec",
+           "ensure_evaluator", "ensure_time", "get_precision_context"]

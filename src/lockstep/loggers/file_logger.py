@@ -100,7 +100,8 @@ class FileLogger(LoggerDestination):
         for name, value in hyperparameters.items():
             self._add_text("[hyperparameter]: ", f"{name}: {format_log_data_value(value)} \n", own_line=True)
 
-    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table", step: int | None = None) -> None:
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
+                  step: int | None = None) -> None:
         """One line: the table as JSON (``{"columns": [...], "data": [[...], ...]}``), as Composer writes it."""
         table = json.dumps({"columns": list(columns), "data": [list(r) for r in rows]}, separators=(",", ":"),
                            ensure_ascii=False)

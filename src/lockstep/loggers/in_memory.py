@@ -63,7 +63,8 @@ class InMemoryLogger(LoggerDestination):
         import numpy as np
 
         if metric not in self.data:
-            raise ValueError(f"get_timeseries({metric!r}): no such metric was logged (there: {sorted(self.data)})")
+            raise ValueError(f"get_timeseries({metric!r}): no such metric was logged "
+                             f"(there: {sorted(self.data)})")
         series: dict[str, list[Any]] = {}
         for timestamp, value in self.data[metric]:
             series.setdefault(metric, []).append(float(value) if isinstance(value, torch.Tensor) else value)

@@ -50,8 +50,9 @@ def check_path(path: object, what: str, *, any_scheme: bool = False) -> None:
         return
     scheme = almost["scheme"].lower()
     if scheme == "dbfs":  # Databricks writes its URIs with one slash: dbfs:/Volumes/...
-        raise UnsupportedScheme(f"{what}={path!r}: dbfs: object stores are not supported (lockstep supports s3:// "
-                                f"only for now); use an s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) or a local path")
+        raise UnsupportedScheme(f"{what}={path!r}: dbfs: object stores are not supported (lockstep supports "
+                                f"s3:// only for now); use an s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) "
+                                f"or a local path")
     raise ValueError(f"{what}={path!r} is not an object store URI (it would be a local path under "
                      f"'{path.split('/', 1)[0]}'): write '{scheme}://{almost['rest']}'")
 
