@@ -346,6 +346,21 @@ def test_a_store_call_that_gets_no_answer_ends_at_its_deadline_and_the_client_st
         assert time.monotonic() - start < 1.0
 
 
+def test_a_call_abandoned_at_a_stopping_signal_leaves_the_client_usable_to_record_the_signal() -> None:
+    store_class = tcp_store()
+    server = store_class("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    client = StoreClient(lambda: store_class("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=60)),
+                         f"127.0.0.1:{server.port}", deadline=10.0)
+
+    def stop(seconds: float) -> None:
+        raise Stopped(signal.SIGTERM)
+
+    with pytest.raises(Stopped):
+        client.call("wait", ["k"], meanwhile=stop)  # waits for a key no one has set yet
+    server.set("k", "1")  # the abandoned call ends on its thread; the next one runs behind it
+    assert client.call("add", "recorded", 1) == 1 and server.add("recorded", 0) == 1
+
+
 def test_a_rank_exit_taken_while_a_store_call_was_out_does_not_wake_the_monitor_again_and_again() -> None:
     # the supervisor's Waiter during a store call sees the exit; the monitor's Waiter must not spin on it
     proc = subprocess.Popen([sys.executable, "-c", "pass"])

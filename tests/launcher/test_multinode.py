@@ -229,6 +229,48 @@ def test_a_stopping_signal_to_one_launcher_is_the_cause_every_node_reports(
     assert f"received {signum.name}, forwarding it to every rank" in outs[node][1]
 
 
+def test_a_signal_while_a_launcher_waits_for_the_store_is_the_cause_the_others_report(tmp_path: Path) -> None:
+    """Node 1 is signalled while it waits for node 2 to join, inside a store wait, and must still
+    record the signal: without it, the others would find node 1 lost (exit 1) once node 2 joins."""
+    import datetime
+
+    from lockstep.launcher.store import tcp_store
+
+    script = tmp_path / "job.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    port = _free_port()
+
+    def start(node: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lockstep", "-n", "1", "--world_size", "3", "--node_rank", str(node),
+             "--master_addr", "127.0.0.1", "--master_port", str(port), "--rdzv_timeout", "60",
+             "--run_directory", str(tmp_path / f"run{node}"), str(script)],
+            cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+
+    nodes = [start(0), start(1)]
+    try:
+        store = tcp_store()("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
+        deadline = time.monotonic() + 60
+        while store.add("lockstep/attempt0/joined", 0) < 2:  # both joined, and wait for node 2
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes)
+            time.sleep(0.1)
+        nodes[1].send_signal(signal.SIGTERM)
+        _, said = nodes[1].communicate(timeout=30)
+        assert nodes[1].returncode == 128 + signal.SIGTERM, said
+        nodes.append(start(2))
+        outs = {n: nodes[n].communicate(timeout=60)[1] for n in (0, 2)}
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.communicate()
+    assert [nodes[n].returncode for n in (0, 2)] == [128 + signal.SIGTERM] * 2, outs
+    for err in outs.values():
+        assert "the job stopped: the launcher on node 1 (host" in err and "received SIGTERM" in err, err
+        assert "stopped answering" not in err, err
+
+
 def _failure(cause: str, when: float, rank: int = 0) -> Failure:
     return Failure(0, "h", rank, 1, when, cause=cause)
 

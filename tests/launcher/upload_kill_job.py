@@ -44,9 +44,10 @@ def main(bucket: str) -> None:
     torch.manual_seed(0)
     model = MLP()
     kill = KillUploads()
-    trainer = Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
-                      device="cpu", progress_bar=False, seed=3, max_duration="6ba", run_name="r",
-                      save_folder=f"s3://{bucket}/r", save_interval="2ba", callbacks=[kill])
+    trainer = Trainer(model=model, train_dataloader=loader(4),
+                      optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), device="cpu", progress_bar=False,
+                      seed=3, max_duration="6ba", run_name="r", save_folder=f"s3://{bucket}/r", save_interval="2ba",
+                      callbacks=[kill])
     kill.trainer = trainer
     trainer.fit()
 

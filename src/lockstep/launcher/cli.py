@@ -252,8 +252,8 @@ def _master(args: argparse.Namespace, env: Mapping[str, str], multinode: bool,
             port = step.master_port
             notes.append(f"SLURM: master port {port}, from SLURM_JOB_ID")
     if addr is not None and not torchrun.is_host(addr):
-        source = "env PET_MASTER_ADDR" if "--master-addr" in pet else "--master_addr" if args.master_addr \
-            is not None else "env MASTER_ADDR"
+        source = "env PET_MASTER_ADDR" if "--master-addr" in pet else \
+            "--master_addr" if args.master_addr is not None else "env MASTER_ADDR"
         raise LaunchError(f"{source} {addr!r} is not a host name or an IP address"
                           f"{' (write an IPv6 address without brackets)' if addr.startswith('[') else ''}; "
                           f"for HOST:PORT use --rdzv-endpoint")

@@ -183,13 +183,15 @@ class JobChannel:
 
     # -- failures -----------------------------------------------------------------------------
 
-    def report(self, failure: Failure) -> None:
-        self._call("append", self._key("failures"), failure.to_json() + "\n")
-        self._call("add", self._key("failed"), 1)
+    def report(self, failure: Failure, meanwhile: Meanwhile | None = None) -> None:
+        """Record ``failure`` for every node (``meanwhile``: what the wait does instead of :attr:`meanwhile`,
+        ``idle`` on a thread other than the main one)."""
+        self._call("append", self._key("failures"), failure.to_json() + "\n", meanwhile=meanwhile)
+        self._call("add", self._key("failed"), 1, meanwhile=meanwhile)
 
-    def done_reporting(self) -> None:
+    def done_reporting(self, meanwhile: Meanwhile | None = None) -> None:
         """This node has recorded every failure it will: deciders need not wait for it."""
-        self._call("set", self._key(f"stage{self.node}"), str(_REPORTED))
+        self._call("set", self._key(f"stage{self.node}"), str(_REPORTED), meanwhile=meanwhile)
 
     def leave(self) -> None:
         """This node is done with the store (it will not restart)."""
@@ -286,8 +288,8 @@ class JobChannel:
     def _key(self, name: str) -> str:
         return self._prefix + name
 
-    def _call(self, name: str, *args: Any) -> Any:
-        return self._store.call(name, *args, meanwhile=self.meanwhile)
+    def _call(self, name: str, *args: Any, meanwhile: Meanwhile | None = None) -> Any:
+        return self._store.call(name, *args, meanwhile=meanwhile or self.meanwhile)
 
     def _pause(self, seconds: float) -> None:
         """Wait between polls of the store, doing the main thread's other work meanwhile."""

@@ -7,8 +7,9 @@ each signal's number arrives as a byte on a pipe that it selects on with the ran
 
 The teardown, after any end of the job, gives the live ranks the grace period and then SIGKILLs
 every process of the job (:mod:`tree`): each rank's process group, and whatever left it, since
-as a subreaper the launcher adopts every orphan below it. After a stopping signal, a rank it had to kill counts as stopped
-as asked: the kill was the launcher's doing, and the report says so instead of blaming the rank.
+as a subreaper the launcher adopts every orphan below it. After a stopping signal, a rank it had
+to kill counts as stopped as asked: the kill was the launcher's doing, and the report says so
+instead of blaming the rank.
 """
 
 from __future__ import annotations

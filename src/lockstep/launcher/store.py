@@ -5,14 +5,18 @@ waiting for keys, not a network that drops packets silently), and a launcher blo
 stop draining its ranks' output and handling signals. So :class:`StoreClient` runs the calls on a
 thread of its own, while the caller waits for the answer through a ``meanwhile`` hook that does the
 main thread's other work (the supervisor's drains output and catches signals; a stopping signal
-abandons the call: :class:`Stopped`). A call not answered within ``CALL_S``, or failed, makes the
+abandons the wait: :class:`Stopped`, while the call itself goes on, so that the signal can still be
+recorded for the other nodes behind it). A call not answered within ``CALL_S``, or failed, makes the
 client lost for good (:class:`StoreLost`); a node that restarts connects again.
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -94,11 +98,7 @@ class StoreClient:
                 self.lost = f"no answer within {self._deadline:g} s"
                 raise StoreLost(self.lost)
             pause = min(2 * pause, _SLICE_S, remaining)
-            try:
-                meanwhile(pause)
-            except Stopped:
-                self.lost = "a call was abandoned at a stopping signal"
-                raise
+            meanwhile(pause)  # Stopped: the call goes on in the thread, and a next one waits behind it
         ok, value = box[0]
         if not ok:
             self.lost = str(value).splitlines()[0] if str(value) else type(value).__name__
@@ -160,3 +160,26 @@ def start_within(make: Callable[[], Any], meanwhile: Meanwhile = idle, deadline:
     if not ok:
         raise StoreLost(str(value).splitlines()[0] if str(value) else type(value).__name__)
     return value
+
+
+def host_store(world_size: int, listener: socket.socket | None = None) -> TCPStore:
+    """A c10d store hosted by this launcher: on ``listener``'s socket (-c runs commands that do
+    not host one; a multi-node job's store outlives its ranks), or on a free port of every
+    interface (the ranks of a multi-node restart). Its own client connects to an address of this
+    host (:func:`own_address`), never to the master's name: c10d would look that up on the main
+    thread, retrying for as long as the store's timeout while a name server does not answer."""
+    store_class = tcp_store()
+    if listener is None:
+        return store_class("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=1800),
+                           wait_for_workers=False)
+    return store_class(own_address(listener), listener.getsockname()[1], world_size, True,
+                       datetime.timedelta(seconds=1800), wait_for_workers=False, master_listen_fd=listener.fileno())
+
+
+def own_address(listener: socket.socket | None) -> str:
+    """The address this launcher reaches the store it hosts at: the one its socket is bound to,
+    the loopback address where it listens on every interface (or hosts no socket)."""
+    host = listener.getsockname()[0] if listener is not None else "0.0.0.0"
+    if ipaddress.ip_address(host.split("%", 1)[0]).is_unspecified:
+        return "::1" if ":" in host else "127.0.0.1"
+    return host

@@ -13,13 +13,13 @@ any node makes every node print its own ranks' stacks.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,16 @@ from lockstep.launcher.report import (
 )
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
 from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose, stall_failures
-from lockstep.launcher.store import Stopped, StoreLost, start_within, tcp_store
+from lockstep.launcher.store import (
+    Meanwhile,
+    Stopped,
+    StoreLost,
+    host_store,
+    idle,
+    own_address,
+    start_within,
+    tcp_store,
+)
 from lockstep.launcher.stopping import (
     HANDLED,
     PASSED_ON,
@@ -105,6 +114,8 @@ class Supervisor:
         """What every rank's environment carries so that the watchdog finds the job (:mod:`tree`)."""
         self._reaper = Reaper(lambda: ())
         self._store_host = plan.master_addr
+        self._signal_recorded = False
+        """Whether this launcher recorded (or began to record) a stopping signal for the other nodes."""
         """Where this launcher reaches the job's store: the master's address, or its own on the master."""
 
     def run(self) -> int:
@@ -158,7 +169,7 @@ class Supervisor:
         """The store this launcher hosts on ``listener``, started within a deadline (the exit code if not)."""
         tcp_store()  # torch loads here, on the main thread, and not on the deadline's time
         try:
-            return start_within(lambda: _store_server(self.plan, listener), self._meanwhile)
+            return start_within(lambda: host_store(self.plan.world_size, listener), self._meanwhile)
         except Stopped as e:
             return 128 + e.signum
         except StoreLost as e:
@@ -216,8 +227,7 @@ class Supervisor:
                         continue
                     return code
             except Stopped as e:  # while waiting for the store: the signal went on to the ranks already
-                self._teardown(self._ranks, wake_r, watchdog, None)
-                return signalled_code(self._ranks, e.signum)
+                return self._stopped_while_waiting(e.signum, wake_r, watchdog)
             except StoreLost as e:
                 self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)  # their last words, then the verdict
                 code = self._lost_master(port, str(e), attempt)
@@ -228,6 +238,24 @@ class Supervisor:
             if code is not None:
                 return code
         raise AssertionError("unreachable")
+
+    def _stopped_while_waiting(self, signum: int, wake_r: int, watchdog: Watchdog) -> int:
+        """A stopping signal that came while the main thread waited for the store, and went on to
+        the ranks: recorded for the other nodes, as any other, on a thread of its own while the
+        ranks are torn down (the store may not answer, and the grace period is all there is);
+        the launcher's exit code."""
+        channel, recorded = self._channel, threading.Event()
+        if channel is not None and not self._signal_recorded:
+            def record() -> None:
+                if self._record_signal(channel, signum, idle):
+                    recorded.set()
+            threading.Thread(target=record, name="lockstep-record", daemon=True).start()
+        until = time.monotonic() + self.plan.grace_period
+        self._teardown(self._ranks, wake_r, watchdog, None)
+        code = signalled_code(self._ranks, signum)
+        if channel is not None and recorded.wait(max(0.0, until - time.monotonic())):
+            self._leave(channel, wake_r)  # the master keeps the store up until the others read it
+        return code
 
     def _lost_master(self, port: int, why: str, attempt: int) -> int | None:
         """The store stopped answering (this node's ranks already stopped): say so, and since when;
@@ -280,7 +308,8 @@ class Supervisor:
         A restart's ranks rendezvous in a fresh store: torch's env:// rendezvous keeps no
         per-attempt prefix, so the old attempt's keys would mislead them."""
         if attempt and self.plan.hosts_store:
-            self._attempt_store = start_within(lambda: _store_server(self.plan), self._meanwhile)  # the last one closes
+            # the previous attempt's store closes as this one replaces it
+            self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
             channel.publish_port(attempt, self._attempt_store.port)
         missing = channel.begin(attempt, self.plan.rdzv_timeout)
         if missing:
@@ -466,17 +495,22 @@ class Supervisor:
         """A stopping signal: record it for the other nodes (before any rank of theirs can fail
         because of it), then pass it on to this node's ranks."""
         self._signals_seen.append(signum)
-        if channel is not None:
-            self._record_signal(channel, signum)
-        forward(ranks, signum)
+        try:
+            if channel is not None:
+                self._record_signal(channel, signum)
+        finally:  # also at a second signal during the record (Stopped)
+            forward(ranks, signum)
 
-    def _record_signal(self, channel: JobChannel, signum: int) -> None:
+    def _record_signal(self, channel: JobChannel, signum: int, meanwhile: Meanwhile | None = None) -> bool:
+        """Record for the other nodes that this launcher received ``signum``; whether the store took it."""
+        self._signal_recorded = True
         try:
             channel.report(Failure(self.plan.node_rank, channel.host, -1, 128 + signum, time.time(),
-                                   pid=os.getpid(), cause=SIGNALLED))
-            channel.done_reporting()
+                                   pid=os.getpid(), cause=SIGNALLED), meanwhile)
+            channel.done_reporting(meanwhile)
         except StoreLost:
-            pass  # the other nodes will find this one lost instead
+            return False  # the other nodes will find this one lost instead
+        return True
 
     def _first_failure(self, exited: list[Rank], channel: JobChannel | None) -> _Failure | None:
         """The first of the ranks that just exited to have failed, recorded for the other nodes.
@@ -572,28 +606,3 @@ class Supervisor:
     def _teardown(self, ranks: list[Rank], wake_r: int, watchdog: Watchdog, first: int | None) -> None:
         """Signal the live ranks (unless already done), give them the grace period, then SIGKILL."""
         self._signals_seen.extend(teardown(ranks, wake_r, watchdog, self.plan.grace_period, first))
-
-
-def _store_server(plan: LaunchPlan, listener: socket.socket | None = None):
-    """A c10d store hosted by this launcher: on ``listener``'s socket (-c runs commands that do
-    not host one; a multi-node job's store outlives its ranks), or on a free port of every
-    interface (the ranks of a multi-node restart). Its own client connects to an address of this
-    host (:func:`own_address`), never to the master's name: c10d would look that up on the main
-    thread, retrying for as long as the store's timeout while a name server does not answer."""
-    import datetime
-
-    store_class = tcp_store()
-    if listener is None:
-        return store_class("127.0.0.1", 0, plan.world_size, True, datetime.timedelta(seconds=1800),
-                           wait_for_workers=False)
-    return store_class(own_address(listener), listener.getsockname()[1], plan.world_size, True,
-                       datetime.timedelta(seconds=1800), wait_for_workers=False, master_listen_fd=listener.fileno())
-
-
-def own_address(listener: socket.socket | None) -> str:
-    """The address this launcher reaches the store it hosts at: the one its socket is bound to,
-    the loopback address where it listens on every interface (or hosts no socket)."""
-    host = listener.getsockname()[0] if listener is not None else "0.0.0.0"
-    if ipaddress.ip_address(host.split("%", 1)[0]).is_unspecified:
-        return "::1" if ":" in host else "127.0.0.1"
-    return host
