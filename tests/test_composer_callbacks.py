@@ -171,9 +171,10 @@ def _crossing(losses: list[float]) -> tuple[float, int]:
 def test_the_stoppers_say_what_to_watch() -> None:
     message = error_of(fit, callbacks=[EarlyStopper("Accuracy", "eval")], eval_dataloader=loader(14))
     assert message.startswith("EarlyStopper: no metric 'Accuracy' for dataloader_label 'eval' (there: accuracy, loss)")
-    message = error_of(fit, callbacks=[ThresholdStopper("accuracy", "train", 0.5)])
+    message = error_of(fit, callbacks=[ThresholdStopper("precision", "train", 0.5)])  # not a training metric
     assert message.startswith("ThresholdStopper: dataloader_label 'train' watches the training loss: "
                               "set monitor='loss'")
+    assert error_of(fit, callbacks=[ThresholdStopper("accuracy", "train", 0.5)]) == "no error"  # a training metric
     assert "use 'gt', 'greater', 'lt', 'less'" in error_of(EarlyStopper, "loss", "eval", comp="bigger")
     assert "epochs or batches" in error_of(EarlyStopper, "loss", "eval", patience="10sp")
 

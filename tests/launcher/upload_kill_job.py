@@ -1,8 +1,10 @@
 """A Trainer job for test_upload_attribution.py: ``python upload_kill_job.py BUCKET``.
 
-Two DDP ranks save to ``s3://BUCKET/r`` every 2 batches; after batch 3, rank 0 SIGKILLs its own
-upload process and waits until its uploader has seen the loss, so the save of batch 4 fails on
-every rank with rank 0's error. Rank 0 then takes a second longer to exit than rank 1, as a rank
+Two DDP ranks save to ``s3://BUCKET/r`` every 2 batches; once batch 2's save is handed to the
+background writer (BATCH_CHECKPOINT), and so before its upload is handed to the upload process,
+rank 0 SIGKILLs its own upload process and waits until its uploader has seen the loss (at that
+hand-over, however fast or slow the machine), so the save of batch 4 fails on every rank with
+rank 0's error. Rank 0 then takes a second longer to exit than rank 1, as a rank
 with more to shut down does: the launcher must still name rank 0.
 """
 
@@ -27,8 +29,8 @@ class KillUploads(Callback):
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
 
-    def batch_end(self, state, logger) -> None:
-        if state.timestamp.batch.value != 3 or os.environ["RANK"] != "0":
+    def batch_checkpoint(self, state, logger) -> None:
+        if state.timestamp.batch.value != 2 or os.environ["RANK"] != "0":
             return
         assert self.trainer is not None and self.trainer.saver is not None
         uploader = self.trainer.saver.uploader

@@ -1,8 +1,9 @@
 """What the stopping callbacks share: reading the watched metric, and the comparison to apply to it.
 
 Evaluation results are in ``state.eval_metrics`` as Composer keeps them, ``{label: {name: Metric}}``
-(each evaluator's metrics and lockstep's ``'loss'``). The training side (label ``'train'``) is the
-training loss, ``'loss'``, averaged over the ranks so that every rank takes the same decision.
+(each evaluator's metrics and lockstep's ``'loss'``). The training side (label ``'train'``) is one
+of the model's training metrics (``state.train_metrics``), or the training loss, ``'loss'``,
+averaged over the ranks so that every rank takes the same decision.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ def watched_value(state: State, monitor: str, dataloader_label: str, owner: str)
 
 
 def _train_value(state: State, monitor: str, owner: str) -> torch.Tensor:
-    train_metrics = getattr(state, "train_metrics", None)  # Composer's State has them; lockstep's not yet
+    train_metrics = getattr(state, "train_metrics", None)
     if train_metrics and monitor in train_metrics:
         return _as_tensor(train_metrics[monitor])
     if monitor not in TRAIN_LOSS_NAMES:
         raise ValueError(f"{owner}: dataloader_label 'train' watches the training loss: set monitor='loss' "
-                         f"(got {monitor!r}), or watch an eval metric with dataloader_label='eval'")
+                         f"(got {monitor!r}, which is not one of the model's training metrics), or watch an eval "
+                         f"metric with dataloader_label='eval'")
     if state.loss is None:
         raise ValueError(f"{owner}: there is no training loss yet to watch")
     loss = state.loss.detach().float().reshape(()).clone()

@@ -29,7 +29,10 @@ def reset(state: State) -> None:
 
 
 def update(state: State, batch: Any, outputs: Any) -> None:
-    """Update every training metric with one microbatch's ``outputs`` (in eval mode, no gradients)."""
+    """Update every training metric with one microbatch's ``outputs`` (in eval mode, no gradients);
+    outputs a callback freed (``FreeOutputs``: an empty tensor) update nothing."""
+    if outputs is None or isinstance(outputs, torch.Tensor) and outputs.numel() == 0:
+        return
     model = state.model
     with torch.no_grad(), model_eval_mode(model):
         eval_outputs = model.eval_forward(batch, outputs)
@@ -37,8 +40,9 @@ def update(state: State, batch: Any, outputs: Any) -> None:
             model.update_metric(batch, eval_outputs, metric)
 
 
-def compute_and_log(state: State, logger: Any) -> None:
-    """Compute each metric over all ranks (a collective), keep its value, and log it."""
+def compute(state: State) -> dict[str, Any]:
+    """Compute each metric over all ranks (a collective) and keep its value; what to log, as
+    ``{'metrics/train/<name>': value}``."""
     values = {name: metric.compute() for name, metric in state.train_metrics.items()}  # type: ignore[union-attr]
     state.train_metric_values.update(values)
-    logger.log_metrics({f"metrics/train/{name}": value for name, value in values.items()})
+    return {f"metrics/train/{name}": value for name, value in values.items()}

@@ -383,8 +383,8 @@ class Trainer:
         before = s.timestamp
         tokens = int(tokens)  # a sum over the ranks may still be on its way
         now = time.perf_counter()
-        if s.train_metrics:  # Composer's order: computed over the ranks before the timestamp moves
-            train_metrics.compute_and_log(s, self.logger)
+        # Composer's order: computed over the ranks before the timestamp moves; logged with the batch
+        trained = train_metrics.compute(s) if s.train_metrics else None
         s.previous_timestamp = before
         s.timestamp = after = before.to_next_batch(samples, tokens, now - self._clock)
         self._clock = now
@@ -394,7 +394,7 @@ class Trainer:
         for scheduler in self._batch_schedulers:  # after the timestamp: the lr of the next batch
             scheduler.step()
         if self._logging:
-            self._log_batch()
+            self._log_batch(trained)
         self._run_event(Event.BATCH_END)
         if self.evaluators:
             self._evaluate_due(before, Event.BATCH_END)
@@ -443,11 +443,12 @@ class Trainer:
         strategy.optimizer_step()
         return loss
 
-    def _log_batch(self) -> None:
-        """Rank 0's loss of this batch (a tensor: destinations read it off the training thread)."""
+    def _log_batch(self, trained: dict[str, Any] | None) -> None:
+        """Rank 0's loss of this batch (a tensor: destinations read it off the training thread), and
+        the training metrics (``trained``) when the model has some."""
         s = self.state
         self.logger.log_metrics({"loss/train/total": s.loss_tensor, "time/batch": s.timestamp.batch.value,
-                                 "time/epoch": s.timestamp.epoch.value})
+                                 "time/epoch": s.timestamp.epoch.value, **(trained or {})})
 
     def _count(self, batch: Any) -> tuple[int, int]:
         return self._num_samples(batch), self._num_tokens(batch)
