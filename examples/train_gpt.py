@@ -282,6 +282,8 @@ class GPT(lockstep.Model):
         return F.cross_entropy(outputs.reshape(-1, self.vocab_size).float(), batch[:, 1:].reshape(-1))
 
     def get_metrics(self, is_train: bool = False) -> dict[str, torchmetrics.Metric]:
+        if is_train:  # training metrics would cost a collective every step; the loss says enough
+            return {}
         return {"LanguageCrossEntropy": LanguageCrossEntropy(), "LanguagePerplexity": LanguagePerplexity()}
 
     def update_metric(self, batch: torch.Tensor, outputs: torch.Tensor, metric: torchmetrics.Metric) -> None:
