@@ -260,6 +260,54 @@ def test_resume_with_random_augmentation_and_a_global_rng_sampler(tmp_path: Path
     assert_bitwise(resumed, reference)
 
 
+class LazyRandomDataset(torch.utils.data.Dataset):
+    """Made at random on its first read (Composer's test datasets are), so a resumed run reads the
+    same data only if it reads the batches before the resumed one as the uninterrupted run did."""
+
+    def __init__(self) -> None:
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 28
+
+    def __getitem__(self, i):
+        if self.x is None:
+            self.x, self.y = torch.randn(28, 6), torch.randint(0, 3, (28,))
+        return self.x[i], self.y[i]
+
+
+def lazy_loader() -> DataLoader:
+    ds = LazyRandomDataset()
+    return DataLoader(ds, batch_size=4, sampler=RandomSampler(ds))
+
+
+def test_a_dataset_made_on_its_first_read_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
+    reference = fit("10ba", tmp_path / "a", data=lazy_loader(), save_interval="2ba")
+    data = lazy_loader()
+    resumed = fit("10ba", tmp_path / "b", data=data, load_path=str(tmp_path / "a/ep0-ba4-rank0.pt"))
+    assert_bitwise(resumed, reference)
+
+
+def test_a_run_without_a_seed_resumes_exactly_in_a_process_that_draws_otherwise(tmp_path: Path) -> None:
+    """Without ``seed=``, the Trainer seeds every generator at the end of its construction with
+    the seed the run started from (a resumed run: the checkpoint's), so the dataloader spin at
+    the start of ``fit`` draws the lazily made dataset as the run that saved did."""
+    def run(folder: Path, **kw) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = DropoutMLP()
+        opt = adamw(model)
+        torch.seed()  # from here on the process draws at random, as a script that never seeds does
+        trainer = Trainer(model=model, train_dataloader=lazy_loader(), max_duration="14ba", optimizers=opt,
+                          progress_bar=False, save_folder=str(folder), save_interval="1ep", **kw)
+        trainer.fit()
+        return params(trainer.state.model)
+
+    reference = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", load_path=str(tmp_path / "a/ep1-ba7-rank0.pt"))
+    assert_bitwise(resumed, reference)
+
+
 def persistent_loader(persistent: bool = True) -> DataLoader:
     ds = NoisyDataset()
     return DataLoader(ds, batch_size=4, sampler=RandomSampler(ds), num_workers=1, persistent_workers=persistent)

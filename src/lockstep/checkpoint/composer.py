@@ -105,7 +105,7 @@ def to_lockstep(content: dict[str, Any], path: Path, version: int) -> dict[str, 
               "run_name": state.get("run_name"), "history": [], "rank": 0, "composer": True}
     return {"lockstep": header, "model": state.get("model", {}),
             "optimizers": _values(state.get("optimizers")), "schedulers": _values(state.get("schedulers")),
-            "scaler": {}, "timestamp": timestamp, "ranks": ranks,
+            "scaler": {}, "timestamp": timestamp, "ranks": ranks, "rank_zero_seed": state.get("rank_zero_seed"),
             **{k: state[k] for k in ("callbacks", "algorithms", "dataset_state") if k in state}}
 
 

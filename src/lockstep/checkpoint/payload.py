@@ -112,7 +112,7 @@ def normalized(content: Any, path: Path) -> Any:
     timestamp = state.get("timestamp")
     flat = {"lockstep": content["lockstep"], "model": state.get("model", {}),
             "optimizers": state.get("optimizers"), "schedulers": state.get("schedulers"),
-            "scaler": state.get("scaler", {}),
+            "scaler": state.get("scaler", {}), "rank_zero_seed": state.get("rank_zero_seed"),
             "timestamp": timestamp.get("Timestamp") if isinstance(timestamp, dict) else None,
             "ranks": [{**entry, "rng": rngs[i] if rngs is not None and i < len(rngs) else None}
                       for i, entry in enumerate(ranks)]}
@@ -177,6 +177,8 @@ def apply(payload: dict[str, Any], state: State, path: Path, rank: int, world_si
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     if "metrics" in payload:
         eval_metrics.restore_values(state.eval_metrics, payload["metrics"])
+    if isinstance(payload.get("rank_zero_seed"), int):  # the run goes on with the seed it started with
+        state.rank_zero_seed = payload["rank_zero_seed"]
     stateful.load(state, payload)
     ranks = payload["ranks"]
     return ranks[rank] if len(ranks) == world_size else None

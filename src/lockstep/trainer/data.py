@@ -3,8 +3,6 @@ padding, and workers that outlive a SIGTERM to the whole job."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import itertools
 import signal
 from collections.abc import Callable, Iterator
@@ -13,7 +11,7 @@ from typing import Any, SupportsInt
 
 import torch
 import torch.distributed as torch_dist
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from lockstep import _agreement, dist
 from lockstep import rng
@@ -206,22 +204,22 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, 
         loader.load_state_dict(resume.loader_state)  # type: ignore[union-attr]
     # the state after each batch, when a checkpoint may need it
     state_of = loader.state_dict if track is not None and is_stateful(loader) else None
-    with _skipping_indices(loader, 0 if restored else done) as (replay, skip):
-        it = iter(loader)
-        if skip is not None:
-            skip.start()
-        for _ in range(replay):
-            if next(it, None) is None:
-                raise ValueError(f"cannot resume: train_dataloader ended within the {done} batches "
-                                 f"this epoch had already trained on")
-        if limit is not None:
-            it = itertools.islice(it, max(limit - done, 0))
-        if transform is not None:
-            it = map(transform, it)
-        if length is not None:
-            yield from _counted(it, length, done, count, track, state_of, resume, sum_tokens)
-        else:
-            yield from _read_ahead(it, count, sync, device, track, state_of, resume)
+    # A plain loader reads the batches already trained on again and drops them, as an
+    # uninterrupted run read them: whatever fetching does (a dataset made lazily at random on its
+    # first read, a cache, workers advancing their RNGs per sample) then happens as it did there.
+    it = iter(loader)
+    for _ in range(0 if restored else done):
+        if next(it, None) is None:
+            raise ValueError(f"cannot resume: train_dataloader ended within the {done} batches "
+                             f"this epoch had already trained on")
+    if limit is not None:
+        it = itertools.islice(it, max(limit - done, 0))
+    if transform is not None:
+        it = map(transform, it)
+    if length is not None:
+        yield from _counted(it, length, done, count, track, state_of, resume, sum_tokens)
+    else:
+        yield from _read_ahead(it, count, sync, device, track, state_of, resume)
 
 
 def _counted(it: Iterator[Any], length: int, done: int, count: Any, track: DataPosition | None,
@@ -274,50 +272,6 @@ def _read_ahead(it: Iterator[Any], count: Any, sync: bool, device: torch.device,
         if is_last:
             return
         current = following
-
-
-@contextlib.contextmanager
-def _skipping_indices(loader: Any, batches: int) -> Iterator[tuple[int, _Skip | None]]:
-    """Pass over ``batches`` batches; yields how many the caller must still read and drop, and
-    the skipping sampler to start right after ``iter(loader)``.
-
-    A single-process DataLoader with a plain BatchSampler skips them as indices, loading nothing.
-    Anything else replays them: workers seed and advance their own RNGs per sample, so only
-    reading the same samples leaves them as an uninterrupted run would.
-    """
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    if (batches == 0 or not isinstance(loader, DataLoader) or loader.num_workers > 0
-            or type(batch_sampler) is not BatchSampler):
-        yield batches, None
-        return
-    original = batch_sampler.sampler
-    batch_sampler.sampler = skip = _Skip(original, batches * batch_sampler.batch_size)
-    try:
-        yield 0, skip
-    finally:
-        batch_sampler.sampler = original
-
-
-class _Skip(Sampler[Any]):
-    """A sampler without its first ``count`` indices."""
-
-    def __init__(self, sampler: Any, count: int) -> None:
-        self.sampler, self.count = sampler, count
-        self._started: Iterator[Any] | None = None
-
-    def start(self) -> None:
-        # An uninterrupted run's sampler starts at the first fetch, right after iter(loader); a
-        # sampler without a generator of its own draws its seed from the global RNG then. Start
-        # it at that same point, before the RNG is moved on to the fetch of the resumed batch.
-        self._started = iter(self.sampler)
-        collections.deque(itertools.islice(self._started, self.count), maxlen=0)
-
-    def __iter__(self) -> Iterator[Any]:
-        started, self._started = self._started, None
-        return started if started is not None else itertools.islice(iter(self.sampler), self.count, None)
-
-    def __len__(self) -> int:
-        return max(len(self.sampler) - self.count, 0)
 
 
 class TokenSum:

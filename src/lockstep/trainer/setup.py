@@ -129,9 +129,8 @@ RUN_NAME_VARIABLES = ("COMPOSER_RUN_NAME", "RUN_NAME", "LOCKSTEP_RUN_NAME")
 
 def seed_the_script_started_from() -> int:
     """``state.rank_zero_seed`` without ``seed=``: rank 0's ``torch.initial_seed()`` (what the script
-    seeded torch with, or torch's own seed), the same on every rank. Unlike Composer, which draws
-    a fresh seed and reseeds every generator, lockstep leaves the generators as the script set
-    them, so a script that seeds before building the Trainer stays reproducible."""
+    seeded torch with, or torch's own seed), the same on every rank. Composer draws a fresh seed
+    instead; taking the script's keeps a script that seeds before the Trainer reproducible."""
     seed = [torch.initial_seed() % 2**32]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(seed, src=0)

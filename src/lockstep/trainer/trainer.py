@@ -177,6 +177,11 @@ class Trainer:
         self._run_event(Event.AFTER_LOAD)
         if self._resume_entry is None:  # a LoadCheckpoint callback may have loaded the training state
             self._resume_entry = checkpointing.entry_of_callbacks(callbacks)
+        if self.loop.seed is None:
+            # As Composer: seeded now, after a load with the seed the run started with, so what
+            # fit draws before a resumed run's RNG state is put back (the dataloader spin: a
+            # dataset made at random on its first read) is drawn as the run that saved drew it.
+            rng.seed_everything(self.state.seed)
 
     def _set_up_checkpoints(self) -> None:
         self.layout = self.strategy.layout()
