@@ -400,3 +400,11 @@ def test_unclosed_files_in_globals_are_flushed_at_exit(tmp_path: Path, write_scr
     assert result.stdout.strip() == "__main__ True None"
     assert (tmp_path / "plain.txt").read_text() == "plain data"
     assert (tmp_path / "cyclic.txt").read_text() == "cyclic data"
+
+
+def test_a_launcher_flag_after_the_script_is_noted_on_stderr(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('args', sys.argv[1:])\n")
+    result = launch([str(script), "--nproc_per_node=2"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 0 and "args ['--nproc_per_node=2']" in result.stdout
+    assert result.stderr.startswith(f"lockstep: note: --nproc_per_node=2 after {script} go to the script")

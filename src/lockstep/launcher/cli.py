@@ -364,10 +364,27 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         line_prefix=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_LINE_PREFIX,
         torchrun_logs=torchrun_logs and torchrun_logs / f"{run_id or run_directory.name}_{_token()}",
         stall_timeout=_stall_timeout(args, env), notes=tuple(notes),
+        advice=_flags_after_the_script(parser, args.training_script, args.training_script_args),
     )
     limits.check_open_files(plan)  # first: the paths' check goes through every rank
     inputs.check_paths(plan)
     return plan
+
+
+_SCRIPTS_OWN = {"-h", "--help", "-v", "--verbose", "--version", "-m", "--module"}
+"""Flags a script is as likely to have as the launcher: no note for them."""
+
+
+def _flags_after_the_script(parser: argparse.ArgumentParser, script: str,
+                            script_args: Sequence[str]) -> tuple[str, ...]:
+    """A note for the launcher's own flags among the script's arguments (``lockstep train.py -n 2``):
+    everything after the script is the script's, so the launcher never sees them."""
+    own = {flag for action in parser._actions for flag in action.option_strings} - _SCRIPTS_OWN
+    found = " ".join(a for a in script_args if a.split("=", 1)[0] in own)
+    if not found:
+        return ()
+    return (f"{found} after {script} go to the script, not to the launcher: put launcher flags before "
+            f"the script (lockstep {found} ... {script})",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as e:
         print(f"lockstep: error: {e}", file=sys.stderr)
         return 2
+    for advice in plan.advice:
+        print(f"lockstep: note: {advice}", file=sys.stderr, flush=True)
     if plan.verbose:
         for note in plan.notes:
             print(f"lockstep: {note}", file=sys.stderr, flush=True)

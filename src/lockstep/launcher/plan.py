@@ -114,6 +114,9 @@ class LaunchPlan:
     """Seconds without progress from a reporting rank that end the job as a stall; 0: never."""
     notes: tuple[str, ...] = ()
     """Where settings came from that no flag gave (SLURM's variables); -v prints them."""
+    advice: tuple[str, ...] = ()
+    """Likely mistakes in the command line that are not errors (a launcher flag after the script);
+    always printed."""
     python: str = field(default=sys.executable)
 
     @property
