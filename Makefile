@@ -7,6 +7,8 @@ export OMP_NUM_THREADS ?= 1
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet -e '.[test,examples,deepspeed]'
+	# Azurite, the Azure Blob server the tests start (node and npm come with the machine)
+	npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3.35.0
 	touch $@
 
 setup: $(VENV)/.installed

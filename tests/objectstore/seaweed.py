@@ -18,6 +18,15 @@ ACCESS_KEY, SECRET_KEY = "lockstep-test", "lockstep-test-secret"
 _GRPC_OFFSET = 10000  # SeaweedFS puts each service's gRPC port at its HTTP port + 10000
 
 
+def die_with_parent() -> None:
+    """In the child before it runs ``weed``: be killed when the process that started it dies (Linux's
+    parent-death signal survives the exec)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def weed_binary() -> str | None:
     """The ``weed`` binary: on PATH, or beside this interpreter (a venv's bin/)."""
     found = shutil.which("weed")
@@ -118,8 +127,10 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
     if idle and shutil.which("chrt"):
         command = ["chrt", "--idle", "0", *command]
     with open(log, "wb") as out:
+        # dies with this process, even when it is killed (a test run stopped from outside)
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
-                                   start_new_session=not idle, process_group=0 if idle else None)
+                                   start_new_session=not idle, process_group=0 if idle else None,
+                                   preexec_fn=die_with_parent)
     server = SeaweedServer(process, f"http://127.0.0.1:{s3}", folder, log, (master, volume, filer, s3))
     deadline = time.monotonic() + timeout
     try:

@@ -38,10 +38,11 @@ def test_round_trip_in_parts(bucket: str, tmp_path: Path) -> None:
 def test_parse_uri_and_other_schemes() -> None:
     assert parse_uri("s3://b/x/y") == ("s3", "b", "x/y")
     assert parse_uri("local/x") == ("", "", "local/x")
-    for uri in ("gs://b/x", "oci://b/x"):
-        with pytest.raises(ValueError, match="not supported") as e:
+    for uri in ("gcs://b/x", "oci://b/x"):
+        with pytest.raises(ValueError, match="not supported.*s3://, gs:// or azure://") as e:
             store_for_uri(uri, "save_folder")
         assert "\n" not in str(e.value)
+        assert ("write gs:// for Google Cloud Storage" in str(e.value)) == uri.startswith("gcs:")
 
 
 def test_probe_names_bucket_and_cause(bucket: str, s3_server, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,7 +70,7 @@ class CheckpointConfig:
         if self.load_object_store is not None:
             if not isinstance(self.load_object_store, ObjectStore):
                 raise TypeError(f"load_object_store must be an object store (such as "
-                                f"lockstep.objectstore.S3ObjectStore), got {type(self.load_object_store).__name__}")
+                                f"lockstep.objectstore.S3ObjectStore or GCSObjectStore), got {type(self.load_object_store).__name__}")
             if self.load_path is None:
                 raise ValueError("load_object_store is given without load_path: name the checkpoint object to load")
         self.load_ignore_keys = ignore.check(self.load_ignore_keys)

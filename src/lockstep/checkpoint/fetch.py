@@ -44,7 +44,7 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
     ``weights_only``: ``load_weights_only`` (see :func:`download_folder`)."""
     if object_store is None:
         store, key_template = store_for_uri(path, "load_path")
-        local_root = os.path.join(remote.STAGING_ROOT, parse_uri(path)[1])
+        local_root = os.path.join(remote.STAGING_ROOT, *parse_uri(path)[:2])  # .lockstep/SCHEME/BUCKET
     else:
         store, key_template = object_store, parse_uri(path)[2] if remote.is_remote(path) else path
         local_root = os.path.join(remote.STAGING_ROOT, "load_object_store")

@@ -1,8 +1,8 @@
-"""A ``save_folder`` in a bucket (``s3://BUCKET/PREFIX``): where its checkpoints are staged on the
-local disk, which keys they get, and the uploads that take them there.
+"""A ``save_folder`` in a bucket (``s3://BUCKET/PREFIX``, ``gs://...``, ``azure://...``): where its
+checkpoints are staged on the local disk, which keys they get, and the uploads that take them there.
 
 Checkpoints are first written and published locally exactly as to a local ``save_folder`` (in
-``.lockstep/s3/BUCKET/PREFIX`` under the working directory), then each rank uploads the files it
+``.lockstep/SCHEME/BUCKET/PREFIX`` under the working directory), then each rank uploads the files it
 wrote, from a child process of its own (see :mod:`lockstep.objectstore.writer`), in parts and in
 parallel for large files (the client's transfer manager), each file tried up to ``num_attempts``
 times with growing pauses. Files are uploaded from hard links made as soon as they are published,
@@ -33,14 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.checkpoint import integrity
-from lockstep.objectstore import ObjectStore, S3ObjectStore, parse_uri
+from lockstep.objectstore import ObjectStore, parse_uri
 from lockstep.objectstore.probe import problem
-from lockstep.objectstore.uri import check_uri, is_uri
+from lockstep.objectstore.store import BucketStore
+from lockstep.objectstore.uri import is_uri, store_for_uri
 from lockstep.objectstore.writer import Action, Guard, Outcome, StoreWriter
 
-STAGING_ROOT = os.path.join(".lockstep", "s3")
-"""Where checkpoints of a bucket's save_folder are staged: ``STAGING_ROOT/BUCKET/PREFIX``, relative
-to the working directory (autoresume looks there before it looks in the bucket)."""
+STAGING_ROOT = ".lockstep"
+"""Where checkpoints of a bucket's save_folder are staged: ``STAGING_ROOT/SCHEME/BUCKET/PREFIX``,
+relative to the working directory (autoresume looks there before it looks in the bucket)."""
 POINTER_SUFFIX = ".symlink"
 """Composer's suffix of a latest pointer object: it holds the key of the checkpoint it names."""
 LEASE_PREFIX = ".lockstep-lease."
@@ -51,8 +52,8 @@ _UPLOADING = ".uploading"
 
 def local_template(uri_template: str) -> str:
     """The local staging folder (a template, as ``save_folder``) of a bucket's ``save_folder``."""
-    _, bucket, key = parse_uri(uri_template)
-    return os.path.join(STAGING_ROOT, bucket, key)
+    scheme, bucket, key = parse_uri(uri_template)
+    return os.path.join(STAGING_ROOT, scheme, bucket, key)
 
 
 def owner_of(file_name: str) -> int:
@@ -68,15 +69,15 @@ class RemoteFolder:
 
     uri: str
     """The save_folder, formatted (``s3://bucket/prefix/run``)."""
-    store: S3ObjectStore
+    store: BucketStore
     key: str
     """The folder's key prefix in the bucket, without a trailing ``/``."""
     local: Path
 
     @classmethod
     def of(cls, uri: str, local: Path) -> RemoteFolder:
-        bucket, key = check_uri(uri, "save_folder")
-        return cls(uri, S3ObjectStore(bucket), key.strip("/"), local)
+        store, key = store_for_uri(uri, "save_folder")
+        return cls(uri, store, key.strip("/"), local)
 
     def key_of(self, name: str) -> str:
         """The key of ``name`` (a path relative to the folder)."""
@@ -111,8 +112,9 @@ class Uploader:
         self.folder, self.rank = folder, rank
         # links left by this rank's process of an earlier attempt, killed while it uploaded
         shutil.rmtree(folder.local / _UPLOADING / f"rank{rank}", ignore_errors=True)
-        self._writer = StoreWriter(folder.store.bucket, num_attempts=num_attempts, backoff_s=backoff_s) \
-            if active else None
+        store = folder.store
+        self._writer = StoreWriter(store.bucket, scheme=store.scheme, store_options=store.options(),
+                                   num_attempts=num_attempts, backoff_s=backoff_s) if active else None
         """The upload process; None on a rank that uploads nothing (``active=False``: DDP's ranks but
         rank 0), which then starts none."""
         self.keep = keep

@@ -265,7 +265,7 @@ class CheckpointSaver:
             found.insert(0, str(self.latest))
         if not found and self.remote is not None:
             in_bucket = self.remote.holds_objects()
-            found = [f"s3://{self.remote.store.bucket}/{in_bucket}"] if in_bucket else []
+            found = [f"{self.remote.store.scheme}://{self.remote.store.bucket}/{in_bucket}"] if in_bucket else []
         if found:
             where = self.folder if self.remote is None else self.remote.uri
             raise FileExistsError(

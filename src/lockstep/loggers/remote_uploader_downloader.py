@@ -15,9 +15,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from lockstep.loggers.logger_destination import LoggerDestination
-from lockstep.objectstore import ObjectStore, S3ObjectStore
+from lockstep.objectstore import ObjectStore
 from lockstep.objectstore.probe import problem
-from lockstep.objectstore.uri import check_uri
+from lockstep.objectstore.store import BucketStore
+from lockstep.objectstore.uri import check_uri, parse_uri, store_of
 from lockstep.objectstore.writer import Outcome, StoreWriter
 
 if TYPE_CHECKING:
@@ -27,18 +28,19 @@ if TYPE_CHECKING:
 
 class RemoteUploaderDownloader(LoggerDestination):
     """Uploads the files loggers and callbacks hand to ``logger.upload_file(remote_file_name,
-    file_path, overwrite=False)`` to ``bucket_uri`` (``s3://BUCKET`` or ``s3://BUCKET/PREFIX``), in
-    the background, each tried ``num_attempts`` times with growing pauses. A file is copied to
-    ``upload_staging_folder`` when it is handed over, so that it may change afterwards.
+    file_path, overwrite=False)`` to ``bucket_uri`` (``s3://BUCKET/PREFIX``, ``gs://...``,
+    ``azure://...``), in the background, each tried ``num_attempts`` times with growing pauses. A
+    file is copied to ``upload_staging_folder`` when it is handed over, so that it may change
+    afterwards.
 
     The object's name is ``file_path_format_string`` with ``{remote_file_name}``, ``{run_name}``,
     ``{rank}``, ... filled in. Whether the bucket takes writes is checked when the Trainer is built;
     an upload that fails for good raises at the next batch or epoch end, or at the end of ``fit``,
     naming the object. Every rank uploads what it is handed (``rank_zero_only=False``).
 
-    ``backend_kwargs`` go to :class:`lockstep.objectstore.S3ObjectStore`. With ``use_procs`` (the
-    default, as Composer's) the uploads run one after the other in a child process, which shares
-    neither the interpreter lock nor the CPU priority of training
+    ``backend_kwargs`` go to the scheme's store (:class:`lockstep.objectstore.S3ObjectStore`, ...).
+    With ``use_procs`` (the default, as Composer's) the uploads run one after the other in a child
+    process, which shares neither the interpreter lock nor the CPU priority of training
     (:class:`~lockstep.objectstore.writer.StoreWriter`); otherwise on ``num_concurrent_uploads``
     threads.
     """
@@ -54,8 +56,9 @@ class RemoteUploaderDownloader(LoggerDestination):
                              f"{num_concurrent_uploads}")
         self.bucket_uri, self.file_path_format_string = bucket_uri, file_path_format_string
         self.num_attempts, self.use_procs = num_attempts, use_procs
+        self._scheme = parse_uri(bucket_uri)[0].lower()
         self._backend_kwargs = {"bucket": bucket, "prefix": prefix, **(backend_kwargs or {})}
-        self._backend: S3ObjectStore | None = None
+        self._backend: BucketStore | None = None
         self._staging = upload_staging_folder
         self._tempdir: tempfile.TemporaryDirectory[str] | None = None
         self._num_concurrent_uploads = num_concurrent_uploads
@@ -73,7 +76,7 @@ class RemoteUploaderDownloader(LoggerDestination):
     def remote_backend(self) -> ObjectStore:
         """The object store files go to."""
         if self._backend is None:
-            self._backend = S3ObjectStore(**self._backend_kwargs)
+            self._backend = store_of(self._scheme, **self._backend_kwargs)
         return self._backend
 
     def can_upload_files(self) -> bool:
@@ -117,8 +120,8 @@ class RemoteUploaderDownloader(LoggerDestination):
                 if self._writer is None:
                     bucket = self._backend_kwargs["bucket"]
                     options = {k: v for k, v in self._backend_kwargs.items() if k != "bucket"}
-                    self._writer = StoreWriter(bucket, store_options=options, num_attempts=self.num_attempts,
-                                               stop_at_failure=False)
+                    self._writer = StoreWriter(bucket, scheme=self._scheme, store_options=options,
+                                               num_attempts=self.num_attempts, stop_at_failure=False)
             self._writer.submit([("upload" if overwrite else "upload_new", name, str(copy))], cleanup=str(copy),
                                 then=self._settled)
             return

@@ -14,12 +14,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.objectstore.store import ObjectStoreTransientError
+from lockstep.objectstore.store import ObjectStoreTransientError, Versioned
 
 S3_INSTALL_HINT = "pip install 'lockstep[s3]' (boto3)"
 PART_BYTES = 16 << 20
 """Files larger than this go up and down in parts of this size, several at a time."""
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+_CONDITION_FAILED = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+_UNSUPPORTED = ("NotImplemented", "501")
+"""What a server that does not take conditional writes answers to one."""
 
 
 class S3ObjectStore:
@@ -29,10 +32,19 @@ class S3ObjectStore:
     SeaweedFS, ...). ``client_config`` is passed to ``botocore.config.Config`` and
     ``transfer_config`` to ``boto3.s3.transfer.TransferConfig``, as in Composer."""
 
+    scheme = "s3"
+
     def __init__(self, bucket: str, prefix: str = "", region_name: str | None = None,
                  endpoint_url: str | None = None, aws_access_key_id: str | None = None,
                  aws_secret_access_key: str | None = None, aws_session_token: str | None = None,
                  client_config: dict[str, Any] | None = None, transfer_config: dict[str, Any] | None = None) -> None:
+        self._options = {"prefix": prefix, "region_name": region_name, "endpoint_url": endpoint_url,
+                         "aws_access_key_id": aws_access_key_id, "aws_secret_access_key": aws_secret_access_key,
+                         "aws_session_token": aws_session_token, "client_config": client_config,
+                         "transfer_config": transfer_config}
+        self._conditional = True
+        """False once the server refused a conditional write as not implemented (an old
+        S3-compatible server): conditional writes are then plain ones."""
         try:
             import boto3
             from boto3.s3.transfer import TransferConfig
@@ -129,6 +141,60 @@ class S3ObjectStore:
             return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
         except Exception as e:
             raise self._translated(e, prefix or "") from e
+
+    def read_versioned(self, object_name: str) -> Versioned | None:
+        import datetime
+        import email.utils
+
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.get_key(object_name))
+        except Exception as e:
+            error = self._translated(e, object_name)
+            if isinstance(error, FileNotFoundError):
+                return None
+            raise error from e
+        data = reply["Body"].read()
+        date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        # without the server's Date (a proxy dropped it), this machine's clock stands in for it
+        now = email.utils.parsedate_to_datetime(date) if date else datetime.datetime.now(datetime.timezone.utc)
+        return Versioned(data, reply["ETag"], (now - reply["LastModified"]).total_seconds())
+
+    def put_if(self, object_name: str, data: bytes, *, token: str | None) -> str | None:
+        import botocore.exceptions
+
+        condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
+        try:
+            reply = self.client.put_object(Bucket=self.bucket, Key=self.get_key(object_name), Body=data,
+                                           **(condition if self._conditional else {}))
+        except botocore.exceptions.ParamValidationError:  # a boto3 older than 1.35.69, below lockstep[s3]
+            if not self._conditional:
+                raise
+            self._conditional = False
+            return self.put_if(object_name, data, token=token)
+        except botocore.exceptions.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+            if code in _CONDITION_FAILED or status in _CONDITION_FAILED:
+                return None
+            if code in ("NoSuchKey", "404") and token is not None:
+                return None  # deleted meanwhile
+            if (code in _UNSUPPORTED or status in _UNSUPPORTED) and self._conditional:
+                self._conditional = False
+                return self.put_if(object_name, data, token=token)
+            raise
+        return reply.get("ETag")
+
+    def problem(self, object_name: str, *, write: bool) -> str | None:
+        from lockstep.objectstore import s3_errors
+
+        return s3_errors.problem(self, object_name, write=write)
+
+    def quick(self) -> S3ObjectStore:
+        return S3ObjectStore(self.bucket, **{**self._options, "client_config": {
+            "connect_timeout": 2, "read_timeout": 5, "retries": {"mode": "standard", "total_max_attempts": 2}}})
+
+    def options(self) -> dict[str, Any]:
+        return {k: v for k, v in self._options.items() if v is not None}
 
     def close(self) -> None:
         self.client.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 
 class ObjectStoreTransientError(RuntimeError):
@@ -40,4 +41,74 @@ class ObjectStore(Protocol):
     def list_objects(self, prefix: str | None = None) -> list[str]:
         """The keys of the objects whose name starts with ``prefix`` (as Composer: the store's
         prefix included)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A small object read together with what a conditional write needs: the server's token for
+    this version of it (an S3 or Azure ETag, a GCS generation) and its age in seconds by the
+    server's own clock (the server's time of the reply minus the object's last write)."""
+
+    data: bytes
+    token: str
+    age_s: float
+
+
+@runtime_checkable
+class BucketStore(ObjectStore, Protocol):
+    """An :class:`ObjectStore` of one bucket (an S3 bucket, a GCS bucket, an Azure container),
+    with what lockstep's checkpoints need beyond Composer's methods: small objects, deletions,
+    conditional writes (for leases), a check that the bucket serves this process, and the
+    arguments that make the same store in another process. Every store of
+    :func:`lockstep.objectstore.store_for_uri` is one."""
+
+    scheme: str
+    """The URI scheme of its objects (``s3``, ``gs``, ``azure``)."""
+    bucket: str
+    prefix: str
+
+    def get_key(self, object_name: str) -> str:
+        """The object's key in the bucket (the store's prefix and ``object_name``)."""
+        ...
+
+    def upload_bytes(self, object_name: str, data: bytes) -> None:
+        """Put a small object in one request, replacing any object of that name."""
+        ...
+
+    def read_bytes(self, object_name: str) -> bytes:
+        """A small object's content; FileNotFoundError when there is none."""
+        ...
+
+    def delete_object(self, object_name: str) -> None:
+        """Delete ``object_name``; nothing happens when there is none."""
+        ...
+
+    def read_versioned(self, object_name: str) -> Versioned | None:
+        """The object with its version token and age; None when there is none."""
+        ...
+
+    def put_if(self, object_name: str, data: bytes, *, token: str | None) -> str | None:
+        """Write ``data`` only if the object does not exist (``token=None``) or is still the
+        version ``token`` names; the new version's token, or None when the condition failed (or,
+        replacing, when the object is gone)."""
+        ...
+
+    def problem(self, object_name: str, *, write: bool) -> str | None:
+        """Why this process cannot list (and, with ``write``, write) objects under
+        ``object_name``, in one line naming the bucket and what to change; None when it can."""
+        ...
+
+    def quick(self) -> BucketStore:
+        """The same store with requests that give up within seconds (for leases, which must never
+        hold a job up for long)."""
+        ...
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments that make this store again in another process (with ``bucket`` and
+        the class of :data:`lockstep.objectstore.uri.BACKENDS` for :attr:`scheme`); no secret
+        that the environment gives the other process too."""
+        ...
+
+    def close(self) -> None:
         ...

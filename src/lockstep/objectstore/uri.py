@@ -1,16 +1,30 @@
-"""URIs of objects: ``s3://BUCKET/KEY``. Schemes other than ``s3`` are a one-line error, and so
-is a URI that is almost one (``s3:/bucket/x``, which would otherwise be a local folder named
-``s3:``) or one with a query or fragment (``?versionId=3``, which would otherwise be dropped)."""
+"""URIs of objects (``s3://BUCKET/KEY``, ``gs://BUCKET/KEY``, ``azure://CONTAINER/KEY``) and the one
+factory of their stores, :func:`store_for_uri`. Other schemes are a one-line error, and so is a
+URI that is almost one (``s3:/bucket/x``, which would otherwise be a local folder named ``s3:``)
+or one with a query or fragment (``?versionId=3``, which would otherwise be dropped).
+
+A new backend is a module with a class of the :class:`~lockstep.objectstore.store.BucketStore`
+protocol and one line in :data:`BACKENDS`."""
 
 from __future__ import annotations
 
+import importlib
 import re
+from typing import Any
 from urllib.parse import urlparse
 
-from lockstep.objectstore.store import ObjectStore
+from lockstep.objectstore.store import BucketStore
 
-SUPPORTED = ("s3",)
-_KNOWN_OTHERS = ("gs", "gcs", "oci", "azure", "az", "wasb", "wasbs", "abfs", "abfss", "dbfs", "uc", "hf", "sftp",
+BACKENDS = {
+    "s3": ("lockstep.objectstore.s3", "S3ObjectStore"),
+    "gs": ("lockstep.objectstore.gcs", "GCSObjectStore"),
+    "azure": ("lockstep.objectstore.azure", "AzureObjectStore"),
+    "az": ("lockstep.objectstore.azure", "AzureObjectStore"),
+}
+"""Each URI scheme's store: module and class, imported on first use (each needs its extra)."""
+SUPPORTED = tuple(BACKENDS)
+_NAMES = "s3://, gs:// or azure://"
+_KNOWN_OTHERS = ("gcs", "oci", "wasb", "wasbs", "abfs", "abfss", "dbfs", "uc", "hf", "sftp",
                  "http", "https", "wandb", "r2")
 _ALMOST = re.compile(rf"^(?P<scheme>{'|'.join(SUPPORTED + _KNOWN_OTHERS)}):/(?!/)(?P<rest>.*)$", re.IGNORECASE)
 """A known scheme, then ``:/`` without the second slash: taken as a local path, ``s3:/b/x`` is a folder ``s3:``."""
@@ -51,35 +65,39 @@ def check_path(path: object, what: str, *, any_scheme: bool = False) -> None:
     scheme = almost["scheme"].lower()
     if scheme == "dbfs":  # Databricks writes its URIs with one slash: dbfs:/Volumes/...
         raise UnsupportedScheme(f"{what}={path!r}: dbfs: object stores are not supported (lockstep supports "
-                                f"s3:// only for now); use an s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) "
-                                f"or a local path")
+                                f"{_NAMES}); use one of those URIs or a local path")
     raise ValueError(f"{what}={path!r} is not an object store URI (it would be a local path under "
                      f"'{path.split('/', 1)[0]}'): write '{scheme}://{almost['rest']}'")
 
 
 def check_uri(uri: str, what: str) -> tuple[str, str]:
-    """``(bucket, key)`` of an ``s3://`` URI; a one-line ValueError naming ``what`` for any other scheme,
-    a URI without a bucket, or one with a query or a fragment."""
+    """``(bucket, key)`` of a URI of a supported scheme; a one-line ValueError naming ``what`` for any
+    other scheme, a URI without a bucket, or one with a query or a fragment."""
     if not is_uri(uri):
         check_path(uri, what)
     backend, bucket, key = parse_uri(uri)
     if backend not in SUPPORTED:
-        known = " (lockstep supports s3:// only for now)" if backend in _KNOWN_OTHERS else ""
-        raise UnsupportedScheme(f"{what}={uri!r}: {backend}:// object stores are not supported{known}; use an "
-                                f"s3://BUCKET/PREFIX URI (S3, MinIO, SeaweedFS, ...) or a local path")
+        hint = " (write gs:// for Google Cloud Storage)" if backend == "gcs" else ""
+        raise UnsupportedScheme(f"{what}={uri!r}: {backend}:// object stores are not supported{hint}; use an "
+                                f"{_NAMES} URI (S3 or an S3-compatible server, Google Cloud Storage, Azure Blob "
+                                f"Storage) or a local path")
     if not bucket:
-        raise ValueError(f"{what}={uri!r} names no bucket: write s3://BUCKET/PREFIX")
+        raise ValueError(f"{what}={uri!r} names no bucket: write {backend}://BUCKET/PREFIX")
     extra = re.search(r"[?#].*$", uri.split("://", 1)[1])
     if extra is not None:
         raise ValueError(f"{what}={uri!r} ends with {extra[0]!r}, which an object store URI cannot hold here (no "
-                         f"query, version or fragment): write s3://BUCKET/PREFIX without '?' or '#'")
+                         f"query, version or fragment): write {backend}://BUCKET/PREFIX without '?' or '#'")
     return bucket, key
 
 
-def store_for_uri(uri: str, what: str = "uri") -> tuple[ObjectStore, str]:
-    """An :class:`S3ObjectStore` for the URI's bucket (credentials from the AWS chain, endpoint
-    from ``S3_ENDPOINT_URL``), and the URI's key in it."""
+def store_for_uri(uri: str, what: str = "uri") -> tuple[BucketStore, str]:
+    """The store of the URI's bucket (credentials and endpoint from the environment, as each
+    backend's module says) and the URI's key in it."""
     bucket, key = check_uri(uri, what)
-    from lockstep.objectstore.s3 import S3ObjectStore
+    return store_of(urlparse(uri).scheme.lower(), bucket), key
 
-    return S3ObjectStore(bucket), key
+
+def store_of(scheme: str, bucket: str, **options: Any) -> BucketStore:
+    """The store of ``bucket`` for URI ``scheme``, with its class's keyword ``options``."""
+    module, name = BACKENDS[scheme]
+    return getattr(importlib.import_module(module), name)(bucket, **options)

@@ -63,19 +63,21 @@ class Outcome:
 class StoreWriter:
     """A child process doing ``bucket``'s writes, in the order they are submitted.
 
-    ``store_options`` are further keyword arguments of
-    :class:`~lockstep.objectstore.S3ObjectStore` (``prefix``, ``endpoint_url``, credentials,
-    ``client_config``, ...): they reach the child on its input, not its command line, which other
-    users of the machine can read. With ``stop_at_failure=False`` a failed job does not stop the
-    later ones (files that do not depend on each other, such as a logger's)."""
+    ``scheme`` names the store's class (:data:`lockstep.objectstore.uri.BACKENDS`) and
+    ``store_options`` are its further keyword arguments (``prefix``, endpoint, credentials, ...:
+    a store's :meth:`~lockstep.objectstore.store.BucketStore.options`): they reach the child on
+    its input, not its command line, which other users of the machine can read. With
+    ``stop_at_failure=False`` a failed job does not stop the later ones (files that do not depend
+    on each other, such as a logger's)."""
 
-    def __init__(self, bucket: str, *, store_options: dict[str, Any] | None = None, num_attempts: int = 3,
-                 backoff_s: float = 0.5, stop_at_failure: bool = True, idle: bool = True) -> None:
+    def __init__(self, bucket: str, *, scheme: str = "s3", store_options: dict[str, Any] | None = None,
+                 num_attempts: int = 3, backoff_s: float = 0.5, stop_at_failure: bool = True,
+                 idle: bool = True) -> None:
         if num_attempts < 1:
             raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
         self.bucket = bucket
-        settings = {"bucket": bucket, "store": store_options or {}, "num_attempts": num_attempts,
-                    "backoff_s": backoff_s, "stop_at_failure": stop_at_failure}
+        settings = {"scheme": scheme, "bucket": bucket, "store": store_options or {},
+                    "num_attempts": num_attempts, "backoff_s": backoff_s, "stop_at_failure": stop_at_failure}
         read, write = os.pipe()
         env = dict(os.environ)
         # the child imports lockstep from where this process did, whatever sys.path held then
@@ -305,9 +307,9 @@ def main(argv: list[str]) -> None:
     # the client's own prints must not reach the answers, nor the job's output as if the rank's
     os.dup2(2, 1)
     settings = json.loads(sys.stdin.readline())
-    from lockstep.objectstore import S3ObjectStore
+    from lockstep.objectstore.uri import store_of
 
-    store = S3ObjectStore(settings["bucket"], **settings["store"])
+    store = store_of(settings["scheme"], settings["bucket"], **settings["store"])
     _serve(store, sys.stdin, answers, settings["num_attempts"], settings["backoff_s"], settings["stop_at_failure"])
 
 

@@ -17,13 +17,14 @@ from lockstep.utils.misc import ensure_tuple, get_free_tcp_port, is_model_fsdp, 
 from lockstep.core.types import StringEnum
 from lockstep.utils.names import format_name_with_dist, format_name_with_dist_and_time, partial_format
 from lockstep.utils.reproducibility import configure_deterministic_mode, get_random_seed, seed_all
-from lockstep.objectstore import ObjectStore, ObjectStoreTransientError, S3ObjectStore, parse_uri
+from lockstep.objectstore import GCSObjectStore, ObjectStore, ObjectStoreTransientError, S3ObjectStore, parse_uri
 
 # ``import lockstep.utils.dist`` finds the one dist module: one implementation, two names
 sys.modules[f"{__name__}.dist"] = dist
 sys.modules[f"{__name__}.object_store"] = objectstore
 
-__all__ = ["KNOWN_COMPRESSORS", "CliCompressor", "ObjectStore", "ObjectStoreTransientError", "S3ObjectStore",
+__all__ = ["KNOWN_COMPRESSORS", "CliCompressor", "GCSObjectStore", "ObjectStore", "ObjectStoreTransientError",
+           "S3ObjectStore",
            "StringEnum", "batch_get", "batch_set", "compression", "configure_deterministic_mode",
            "convert_flat_dict_to_nested_dict", "convert_nested_dict_to_flat_dict", "create_interval_scheduler",
            "dist", "ensure_tuple", "extract_hparams", "format_name_with_dist", "format_name_with_dist_and_time",
