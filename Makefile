@@ -4,8 +4,14 @@ VENV := .venv
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export OMP_NUM_THREADS ?= 1
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# What the demos need: lockstep, the examples' packages and TensorBoard.
+$(VENV)/.demo: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet -e '.[examples,tensorboard]'
+	touch $@
+
+# Everything the tests use, DeepSpeed included.
+$(VENV)/.installed: $(VENV)/.demo
 	$(VENV)/bin/pip install --quiet -e '.[test,examples,deepspeed]'
 	# Azurite, the Azure Blob server the tests start (node and npm come with the machine)
 	npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3.35.0
@@ -13,10 +19,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
-demo: setup
+demo: $(VENV)/.demo
 	$(VENV)/bin/lockstep -n 2 examples/train_gpt.py
 
-demo-digits: setup
+demo-digits: $(VENV)/.demo
 	$(VENV)/bin/lockstep -n 2 examples/train_digits.py
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite. DeepSpeed is

@@ -8,7 +8,7 @@ library (its ``*.py`` files, sorted; every 20th held out) through a byte-level t
 It trains through ``lockstep.models.HuggingFaceModel`` (each ``GPT2Block`` an FSDP unit), logs a
 ``Generate`` sample at the end, saves a checkpoint, and rank 0 writes it as a Hugging Face folder
 (``write_huggingface_pretrained_from_composer_checkpoint``) that ``from_pretrained`` loads back; the
-script checks that the reloaded model gives the trained model's logits. Needs ``lockstep[huggingface]``.
+script checks that the reloaded model gives the trained model's logits. Needs ``torch-lockstep[huggingface]``.
 """
 
 from __future__ import annotations

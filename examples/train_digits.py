@@ -23,7 +23,7 @@ What happens:
 4. After every epoch it evaluates on the test split (accuracy and loss over all ranks), and at the
    end rank 0 prints one line: ``final eval: accuracy 0.9xx, loss 0.xxx``.
 
-``--zero-stage 1|2|3`` trains with DeepSpeed ZeRO instead of DDP (``pip install 'lockstep[deepspeed]'``;
+``--zero-stage 1|2|3`` trains with DeepSpeed ZeRO instead of DDP (``pip install 'torch-lockstep[deepspeed]'``;
 the first DeepSpeed run on a machine compiles a small op for about a minute).
 
 Under the launcher the run folder is ``runs/<timestamp>/`` (``LOCKSTEP_RUN_DIRECTORY``); the Trainer

@@ -409,7 +409,7 @@ def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
     try:
         loggers.append(TensorboardLogger())
     except ImportError:
-        pass  # pip install 'lockstep[tensorboard]' for TensorBoard logs
+        pass  # pip install 'torch-lockstep[tensorboard]' for TensorBoard logs
     trainer = lockstep.Trainer(
         model=model, train_dataloader=train_loader, eval_dataloader=val_loader,
         max_duration=args.max_duration, eval_interval=args.eval_interval, optimizers=optimizer,

@@ -37,7 +37,7 @@ def test_train_digits_under_the_launcher(tmp_path: Path) -> None:
 def test_train_digits_with_zero3_under_the_launcher(tmp_path: Path) -> None:
     from tests.trainer.test_deepspeed import HAVE_DEEPSPEED
     if not HAVE_DEEPSPEED and not os.environ.get("LOCKSTEP_REQUIRE_DEEPSPEED"):
-        pytest.skip("DeepSpeed is not installed (pip install 'lockstep[deepspeed]')")
+        pytest.skip("DeepSpeed is not installed (pip install 'torch-lockstep[deepspeed]')")
     # the first DeepSpeed run on a machine compiles its shared-memory op (about a minute)
     train_digits(tmp_path, "--zero-stage", "3", timeout=220)
 
@@ -46,7 +46,7 @@ def test_train_digits_with_zero3_under_the_launcher(tmp_path: Path) -> None:
 def test_train_digits_with_zero1_in_one_process_without_the_launcher(tmp_path: Path) -> None:
     from tests.trainer.test_deepspeed import HAVE_DEEPSPEED
     if not HAVE_DEEPSPEED and not os.environ.get("LOCKSTEP_REQUIRE_DEEPSPEED"):
-        pytest.skip("DeepSpeed is not installed (pip install 'lockstep[deepspeed]')")
+        pytest.skip("DeepSpeed is not installed (pip install 'torch-lockstep[deepspeed]')")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     result = subprocess.run(

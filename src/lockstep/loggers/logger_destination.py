@@ -61,4 +61,4 @@ def require(module: str, extra: str, user: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise ImportError(f"{user} needs the '{module.split('.')[0]}' package: pip install "
-                          f"'lockstep[{extra}]'") from None
+                          f"'torch-lockstep[{extra}]'") from None

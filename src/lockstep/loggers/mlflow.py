@@ -20,7 +20,7 @@ class MLFlowLogger(ThreadedDestination):
     ``tracking_uri``: default ``$MLFLOW_TRACKING_URI``, else a SQLite store, ``mlflow.db`` in the run
     folder (or the working directory). A ``http://localhost:5000`` tracking server works too.
     ``experiment_name``: default ``$MLFLOW_EXPERIMENT_NAME``, else ``'lockstep'``. Metrics are sent
-    in batches of up to ``flush_interval`` batches. Needs ``pip install 'lockstep[mlflow]'``.
+    in batches of up to ``flush_interval`` batches. Needs ``pip install 'torch-lockstep[mlflow]'``.
     """
 
     def __init__(self, experiment_name: str | None = None, run_name: str | None = None,

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class TensorboardLogger(ThreadedDestination):
     """Scalars to TensorBoard event files under ``log_dir`` (default: ``tensorboard/`` in the run
     folder, or ``tensorboard_logs/<run_name>`` without one). View them with
-    ``tensorboard --logdir <log_dir>``. Needs ``pip install 'lockstep[tensorboard]'``.
+    ``tensorboard --logdir <log_dir>``. Needs ``pip install 'torch-lockstep[tensorboard]'``.
 
     ``flush_interval``: batches between flushes of the event file to disk.
     """

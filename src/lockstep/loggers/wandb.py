@@ -16,7 +16,7 @@ class WandBLogger(ThreadedDestination):
     """Metrics and config to a W&B run named after the Trainer's ``run_name``, from a background
     thread. ``mode``: ``'online'``, ``'offline'`` (sync later with ``wandb sync``) or ``'disabled'``;
     default ``$WANDB_MODE``, else online. Files go under the run folder when there is one.
-    Needs ``pip install 'lockstep[wandb]'``.
+    Needs ``pip install 'torch-lockstep[wandb]'``.
     """
 
     def __init__(self, project: str | None = None, entity: str | None = None, name: str | None = None,

@@ -6,7 +6,7 @@ computes from ``labels``. Under FSDP the modules of the classes the model names 
 ``_no_split_modules`` (a GPT-2 ``GPT2Block``, a Llama ``LlamaDecoderLayer``, ...) are the FSDP
 units, and, with ``fsdp_config={'activation_checkpointing': True}``, the checkpointed ones.
 
-Needs the ``huggingface`` extra: ``pip install 'lockstep[huggingface]'``.
+Needs the ``huggingface`` extra: ``pip install 'torch-lockstep[huggingface]'``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 S3-compatible servers: MinIO, SeaweedFS, ...), :class:`GCSObjectStore`, :class:`AzureObjectStore`,
 :func:`parse_uri`. Checkpoints and logger files use them through URIs such as ``s3://bucket/prefix``,
 ``gs://bucket/prefix`` or ``azure://container/prefix`` (:func:`store_for_uri`); each backend's
-client installs with its extra (``lockstep[s3]``, ``lockstep[gcs]``, ``lockstep[azure]``)."""
+client installs with its extra (``torch-lockstep[s3]``, ``[gcs]``, ``[azure]``)."""
 
 from lockstep.objectstore.azure import AzureObjectStore
 from lockstep.objectstore.gcs import GCSObjectStore

@@ -21,7 +21,7 @@ from typing import Any
 from lockstep.objectstore.probe import first_line, probe_name
 from lockstep.objectstore.store import ObjectStoreTransientError, Versioned
 
-AZURE_INSTALL_HINT = "pip install 'lockstep[azure]' (azure-storage-blob)"
+AZURE_INSTALL_HINT = "pip install 'torch-lockstep[azure]' (azure-storage-blob)"
 PART_BYTES = 16 << 20
 """Files larger than this go up in blocks of this size, :data:`CONCURRENCY` at a time."""
 CONCURRENCY = 8

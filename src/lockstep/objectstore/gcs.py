@@ -21,7 +21,7 @@ from typing import Any
 from lockstep.objectstore.probe import first_line, probe_name
 from lockstep.objectstore.store import ObjectStoreTransientError, Versioned
 
-GCS_INSTALL_HINT = "pip install 'lockstep[gcs]' (google-cloud-storage)"
+GCS_INSTALL_HINT = "pip install 'torch-lockstep[gcs]' (google-cloud-storage)"
 PART_BYTES = 16 << 20
 """A resumable upload sends the file in chunks of this size."""
 _CREDENTIALS = ("set GOOGLE_APPLICATION_CREDENTIALS to a service account key this bucket accepts (or run "

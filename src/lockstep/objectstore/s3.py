@@ -16,7 +16,7 @@ from typing import Any
 
 from lockstep.objectstore.store import ObjectStoreTransientError, Versioned
 
-S3_INSTALL_HINT = "pip install 'lockstep[s3]' (boto3)"
+S3_INSTALL_HINT = "pip install 'torch-lockstep[s3]' (boto3)"
 PART_BYTES = 16 << 20
 """Files larger than this go up and down in parts of this size, several at a time."""
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
@@ -166,7 +166,7 @@ class S3ObjectStore:
         try:
             reply = self.client.put_object(Bucket=self.bucket, Key=self.get_key(object_name), Body=data,
                                            **(condition if self._conditional else {}))
-        except botocore.exceptions.ParamValidationError:  # a boto3 older than 1.35.69, below lockstep[s3]
+        except botocore.exceptions.ParamValidationError:  # a boto3 older than 1.35.69, below torch-lockstep[s3]
             if not self._conditional:
                 raise
             self._conditional = False
