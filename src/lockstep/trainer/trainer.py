@@ -58,6 +58,96 @@ class Trainer:
     a GPU). Every other argument has Composer 0.32.1's meaning (the run options are in
     :mod:`lockstep.trainer.options`); docs/porting-from-composer.md lists them, with the few that
     lockstep refuses and why.
+
+    Args:
+        model: The :class:`~lockstep.Model` (an ``nn.Module`` with ``forward(batch)`` and
+            ``loss(outputs, batch)``) to train; wrapped by DDP, FSDP or DeepSpeed on every rank.
+        train_dataloader: Yields this rank's batches (a ``DataLoader``, any iterable, or a
+            ``DataSpec``); a map-style dataset needs a ``DistributedSampler`` over several ranks.
+        max_duration: How long to train: a Time string (``'2ep'``, ``'100ba'``, ``'1e6tok'``,
+            ``'1h'``) or an int of epochs; ``fit(duration=...)`` may give it instead.
+        optimizers: One optimizer (or a list) over the model's parameters; None builds Composer's
+            default, ``DecoupledSGDW(lr=0.1)``, with a warning.
+        eval_dataloader: A dataloader, an ``Evaluator``, or a list of either, to evaluate on.
+        eval_interval: When to evaluate: a Time string, an int of epochs, or a function
+            ``(state, event) -> bool``.
+        device: ``'cpu'``, ``'gpu'``/``'cuda'``, a ``torch.device`` or a ``Device``; None: this
+            rank's GPU if there is one, else the CPU.
+        precision: ``'fp32'``, ``'amp_bf16'`` or ``'amp_fp16'``; None: Composer's default for the
+            device.
+        device_train_microbatch_size: Samples per microbatch (the rank's batch is split into
+            microbatches whose gradients accumulate), or ``'auto'`` to find the largest that fits.
+        grad_accum: The number of microbatches per batch, instead of their size.
+        ddp_sync_strategy: When DDP all-reduces gradients: ``'single_auto_sync'`` (once, on the
+            last microbatch), ``'multi_auto_sync'`` (every microbatch) or ``'forced_sync'``.
+        find_unused_parameters: DDP's: let parameters that get no gradient in a step be.
+        schedulers: Learning-rate schedulers: torch schedulers, Composer's
+            ``ComposerScheduler`` objects or functions ``(state) -> float``, one or a list.
+        scale_schedule_ratio: Scales ``max_duration`` and every schedule's times by this ratio.
+        step_schedulers_every_batch: Step torch schedulers every batch (True) or every epoch
+            (False, or None); schedules of training time (Composer's) step every batch.
+        train_subset_num_batches: Batches per epoch to train on; -1: the whole dataloader.
+        eval_subset_num_batches: Batches per evaluation; -1: the whole dataloader.
+        callbacks: A :class:`~lockstep.Callback` or a list of them, run at every event.
+        loggers: A :class:`~lockstep.loggers.LoggerDestination` or a list of them (TensorBoard,
+            MLflow, W&B, files, memory, a bucket).
+        algorithms: An :class:`~lockstep.Algorithm` or a list of them (``GradientClipping``, ``EMA``).
+        run_name: The run's name, in checkpoint names and logs; None: ``COMPOSER_RUN_NAME``,
+            ``RUN_NAME`` or ``LOCKSTEP_RUN_NAME``, else one made from the time (the same on every
+            rank).
+        run_folder: Where the run's logs, ``metrics.jsonl`` and ``loss_curve.png`` go; None: the
+            launcher's run directory, or none outside the launcher.
+        progress_bar: Show a progress bar on rank 0.
+        log_to_console: Print logged metrics to the console every ``console_log_interval``.
+        console_log_interval: How often ``log_to_console`` prints (a Time string or int of epochs).
+        console_stream: ``'stdout'``, ``'stderr'`` or a text stream, for console metrics.
+        python_log_level: The level of Python's ``logging`` for ``lockstep`` (``'info'``, ...).
+        seed: Seeds python, numpy and torch with ``seed + rank`` at the start; None: the seed torch
+            was started from, and every generator is seeded at the end of construction.
+        dist_timeout: Seconds a collective may wait for the other ranks before failing.
+        save_folder: Where checkpoints go: a folder, or an ``s3://``, ``gs://`` or ``azure://``
+            URI (format fields such as ``{run_name}`` allowed); None saves nothing.
+        save_filename: Each checkpoint's name (``{epoch}``, ``{batch}``, ``{rank}``, ... fields).
+        save_latest_filename: The pointer to the newest checkpoint; None: no pointer.
+        save_interval: When to save: a Time string, an int of epochs, or ``(state, event) -> bool``.
+        save_num_checkpoints_to_keep: How many of the newest checkpoints to keep (also in a
+            bucket); -1: all.
+        save_overwrite: Replace checkpoints already in ``save_folder`` instead of refusing it.
+        save_weights_only: Save only the model's weights.
+        save_metrics: Save the latest evaluation metrics' values in checkpoints too.
+        load_path: A checkpoint to load at construction (a path or URI; a Composer checkpoint
+            too); with ``autoresume``, used only when the run has no checkpoint of its own.
+        load_weights_only: Load only the model's weights from ``load_path``.
+        load_strict_model_weights: Refuse weights whose names do not match the model's.
+        load_ignore_keys: Parts of the checkpoint not to load: globs of ``state/...`` paths, or a
+            function that edits the checkpoint's dict.
+        autoresume: Continue from the newest checkpoint of ``run_name`` in ``save_folder`` (the
+            local one, else the bucket's), if there is one.
+        fsdp_config: Shard the model with FSDP: a dict of FSDP settings (sharding strategy, mixed
+            precision, wrapping, activation checkpointing, ``state_dict_type``, ...).
+        parallelism_config: Composer 0.32's ``{'fsdp': {...}}``, the same as ``fsdp_config``.
+        deepspeed_config: Train with DeepSpeed ZeRO (stages 0-3): DeepSpeed's config dict.
+        compile_config: Compile the model with ``torch.compile`` and these arguments (``{}``:
+            the defaults).
+        train_dataloader_label: The training dataloader's name in logged metrics.
+        spin_dataloaders: On a resume, read each evaluation dataloader's and each finished
+            epoch's first batch before training, as Composer does.
+        algorithm_passes: Functions that reorder the algorithms for an event (Composer's).
+        log_traces: Log when each algorithm runs at each event.
+        auto_log_hparams: Log the Trainer's arguments as hyperparameters.
+        load_object_store: An object store to read ``load_path`` from (an object name in it).
+        load_progress_bar: Show a progress bar while a checkpoint downloads.
+        load_exclude_algorithms: Algorithms (by class name) whose saved state is not loaded.
+        save_ignore_keys: Parts left out of saved checkpoints: globs of ``state/...`` paths, or a
+            function that edits the checkpoint's dict.
+        precision_config: Composer's settings of ``amp_fp8``, which lockstep does not have: an
+            error unless empty.
+        accumulate_train_batch_on_tokens: Weight each microbatch's loss by its tokens rather than
+            its samples.
+        deterministic_mode: Use deterministic algorithms only (``torch.use_deterministic_algorithms``
+            and cuDNN's settings), for bit-reproducible runs at some cost in speed.
+        profiler: A :class:`~lockstep.profiler.Profiler` that records a schedule of steps with
+            ``torch.profiler``.
     """
 
     def __init__(
