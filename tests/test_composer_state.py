@@ -189,6 +189,12 @@ def test_ema_refuses_what_cannot_work(kwargs, message) -> None:
 def test_composers_algorithms_beyond_clipping_and_ema_say_so() -> None:
     with pytest.raises(ImportError, match="LabelSmoothing is one of Composer's algorithms.*label_smoothing"):
         from lockstep.algorithms import LabelSmoothing  # noqa: F401
+    with pytest.raises(ImportError, match="apply_gradient_clipping is one of Composer's functional algorithms.*"
+                                          "lockstep.algorithms.GradientClipping"):
+        from lockstep.functional import apply_gradient_clipping  # noqa: F401
+    with pytest.raises(ImportError, match="apply_blurpool is one of Composer's functional algorithms"):
+        import lockstep.functional as functional
+        functional.apply_blurpool  # noqa: B018
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from lockstep.algorithms import EMA as Imported  # noqa: F401

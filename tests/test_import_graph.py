@@ -29,7 +29,7 @@ LAYERS: dict[str, int] = {
     # Composer's paths for checkpoint helpers and inference export, which read checkpoints
     "lockstep.checkpoint": 3, "lockstep.utils.checkpoint": 3, "lockstep.utils.inference": 3,
     # 4: what a step does: backends (which name their checkpoint layout), optimizers, algorithms
-    "lockstep.parallel": 4, "lockstep.optim": 4, "lockstep.algorithms": 4,
+    "lockstep.parallel": 4, "lockstep.optim": 4, "lockstep.algorithms": 4, "lockstep.functional": 4,
     # 5: what watches the loop: callbacks, logger destinations and the profiler
     "lockstep.callbacks": 5, "lockstep.loggers": 5, "lockstep.profiler": 5,
     # 6: the loop
