@@ -67,6 +67,8 @@ class SeaweedServer:
     folder: Path
     log: Path
     ports: tuple[int, ...] = ()
+    command: tuple[str, ...] = ()
+    idle: bool = False
 
     @property
     def env(self) -> dict[str, str]:
@@ -126,21 +128,34 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
                f"-filer.localSocket={folder / 'filer.sock'}", f"-s3.localSocket={folder / 's3.sock'}"]
     if idle and shutil.which("chrt"):
         command = ["chrt", "--idle", "0", *command]
-    with open(log, "wb") as out:
+    server = SeaweedServer(None, f"http://127.0.0.1:{s3}", folder, log,  # type: ignore[arg-type]
+                           (master, volume, filer, s3), tuple(command), idle)
+    _launch(server, timeout)
+    return server
+
+
+def restart(server: SeaweedServer, timeout: float = 60.0) -> None:
+    """Start ``server`` again after it was killed: the same ports, the same data (its buckets and
+    objects)."""
+    assert server.process.poll() is not None, "stop the server before restarting it"
+    _launch(server, timeout)
+
+
+def _launch(server: SeaweedServer, timeout: float) -> None:
+    with open(server.log, "ab") as out:
         # dies with this process, even when it is killed (a test run stopped from outside)
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
-                                   start_new_session=not idle, process_group=0 if idle else None,
-                                   preexec_fn=die_with_parent)
-    server = SeaweedServer(process, f"http://127.0.0.1:{s3}", folder, log, (master, volume, filer, s3))
+        server.process = subprocess.Popen(
+            list(server.command), stdout=out, stderr=subprocess.STDOUT, cwd=server.folder,
+            start_new_session=not server.idle, process_group=0 if server.idle else None, preexec_fn=die_with_parent)
     deadline = time.monotonic() + timeout
     try:
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"weed server exited with {process.returncode}: {_tail(log)}")
+            if server.process.poll() is not None:
+                raise RuntimeError(f"weed server exited with {server.process.returncode}: {_tail(server.log)}")
             if _answers(server):
-                return server
+                return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"weed server's S3 did not answer in {timeout:.0f}s: {_tail(log)}")
+                raise RuntimeError(f"weed server's S3 did not answer in {timeout:.0f}s: {_tail(server.log)}")
             time.sleep(0.3)
     except BaseException:
         server.stop()

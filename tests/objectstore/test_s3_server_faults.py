@@ -1,0 +1,139 @@
+"""The S3 server itself fails in the middle of a run (issue 49 item 9), on a server of the test's
+own: paused (SIGSTOP, then SIGCONT), uploads wait and nothing is lost; killed (SIGKILL), the job
+fails in one line naming the bucket, and once the server is back (same data) a job on a fresh disk
+autoresumes from the newest checkpoint the bucket holds whole and ends bit for bit where an
+uninterrupted run does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep import Callback, Trainer
+from lockstep.objectstore import S3ObjectStore
+from tests.trainer.common import MLP, loader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import seaweed  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def own_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[seaweed.SeaweedServer]:
+    server = seaweed.start()
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        yield server
+    finally:
+        if server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGCONT)  # a paused server would not stop
+        server.stop()
+
+
+class Slowly(Callback):
+    """Sleeps after each batch until ``until``: the uploads of the first checkpoints end, and the
+    bucket's pointer moves, before what the test does at that batch (on a fast machine the whole
+    run would otherwise be over before the first upload process has started)."""
+
+    def __init__(self, until: int, seconds: float = 0.3) -> None:
+        self.until, self.seconds = until, seconds
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.batch.value < self.until:
+            time.sleep(self.seconds)
+
+
+class At(Callback):
+    """Runs ``action`` once, after batch ``batch``."""
+
+    def __init__(self, batch: int, action: Callable[[], None]) -> None:
+        self.batch, self.action = batch, action
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.batch.value == self.batch:
+            self.action()
+
+
+def _trainer(batches: int, folder: str | None, *callbacks: Callback) -> Trainer:
+    torch.manual_seed(0)
+    model = MLP()
+    return Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
+                   device="cpu", progress_bar=False, seed=3, max_duration=f"{batches}ba", run_name="r",
+                   save_folder=folder, save_interval="2ba", save_num_checkpoints_to_keep=2, autoresume=folder is not None,
+                   callbacks=list(callbacks))
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items()}
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_paused_server_delays_the_uploads_and_loses_nothing(own_server, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    bucket = own_server.create_bucket("paused")
+    reference = _trainer(8, None)
+    reference.fit()
+    pid = own_server.process.pid
+
+    def pause() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(3.0, os.kill, (pid, signal.SIGCONT)).start()
+
+    trainer = _trainer(8, f"s3://{bucket}/run", At(3, pause))
+    trainer.fit()
+    trainer.close()
+    _assert_bitwise(_params(trainer), _params(reference))
+    store = S3ObjectStore(bucket)
+    assert sorted(store.list_objects("run/")) == ["run/ep0-ba6-rank0.pt", "run/ep1-ba8-rank0.pt",
+                                                  "run/latest-rank0.pt.symlink"]
+    assert store.read_bytes("run/latest-rank0.pt.symlink") == b"run/ep1-ba8-rank0.pt"
+    local = tmp_path / ".lockstep" / "s3" / bucket / "run" / "ep1-ba8-rank0.pt"
+    assert store.read_bytes("run/ep1-ba8-rank0.pt") == local.read_bytes()
+
+
+def test_a_killed_server_fails_the_job_in_one_line_and_once_back_the_run_resumes_exactly(
+        own_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    bucket = own_server.create_bucket("killed")
+    reference = _trainer(12, None)
+    reference.fit()
+
+    def kill() -> None:
+        own_server.process.kill()
+        own_server.process.wait()
+
+    first = tmp_path / "first"
+    first.mkdir()
+    monkeypatch.chdir(first)
+    trainer = _trainer(12, f"s3://{bucket}/run", Slowly(7), At(7, kill))
+    with pytest.raises(RuntimeError) as failed:
+        trainer.fit()
+    trainer.close()
+    message = str(failed.value)
+    assert message.startswith(f"uploading checkpoints to s3://{bucket}/run failed") and "\n" not in message
+
+    seaweed.restart(own_server)  # the same data: what reached the bucket before the kill is there
+    fresh = tmp_path / "fresh"  # another machine: only the bucket holds the run
+    fresh.mkdir()
+    monkeypatch.chdir(fresh)
+    resumed = _trainer(12, f"s3://{bucket}/run")
+    assert resumed.state.timestamp.batch.value in (2, 4)  # the newest checkpoint the pointer names
+    resumed.fit()
+    resumed.close()
+    _assert_bitwise(_params(resumed), _params(reference))
+    store = S3ObjectStore(bucket)
+    assert store.read_bytes("run/latest-rank0.pt.symlink") == b"run/ep1-ba12-rank0.pt"
