@@ -73,6 +73,8 @@ class Remote:
     scheme: str
     bucket: str
     env: dict[str, str]
+    server: Any
+    """The server (its ``process`` may be paused and resumed, never left paused)."""
 
     def uri(self, path: str = "") -> str:
         return f"{self.scheme}://{self.bucket}/{path}".rstrip("/")
@@ -93,4 +95,4 @@ def remote(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> R
     for name, value in server.env.items():
         monkeypatch.setenv(name, value)
     bucket = server.create_bucket(f"test-{os.getpid()}-{next(_buckets)}")
-    return Remote(request.param, bucket, dict(server.env))
+    return Remote(request.param, bucket, dict(server.env), server)

@@ -137,3 +137,25 @@ def test_a_killed_server_fails_the_job_in_one_line_and_once_back_the_run_resumes
     _assert_bitwise(_params(resumed), _params(reference))
     store = S3ObjectStore(bucket)
     assert store.read_bytes("run/latest-rank0.pt.symlink") == b"run/ep1-ba12-rank0.pt"
+
+
+def test_an_endpoint_that_stops_answering_at_autoresume_is_one_line_in_seconds(
+        own_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A black hole: the server takes the connection and never answers (paused). The job does not
+    wait on it for minutes (the client's read timeout and retries): it stops at Trainer(...)."""
+    monkeypatch.chdir(tmp_path)
+    bucket = own_server.create_bucket("hole")
+    trainer = _trainer(4, f"s3://{bucket}/run")
+    trainer.fit()
+    trainer.close()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    monkeypatch.chdir(fresh)
+    os.kill(own_server.process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        _trainer(8, f"s3://{bucket}/run")
+    took = time.monotonic() - started
+    message = str(failed.value)
+    assert f"'{bucket}'" in message and "does not answer" in message and "\n" not in message, message
+    assert took < 30, f"{took:.0f} s"  # before the probe went through the quick client: 185 s

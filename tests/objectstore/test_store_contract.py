@@ -6,6 +6,7 @@ bucket, rotates, and autoresumes on a machine without the local files, bit for b
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -108,6 +109,21 @@ def test_problems_are_one_line_and_name_the_bucket(remote, monkeypatch: pytest.M
     assert gone is not None and repr(remote.bucket) in gone and "does not answer" in gone
     for message in (missing, gone):
         assert "\n" not in message
+
+
+def test_an_endpoint_that_takes_connections_and_never_answers_is_said_in_seconds(remote) -> None:
+    """A black hole (the server paused): the probe a Trainer runs gives up in seconds, not after
+    the client's own timeouts and retries (minutes)."""
+    store = remote.store()
+    os.kill(remote.server.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        found = problem(store, "x", write=True)
+        took = time.monotonic() - started
+    finally:
+        os.kill(remote.server.process.pid, signal.SIGCONT)
+    assert found is not None and repr(remote.bucket) in found and "does not answer" in found, found
+    assert took < 30, f"{took:.0f} s"
 
 
 def test_the_upload_process_writes_through_the_same_store(remote, tmp_path: Path) -> None:

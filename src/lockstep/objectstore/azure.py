@@ -49,6 +49,7 @@ class AzureObjectStore:
                          "account_key": account_key, "account_url": account_url, "timeout_s": timeout_s,
                          "retry_total": retry_total}
         self.timeout_s = timeout_s
+        self._is_quick = retry_total <= 1
         # the client's default waits 15 s, then 45 s, between tries: a minute before a dead endpoint is said
         retry = ExponentialRetry(initial_backoff=0.5, increment_base=1.5, retry_total=retry_total,
                                  random_jitter_range=0.5)
@@ -188,11 +189,13 @@ class AzureObjectStore:
         return reply["etag"]
 
     def problem(self, object_name: str, *, write: bool) -> str | None:
+        if not self._is_quick:  # an endpoint that never answers (a black hole) is said in seconds
+            return self.quick().problem(object_name, write=write)
         where = f"container {self.bucket!r} at {self.endpoint}"
         if self.container is None:
             return f"{where}: {self._missing}: {_ACCOUNT}"
         try:
-            self.container.get_container_properties(timeout=min(self.timeout_s, 20))
+            self.container.get_container_properties(timeout=self.timeout_s)
             if write:
                 name = probe_name(object_name)
                 self.upload_bytes(name, b"")
@@ -225,14 +228,14 @@ class AzureObjectStore:
 
 def _explained(error: Exception, where: str) -> str:
     from azure.core.exceptions import (ClientAuthenticationError, HttpResponseError, ResourceNotFoundError,
-                                       ServiceRequestError)
+                                       ServiceRequestError, ServiceResponseError)
 
     if isinstance(error, ResourceNotFoundError):
         return f"{where} does not exist: create it, or fix the container name in the azure:// URI"
     if isinstance(error, ClientAuthenticationError) or (isinstance(error, HttpResponseError)
                                                         and error.status_code in (401, 403)):
         return f"{where} refuses this account's key ({first_line(error)}): {_ACCOUNT}"
-    if isinstance(error, ServiceRequestError):
+    if isinstance(error, (ServiceRequestError, ServiceResponseError)):  # no connection, or no reply
         return (f"{where}: the endpoint does not answer ({first_line(error)}): check the connection string's "
                 f"BlobEndpoint (an emulator) or the network")
     return f"{where}: {first_line(error)}"

@@ -48,6 +48,7 @@ class GCSObjectStore:
                          "timeout_s": timeout_s, "retry": retry}
         self._credentials = credentials
         self.timeout_s, self._retry = timeout_s, retry
+        self._is_quick = not retry
         self.endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "Google Cloud Storage"
         self._client_error: Exception | None = None
         try:
@@ -69,15 +70,14 @@ class GCSObjectStore:
             raise self._client_error  # type: ignore[misc]
         return self.client.bucket(self.bucket).blob(self.get_key(object_name), **kwargs)
 
-    def _kwargs(self, retry_s: float | None = None) -> dict[str, Any]:
-        """Each request's timeout and retries: the client's own (up to 120 s of retries), at most
-        ``retry_s`` of them, or none for a :meth:`quick` store."""
+    def _kwargs(self) -> dict[str, Any]:
+        """Each request's timeout, and the client's own retries (up to 120 s of them) unless this is
+        a :meth:`quick` store."""
         from google.api_core.retry import Retry
 
         if not self._retry:
             return {"timeout": self.timeout_s, "retry": Retry(timeout=0)}
-        return {"timeout": self.timeout_s} if retry_s is None else {"timeout": self.timeout_s,
-                                                                    "retry": Retry(timeout=retry_s)}
+        return {"timeout": self.timeout_s}
 
     def get_object_size(self, object_name: str) -> int:
         try:
@@ -194,11 +194,15 @@ class GCSObjectStore:
         return str(blob.generation)
 
     def problem(self, object_name: str, *, write: bool) -> str | None:
+        if not self._is_quick:  # an endpoint that never answers (a black hole) is said in seconds
+            return self.quick().problem(object_name, write=write)
         where = f"bucket {self.bucket!r} at {self.endpoint}"
         if self.client is None:
             return f"{where}: no Google credentials found ({first_line(self._client_error)}): {_CREDENTIALS}"
         try:
-            self.client.get_bucket(self.bucket, **self._kwargs(retry_s=15))
+            # listing needs only the objects' permission, which a service account for checkpoints has
+            list(self.client.list_blobs(self.bucket, prefix=self.get_key(object_name), max_results=1,
+                                        **self._kwargs()))
             if write:
                 name = probe_name(object_name)
                 self.upload_bytes(name, b"")

@@ -187,7 +187,9 @@ class S3ObjectStore:
     def problem(self, object_name: str, *, write: bool) -> str | None:
         from lockstep.objectstore import s3_errors
 
-        return s3_errors.problem(self, object_name, write=write)
+        # through the quick client: an endpoint that takes the connection and never answers (a
+        # black hole) is said in seconds, not after the client's minutes of timeouts and retries
+        return s3_errors.problem(self.quick(), object_name, write=write)
 
     def quick(self) -> S3ObjectStore:
         return S3ObjectStore(self.bucket, **{**self._options, "client_config": {

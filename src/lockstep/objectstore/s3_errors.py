@@ -64,7 +64,7 @@ def _explained(error: Exception, store: object) -> str:
     if isinstance(error, botocore.exceptions.NoCredentialsError):
         return f"{where}: no AWS credentials found: {_CREDENTIALS}"
     if isinstance(error, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError,
-                          botocore.exceptions.ConnectionError)):
+                          botocore.exceptions.ConnectionError, botocore.exceptions.ReadTimeoutError)):
         return (f"{where}: the endpoint does not answer ({first_line(error)}): check S3_ENDPOINT_URL and that "
                 f"the server is running")
     if isinstance(error, botocore.exceptions.ClientError):
