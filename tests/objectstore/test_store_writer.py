@@ -152,3 +152,18 @@ def test_close_ends_the_child_while_a_forked_process_holds_its_input_open(bucket
     finally:
         os.kill(forked, signal.SIGKILL)
         os.waitpid(forked, 0)
+
+
+def test_a_writer_nobody_closed_ends_its_child_once_its_jobs_are_done(bucket: str, tmp_path: Path) -> None:
+    """A logger dropped without close() must not leave its upload process for the life of the
+    program (issue 49: nine of them outlived test_s3_logger.py by 18 minutes)."""
+    import gc
+
+    (tmp_path / "f").write_bytes(b"x" * 1000)
+    writer = StoreWriter(bucket)
+    writer.submit([("upload", "dropped/f", str(tmp_path / "f"))])
+    pid = writer.pid
+    del writer
+    gc.collect()
+    assert _gone(pid, within=30), "the upload process outlived its writer"
+    assert S3ObjectStore(bucket).read_bytes("dropped/f") == b"x" * 1000  # its job was done first

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +102,13 @@ class StoreWriter:
         self._ended: str | None = None
         """Why the child is gone before it was closed (None: it runs, or was closed)."""
         self._closing = False
-        self._reader = threading.Thread(target=self._read, name="lockstep-store-writer", daemon=True)
+        # The reading thread holds this object only weakly, and its input is ended when it is
+        # collected: a writer nobody closed (a logger dropped without close()) still ends its child
+        # once its jobs are done, instead of leaving it for the whole life of this process.
+        self._reader = threading.Thread(target=_read_answers, args=(weakref.ref(self), self._answers, self._process),
+                                        name="lockstep-store-writer", daemon=True)
         self._reader.start()
+        weakref.finalize(self, _end_input, self._process.stdin)
 
     def submit(self, actions: list[Action], *, cleanup: str | None = None, guard: Guard | None = None,
                then: Callable[[Outcome], None] | None = None) -> int:
@@ -147,27 +153,12 @@ class StoreWriter:
         """Let the child finish the jobs it was given, then end it."""
         with self._lock:
             self._closing = True
-            stdin = self._process.stdin
-            if stdin is not None and not stdin.closed:
-                # said, not left to the end of input: a forked data loader worker may hold the pipe open
-                try:
-                    stdin.write(json.dumps({"end": True}) + "\n")
-                    stdin.close()
-                except OSError:
-                    pass
+            _end_input(self._process.stdin)
         self._process.wait()
         self._reader.join()
 
-    def _read(self) -> None:
-        job = 0
-        for line in self._answers:
-            answer = json.loads(line)
-            job += 1
-            outcome = Outcome(answer.get("error"), answer.get("skipped", False),
-                              [(int(b), float(s)) for b, s in answer.get("timings", [])])
-            with self._lock:
-                self._settle(job, outcome)
-        code = self._process.wait()
+    def _ended_with(self, job: int, code: int) -> None:
+        """The child exited with ``code`` after answering ``job`` jobs: settle the rest with why."""
         with self._lock:
             if not self._closing or code != 0:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -184,6 +175,38 @@ class StoreWriter:
         if then is not None:
             then(outcome)
         self._lock.notify_all()
+
+
+def _end_input(stdin: TextIO | None) -> None:
+    """Tell the child to end once its jobs are done. Said, not left to the end of its input: a
+    forked data loader worker may hold the pipe open."""
+    if stdin is not None and not stdin.closed:
+        try:
+            stdin.write(json.dumps({"end": True}) + "\n")
+            stdin.close()
+        except (OSError, ValueError):
+            pass
+
+
+def _read_answers(ref: weakref.ref[StoreWriter], answers: TextIO, process: subprocess.Popen[str]) -> None:
+    """The thread that reads the child's answers and settles each job of the writer ``ref`` names;
+    once that writer is gone, answers are read and dropped (the child must not block on a full pipe)."""
+    job = 0
+    for line in answers:
+        job += 1
+        writer = ref()
+        if writer is None:
+            continue
+        answer = json.loads(line)
+        outcome = Outcome(answer.get("error"), answer.get("skipped", False),
+                          [(int(b), float(s)) for b, s in answer.get("timings", [])])
+        with writer._lock:
+            writer._settle(job, outcome)
+        del writer  # not held while the next answer is awaited
+    code = process.wait()
+    writer = ref()
+    if writer is not None:
+        writer._ended_with(job, code)
 
 
 def _run(store: Any, action: Action, timings: list[tuple[int, float]]) -> None:
