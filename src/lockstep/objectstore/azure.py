@@ -14,12 +14,11 @@ import datetime
 import email.utils
 import os
 import pathlib
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.objectstore.probe import first_line, probe_name
-from lockstep.objectstore.store import ObjectStoreTransientError, Versioned
+from lockstep.objectstore.probe import first_line, try_a_write
+from lockstep.objectstore.store import ObjectStoreTransientError, Versioned, whole_file
 
 AZURE_INSTALL_HINT = "pip install 'torch-lockstep[azure]' (azure-storage-blob)"
 PART_BYTES = 16 << 20
@@ -116,27 +115,11 @@ class AzureObjectStore:
 
     def download_object(self, object_name: str, filename: str | pathlib.Path, overwrite: bool = False,
                         callback: Callable[[int, int], None] | None = None) -> None:
-        filename = str(filename)
-        if os.path.exists(filename) and not overwrite:
-            raise FileExistsError(f"{filename} already exists: pass overwrite=True to replace it")
-        if os.path.dirname(filename):
-            os.makedirs(os.path.dirname(filename), exist_ok=True)
-        temp = f"{filename}.{uuid.uuid4().hex}.tmp"  # a complete file or none at all
-        try:
-            with open(temp, "wb") as out:
-                self._blob(object_name).download_blob(
-                    max_concurrency=CONCURRENCY, timeout=self.timeout_s,
-                    progress_hook=None if callback is None else (lambda done, total: callback(done, total or 0)),
-                ).readinto(out)
-            os.replace(temp, filename)
-        except BaseException as e:
-            try:
-                os.remove(temp)
-            except OSError:
-                pass
-            if isinstance(e, Exception) and not isinstance(e, OSError):
-                raise self._translated(e, object_name) from e
-            raise
+        hook = None if callback is None else (lambda done, total: callback(done, total or 0))
+        with whole_file(filename, overwrite, lambda e: self._translated(e, object_name)) as temp, \
+                open(temp, "wb") as out:
+            self._blob(object_name).download_blob(max_concurrency=CONCURRENCY, timeout=self.timeout_s,
+                                                  progress_hook=hook).readinto(out)
 
     def delete_object(self, object_name: str) -> None:
         try:
@@ -197,9 +180,7 @@ class AzureObjectStore:
         try:
             self.container.get_container_properties(timeout=self.timeout_s)
             if write:
-                name = probe_name(object_name)
-                self.upload_bytes(name, b"")
-                self.delete_object(name)
+                try_a_write(self, object_name)
             return None
         except Exception as e:
             return _explained(e, where)

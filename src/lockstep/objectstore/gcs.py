@@ -14,12 +14,11 @@ import datetime
 import email.utils
 import os
 import pathlib
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.objectstore.probe import first_line, probe_name
-from lockstep.objectstore.store import ObjectStoreTransientError, Versioned
+from lockstep.objectstore.probe import first_line, try_a_write
+from lockstep.objectstore.store import ObjectStoreTransientError, Versioned, whole_file
 
 GCS_INSTALL_HINT = "pip install 'torch-lockstep[gcs]' (google-cloud-storage)"
 PART_BYTES = 16 << 20
@@ -111,23 +110,8 @@ class GCSObjectStore:
 
     def download_object(self, object_name: str, filename: str | pathlib.Path, overwrite: bool = False,
                         callback: Callable[[int, int], None] | None = None) -> None:
-        filename = str(filename)
-        if os.path.exists(filename) and not overwrite:
-            raise FileExistsError(f"{filename} already exists: pass overwrite=True to replace it")
-        if os.path.dirname(filename):
-            os.makedirs(os.path.dirname(filename), exist_ok=True)
-        temp = f"{filename}.{uuid.uuid4().hex}.tmp"  # a complete file or none at all
-        try:
+        with whole_file(filename, overwrite, lambda e: self._translated(e, object_name)) as temp:
             self._blob(object_name, chunk_size=PART_BYTES).download_to_filename(temp, **self._kwargs())
-            os.replace(temp, filename)
-        except BaseException as e:
-            try:
-                os.remove(temp)
-            except OSError:
-                pass
-            if isinstance(e, Exception) and not isinstance(e, OSError):
-                raise self._translated(e, object_name) from e
-            raise
         if callback is not None:
             size = os.path.getsize(filename)
             callback(size, size)
@@ -204,9 +188,7 @@ class GCSObjectStore:
             list(self.client.list_blobs(self.bucket, prefix=self.get_key(object_name), max_results=1,
                                         **self._kwargs()))
             if write:
-                name = probe_name(object_name)
-                self.upload_bytes(name, b"")
-                self.delete_object(name)
+                try_a_write(self, object_name)
             return None
         except Exception as e:
             return _explained(e, where)

@@ -22,10 +22,13 @@ def problem(store: ObjectStore, key: str, *, write: bool) -> str | None:
     return None
 
 
-def probe_name(key: str) -> str:
-    """A name under ``key`` for a write that is deleted straight after."""
+def try_a_write(store: ObjectStore, key: str) -> None:
+    """Put a small object under ``key`` and delete it (raises what the store raises): a write is
+    tried for real, since read permissions say nothing of write ones."""
     name = f".lockstep-probe-{uuid.uuid4().hex}"
-    return f"{key.rstrip('/')}/{name}" if key else name
+    name = f"{key.rstrip('/')}/{name}" if key else name
+    store.upload_bytes(name, b"")  # type: ignore[attr-defined]
+    store.delete_object(name)  # type: ignore[attr-defined]
 
 
 def first_line(error: BaseException) -> str:

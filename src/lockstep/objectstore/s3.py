@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.objectstore.store import ObjectStoreTransientError, Versioned
+from lockstep.objectstore.store import ObjectStoreTransientError, Versioned, whole_file
 
 S3_INSTALL_HINT = "pip install 'torch-lockstep[s3]' (boto3)"
 PART_BYTES = 16 << 20
@@ -107,25 +106,10 @@ class S3ObjectStore:
 
     def download_object(self, object_name: str, filename: str | pathlib.Path, overwrite: bool = False,
                         callback: Callable[[int, int], None] | None = None) -> None:
-        filename = str(filename)
-        if os.path.exists(filename) and not overwrite:
-            raise FileExistsError(f"{filename} already exists: pass overwrite=True to replace it")
-        if os.path.dirname(filename):
-            os.makedirs(os.path.dirname(filename), exist_ok=True)
-        temp = f"{filename}.{uuid.uuid4().hex}.tmp"  # a complete file or none at all
-        try:
+        with whole_file(filename, overwrite, lambda e: self._translated(e, object_name)) as temp:
             progress = None if callback is None else _Progress(callback, self.get_object_size(object_name))
             self.client.download_file(Bucket=self.bucket, Key=self.get_key(object_name), Filename=temp,
                                       Callback=progress, Config=self.transfer_config)
-            os.replace(temp, filename)
-        except BaseException as e:
-            try:
-                os.remove(temp)
-            except OSError:
-                pass
-            if isinstance(e, Exception) and not isinstance(e, OSError):
-                raise self._translated(e, object_name) from e
-            raise
 
     def delete_object(self, object_name: str) -> None:
         """Delete ``object_name`` (nothing happens when there is none)."""

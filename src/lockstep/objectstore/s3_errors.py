@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lockstep.objectstore.probe import first_line, probe_name
+from lockstep.objectstore.probe import first_line, try_a_write
 
 if TYPE_CHECKING:
     from lockstep.objectstore.s3 import S3ObjectStore
@@ -19,9 +19,7 @@ def problem(store: S3ObjectStore, key: str, *, write: bool) -> str | None:
     try:
         store.client.head_bucket(Bucket=store.bucket)
         if write:
-            name = probe_name(key)
-            store.upload_bytes(name, b"")
-            store.delete_object(name)
+            try_a_write(store, key)
         return None
     except Exception as e:
         return _explained(_with_body(e, store), store)

@@ -3,8 +3,11 @@ object with these methods (Composer's own stores too) can be passed as ``load_ob
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -112,3 +115,29 @@ class BucketStore(ObjectStore, Protocol):
 
     def close(self) -> None:
         ...
+
+
+@contextlib.contextmanager
+def whole_file(filename: str | pathlib.Path, overwrite: bool,
+               translated: Callable[[Exception], Exception]) -> Iterator[str]:
+    """A download's target, whole or not at all: yields a temporary name beside ``filename`` (its
+    folder made), renamed to ``filename`` once the body succeeded and removed if it did not.
+    FileExistsError when ``filename`` exists and not ``overwrite``. The client's errors (not the
+    file system's) are raised as ``translated(error)`` makes them."""
+    filename = str(filename)
+    if os.path.exists(filename) and not overwrite:
+        raise FileExistsError(f"{filename} already exists: pass overwrite=True to replace it")
+    if os.path.dirname(filename):
+        os.makedirs(os.path.dirname(filename), exist_ok=True)
+    temp = f"{filename}.{uuid.uuid4().hex}.tmp"
+    try:
+        yield temp
+        os.replace(temp, filename)
+    except BaseException as e:
+        try:
+            os.remove(temp)
+        except OSError:
+            pass
+        if isinstance(e, Exception) and not isinstance(e, OSError):
+            raise translated(e) from e
+        raise
