@@ -150,8 +150,11 @@ class Hosts:
     # -- using ----------------------------------------------------------------------------------
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside ``host`` (in a session of its own); it is killed at :meth:`close`."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.name(host), *argv], start_new_session=True, **kwargs)
+        """Start ``argv`` inside ``host`` (in a session of its own); it is killed at :meth:`close`,
+        and dies with this process even when that is killed (``ip netns exec`` execs ``argv``, which
+        keeps the parent-death signal)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.name(host), *argv], start_new_session=True,
+                                preexec_fn=_die_with_parent, **kwargs)
         self._procs.append(proc)
         return proc
 
@@ -239,6 +242,12 @@ def _delete_namespaces_of(x: int) -> list[str]:
     for name in names:
         _delete(name)
     return names
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def sweep() -> list[str]:
