@@ -38,6 +38,8 @@ from typing import Any
 
 import pytest
 
+from tests.objectstore.seaweed import dying_with_parent
+
 _PREFIX = "lst"
 _HOSTS_PER_NETWORK = 62  # a /26 per network
 _OWNERS = Path(tempfile.gettempdir()) / "lockstep-netns"
@@ -153,8 +155,8 @@ class Hosts:
         """Start ``argv`` inside ``host`` (in a session of its own); it is killed at :meth:`close`,
         and dies with this process even when that is killed (``ip netns exec`` execs ``argv``, which
         keeps the parent-death signal)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.name(host), *argv], start_new_session=True,
-                                preexec_fn=_die_with_parent, **kwargs)
+        proc = subprocess.Popen(["ip", "netns", "exec", self.name(host), *dying_with_parent(list(argv))],
+                                start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
 
@@ -242,12 +244,6 @@ def _delete_namespaces_of(x: int) -> list[str]:
     for name in names:
         _delete(name)
     return names
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def sweep() -> list[str]:

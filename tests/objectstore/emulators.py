@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from seaweed import die_with_parent
+from seaweed import dying_with_parent
 
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -93,10 +93,10 @@ def start_fake_gcs(timeout: float = 30.0) -> Emulator:
     folder, port = Path(tempfile.mkdtemp(prefix="lockstep-fake-gcs-")), free_port()
     url = f"http://127.0.0.1:{port}"
     with open(folder / "server.log", "wb") as log:
-        process = subprocess.Popen(
+        process = subprocess.Popen(dying_with_parent(
             [binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(folder / "data"),
-             "-host", "127.0.0.1", "-port", str(port), "-external-url", url, "-log-level", "error"],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+             "-host", "127.0.0.1", "-port", str(port), "-external-url", url, "-log-level", "error"]),
+            stdout=log, stderr=subprocess.STDOUT)
     server = Emulator(process, port, folder, {"STORAGE_EMULATOR_HOST": url}, "gs")
     _wait(server, lambda: _answers_http(f"{url}/storage/v1/b"), timeout)
     return server
@@ -109,10 +109,10 @@ def start_azurite(timeout: float = 30.0) -> Emulator:
     folder, port = Path(tempfile.mkdtemp(prefix="lockstep-azurite-")), free_port()
     with open(folder / "server.log", "wb") as log:
         # --skipApiVersionCheck: the current azure-storage-blob asks for an API version newer than Azurite's
-        process = subprocess.Popen(
+        process = subprocess.Popen(dying_with_parent(
             [binary, "--silent", "--skipApiVersionCheck", "--loose", "--disableTelemetry", "--location",
-             str(folder / "data"), "--blobHost", "127.0.0.1", "--blobPort", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+             str(folder / "data"), "--blobHost", "127.0.0.1", "--blobPort", str(port)]),
+            stdout=log, stderr=subprocess.STDOUT)
     connection = (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
                   f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};")
     server = Emulator(process, port, folder, {"AZURE_STORAGE_CONNECTION_STRING": connection}, "azure")

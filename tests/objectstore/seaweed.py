@@ -4,6 +4,7 @@ package) on free local ports, with one access key, stopped with SIGTERM and then
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -18,13 +19,17 @@ ACCESS_KEY, SECRET_KEY = "lockstep-test", "lockstep-test-secret"
 _GRPC_OFFSET = 10000  # SeaweedFS puts each service's gRPC port at its HTTP port + 10000
 
 
-def die_with_parent() -> None:
-    """In the child before it runs ``weed``: be killed when the process that started it dies (Linux's
-    parent-death signal survives the exec)."""
-    if sys.platform == "linux":
-        import ctypes
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"  # PR_SET_PDEATHSIG
+                    "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"  # it died before that
+                    "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` started so that it is killed when this process dies, even by SIGKILL (a test run
+    stopped from outside): a small python sets Linux's parent-death signal, which survives exec,
+    and execs ``argv``. (Not a ``preexec_fn``, which may deadlock in a process with threads.)"""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def weed_binary() -> str | None:
@@ -145,8 +150,8 @@ def _launch(server: SeaweedServer, timeout: float) -> None:
     with open(server.log, "ab") as out:
         # dies with this process, even when it is killed (a test run stopped from outside)
         server.process = subprocess.Popen(
-            list(server.command), stdout=out, stderr=subprocess.STDOUT, cwd=server.folder,
-            start_new_session=not server.idle, process_group=0 if server.idle else None, preexec_fn=die_with_parent)
+            dying_with_parent(list(server.command)), stdout=out, stderr=subprocess.STDOUT, cwd=server.folder,
+            start_new_session=not server.idle, process_group=0 if server.idle else None)
     deadline = time.monotonic() + timeout
     try:
         while True:
