@@ -144,6 +144,25 @@ def restart(server: SeaweedServer, timeout: float = 60.0) -> None:
     objects)."""
     assert server.process.poll() is not None, "stop the server before restarting it"
     _launch(server, timeout)
+    # S3 answers before the volume servers are back: reads fail with InternalError for a while
+    deadline = time.monotonic() + timeout
+    while not _reads_back(server):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"weed server's objects did not read back in {timeout:.0f}s: {_tail(server.log)}")
+        time.sleep(0.3)
+
+
+def _reads_back(server: SeaweedServer) -> bool:
+    """The first object of every bucket reads (its bytes come back)."""
+    try:
+        client = server.client()
+        for bucket in client.list_buckets().get("Buckets", []):
+            found = client.list_objects_v2(Bucket=bucket["Name"], MaxKeys=1).get("Contents", [])
+            if found:
+                client.get_object(Bucket=bucket["Name"], Key=found[0]["Key"])["Body"].read()
+        return True
+    except Exception:
+        return False
 
 
 def _launch(server: SeaweedServer, timeout: float) -> None:
