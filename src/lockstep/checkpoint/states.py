@@ -315,7 +315,7 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
 
         writer = _RecordingWriter(temp, sync_files=True)
         metadata = dcp.save(tensors, storage_writer=writer, process_group=group)
-        return writer.parts, _reads(tensors, metadata)
+        return writer.parts, _reads(tensors, metadata, temp)
 
     def seal(self, temp: Path, meta: dict[str, Any]) -> None:
         """Rank 0, before lockstep.pt is written: record every rank's files and DCP's .metadata,
@@ -347,16 +347,22 @@ class ShardedLayout(_OwnBuffers, FolderLayout):
                 set_optimizer_state_dict(self.model, optimizer, saved)
 
 
-def _reads(tensors: dict[str, Any], metadata: Any) -> set[str]:
+def _reads(tensors: dict[str, Any], metadata: Any, folder: Path) -> set[str]:
     """The files of a DCP folder that this rank reads to load ``tensors`` (as saved, so as a run
     of the same world size and sharding asks for them): DCP's load plan for them, and .metadata.
     Besides its own file, that may be the file of another rank that DCP had write a tensor every
     rank holds (an optimizer's ``step``)."""
     import torch.distributed.checkpoint as dcp
 
+    storage = metadata.storage_data
+    if storage is None:  # torch 2.11's dcp.save returns the metadata without it (2.13's keeps it)
+        try:
+            storage = dcp.FileSystemReader(str(folder)).read_metadata().storage_data
+        except Exception:  # no .metadata on this node's disk: every file here counts as read
+            return {p.name for p in folder.iterdir() if p.is_file()} | {integrity.DCP_METADATA}
     planner = dcp.DefaultLoadPlanner()
     planner.set_up_planner(tensors, metadata, is_coordinator=False)
-    files = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+    files = {storage[item.storage_index].relative_path for item in planner.create_local_plan().items}
     return files | {integrity.DCP_METADATA}
 
 
