@@ -382,6 +382,38 @@ def test_file_logger_writes_composers_lines(tmp_path: Path) -> None:
     assert "[metric][batch=2]: time/batch: 2 " in seen.seen[2].splitlines()
 
 
+_FAILING_SCRIPT = """
+import sys
+from lockstep import Callback, Trainer
+from lockstep.loggers import FileLogger
+from tests.trainer.common import MLP, loader, sgd
+
+class Boom(Callback):
+    def fit_start(self, state, logger):
+        raise RuntimeError("boom at fit start")
+
+model = MLP()
+Trainer(model=model, train_dataloader=loader(8), max_duration="1ep", optimizers=sgd(model), callbacks=[Boom()],
+        loggers=[FileLogger(sys.argv[1], capture_stderr=True)], progress_bar=False).fit()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_dies_of_an_error_leaves_its_traceback_in_the_file_logger(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    script, log = tmp_path / "fails.py", tmp_path / "log.txt"
+    script.write_text(_FAILING_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(script), str(log)], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}, timeout=100)
+    assert done.returncode == 1 and "RuntimeError: boom at fit start" in done.stderr
+    lines = log.read_text().splitlines()  # closed at exit, after the traceback (as Composer's)
+    assert lines[-1] == "[stderr]: RuntimeError: boom at fit start"
+    assert "[stderr]: Traceback (most recent call last):" in lines
+
+
 def test_file_logger_appends_unless_told_to_overwrite(tmp_path: Path) -> None:
     path = tmp_path / "log.txt"
     path.write_text("earlier run\n")

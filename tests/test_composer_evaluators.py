@@ -160,10 +160,50 @@ def test_checkpoint_saver_callback_saves_as_the_trainers_save_arguments(tmp_path
     assert names == sorted(p.name for p in (tmp_path / "args").iterdir())
     assert names == ["ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt", "latest-rank0.pt"]  # 4 batches an epoch
     assert saver.saved_checkpoints == with_callback.saved_checkpoints and len(saver.saved_checkpoints) == 3
-    both = error_of(_classifier_run, tmp_path, callbacks=[saver], save_folder=str(tmp_path / "x"))
-    assert "not both" in both
+    # As in Composer, the first CheckpointSaver's folder is the run's save_folder
+    first = CheckpointSaver(folder=str(tmp_path / "first"), save_interval="4ba")
+    _classifier_run(tmp_path, callbacks=[first], save_folder=str(tmp_path / "x")).fit()
+    assert not (tmp_path / "x").exists()
+    assert sorted(p.name for p in (tmp_path / "first").iterdir()) == \
+        ["ep1-ba4-rank0.pt", "ep2-ba8-rank0.pt", "latest-rank0.pt"]
     assert CheckpointSaver(ignore_keys=["rng"]).trainer_arguments()["save_ignore_keys"] == ["rng"]
     assert "save_filename" in error_of(CheckpointSaver, filename="ep{nonsense}.pt")
+
+
+def test_several_checkpoint_savers_each_save_on_their_own_terms(tmp_path: Path) -> None:
+    run = CheckpointSaver(folder=str(tmp_path / "run"))
+    weights = CheckpointSaver(folder=str(tmp_path / "weights"), filename="ba{batch}.pt", latest_filename=None,
+                              save_interval="2ba", num_checkpoints_to_keep=2, weights_only=True)
+    trainer = _classifier_run(tmp_path, callbacks=[run, weights])  # 4 batches an epoch
+    trainer.fit()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == \
+        ["ep1-ba4-rank0.pt", "ep2-ba8-rank0.pt", "latest-rank0.pt"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["ba6.pt", "ba8.pt"]
+    assert [Path(p).name for p in weights.saved_checkpoints] == ["ba2.pt", "ba4.pt", "ba6.pt", "ba8.pt"]
+    assert list(weights.all_saved_checkpoints_to_timestamp) == ["ba6.pt", "ba8.pt"]  # rotation dropped the rest
+    saved = torch.load(tmp_path / "weights" / "ba8.pt", weights_only=True)
+    live = trainer.state.model.state_dict()
+    assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
+    assert trainer.saved_checkpoints == run.saved_checkpoints and len(run.saved_checkpoints) == 2
+
+
+def test_a_checkpoint_records_the_run_s_saves_where_composer_keeps_them(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    first = _classifier_run(tmp_path, max_duration="1ep", save_folder=str(folder), save_interval="2ba",
+                            autoresume=True)
+    first.fit()
+    first.close()
+    content = torch.load(folder / "ep1-ba4-rank0.pt", weights_only=True)
+    assert content["state"]["run_name"] == "r" and not {"run_name", "history"} & content["lockstep"].keys()
+    record = content["state"]["callbacks"]["CheckpointSaver"]["all_saved_checkpoints_to_timestamp"]
+    assert [(name, saved["batch"]) for name, saved in record] == [("ep0-ba2-rank0.pt", 2), ("ep1-ba4-rank0.pt", 4)]
+    resumed = _classifier_run(tmp_path, max_duration="2ep", save_folder=str(folder), save_interval="2ba",
+                              autoresume=True, save_num_checkpoints_to_keep=3)
+    resumed.fit()
+    record = torch.load(folder / "ep2-ba8-rank0.pt", weights_only=True)["state"]["callbacks"]["CheckpointSaver"]
+    names = [name for name, _ in record["all_saved_checkpoints_to_timestamp"]]
+    assert names == ["ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]  # continued, then rotated
+    assert sorted(p.name for p in folder.glob("ep*")) == sorted(names)
 
 
 def test_load_checkpoint_callback_resumes_exactly_and_loads_weights_at_an_event(tmp_path: Path) -> None:

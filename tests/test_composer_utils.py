@@ -60,3 +60,20 @@ def test_names_are_formatted_with_the_ranks_and_the_time(monkeypatch: pytest.Mon
     assert format_name_with_dist("{run_name}-{rank}-{world_size}", "r") == "r-{rank}-2"
     assert partial_format("{a}-{}-{b!r:>4}-{{x}}", 1, a=2) == "2-1-{b!r:>4}-{x}"
     assert partial_format("{}-{}", 1) == "1-{}" and partial_format("{}-{}") == "{}-{}"
+
+
+def test_composer_metadata_file_says_what_the_run_ran_on(tmp_path) -> None:
+    import json
+
+    import lockstep
+    from lockstep.checkpoint.save import save_composer_metadata_to_disk
+    from tests.trainer.common import MLP
+
+    path = save_composer_metadata_to_disk(str(tmp_path / "deep" / "composer_metadata.json"), model=MLP(),
+                                          sharded_state_dict=False, precision=torch.bfloat16,
+                                          device_train_microbatch_size=4)
+    written = json.loads(open(path).read())
+    assert written["composer_version"] == lockstep.__version__ and written["torch_version"] == torch.__version__
+    assert written["model_name"] == "MLP" and written["precision"] == "bfloat16"
+    assert written["sharded_state_dict"] is False and written["device_train_microbatch_size"] == 4
+    assert [p.name for p in (tmp_path / "deep").iterdir()] == ["composer_metadata.json"]  # no temp file left

@@ -149,5 +149,5 @@ def test_two_runs_started_together_in_one_folder_never_mix_their_checkpoints(tmp
     saved = sorted(folder.glob("*.pt"))
     assert len(saved) == 21  # 20 checkpoints and the latest pointer
     for path in saved:
-        meta = payload.metadata(torch.load(path, weights_only=False), path)
-        assert meta is not None and meta["run_name"] == winner, path
+        content = torch.load(path, weights_only=False)
+        assert payload.metadata(content, path) is not None and content["state"]["run_name"] == winner, path

@@ -198,3 +198,26 @@ def test_the_run_options_are_kept() -> None:
         ("pretrain", False, False)
     assert options.load_exclude_algorithms == ["GradientClipping"]
     assert lockstep.ensure_time(2, "ep") == lockstep.Time(2, "ep")
+
+
+def test_composers_parallelism_config_classes_stand_for_their_dicts() -> None:
+    from lockstep.parallel.fsdp_config import parse_config
+    from lockstep.trainer.setup import fsdp_from_parallelism_config as settings
+    from lockstep.utils.parallelism import FSDP2Config, FSDPConfig, ParallelismConfig, TPConfig
+
+    config = FSDPConfig(sharding_strategy="SHARD_GRAD_OP", state_dict_type="sharded", activation_checkpointing=True)
+    expected = {"sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "sharded", "activation_checkpointing": True}
+    assert settings(None, config) == expected
+    assert settings(ParallelismConfig(fsdp=config), None) == expected == settings({"fsdp": config}, None)
+    assert parse_config(settings(None, config)).sharding_strategy == "SHARD_GRAD_OP"
+    assert settings(None, FSDP2Config(reshard_after_forward=False)) == \
+        {"state_dict_type": "sharded", "sharding_strategy": "SHARD_GRAD_OP"}
+    for mesh in ("device_mesh", "_device_mesh"):
+        with pytest.raises(ValueError, match="Directly specifying device mesh for FSDP was deprecated"):
+            FSDPConfig(**{mesh: [2]})
+    with pytest.raises(TypeError, match="FSDPConfig has no field 'nope'"):
+        FSDPConfig(nope=1)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        settings(ParallelismConfig(fsdp=config, tp=TPConfig(tensor_parallel_degree=2)), None)
+    with pytest.raises(ValueError, match="limit_all_gathers"):  # a Composer setting lockstep does not act on
+        parse_config(settings(None, FSDPConfig(limit_all_gathers=False)))

@@ -148,3 +148,31 @@ def test_a_resumed_run_reads_the_data_a_lazy_random_dataset_drew_as_the_uninterr
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     unspun = run("unspun", str(tmp_path / "whole" / "ep1-ba3-rank0.pt"), spin=False)
     assert any(not torch.equal(whole[k], unspun[k]) for k in whole)  # what the spin is for
+
+
+def test_keeping_no_checkpoints_deletes_each_once_written(tmp_path) -> None:
+    from tests.trainer.common import error_of
+
+    model = MLP()
+    saved = []
+
+    class Seen(Callback):
+        def batch_checkpoint(self, state, logger) -> None:
+            saved.append(state.timestamp.batch.value)
+
+    trainer = Trainer(model=model, train_dataloader=loader(8), max_duration="4ba", optimizers=sgd(model),
+                      save_folder=str(tmp_path / "ck"), save_interval="1ba", save_num_checkpoints_to_keep=0,
+                      callbacks=[Seen()], progress_bar=False)
+    trainer.fit()
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == []  # no checkpoint, no latest pointer
+    assert len(trainer.saved_checkpoints) == 4 and saved == [1, 2, 3, 4]
+    assert "autoresume" in error_of(Trainer, model=model, save_folder=str(tmp_path / "a"), autoresume=True,
+                                    save_num_checkpoints_to_keep=0, optimizers=sgd(model), run_name="r")
+    assert "bucket" in error_of(Trainer, model=model, save_folder="s3://b/x", save_num_checkpoints_to_keep=0,
+                                optimizers=sgd(model))
+
+
+def test_two_runs_started_in_the_same_second_have_different_names() -> None:
+    models = [MLP() for _ in range(3)]
+    names = {Trainer(model=m, optimizers=sgd(m), progress_bar=False).state.run_name for m in models}
+    assert len(names) == 3

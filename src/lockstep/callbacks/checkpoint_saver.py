@@ -70,9 +70,10 @@ class CheckpointSaver(Callback):
         self.saved_checkpoints: list[str] = []
         """The checkpoints this rank wrote, oldest first (the Trainer's ``saved_checkpoints``)."""
         self.all_saved_checkpoints_to_timestamp: dict[str, Timestamp] = {}
-        """Composer's: every checkpoint this run wrote (earlier attempts included, through the
-        checkpoint it resumed from), with the timestamp it was written at."""
-        self._recorded = 0
+        """Composer's: the checkpoints this run wrote (earlier attempts included, through the
+        checkpoint it resumed from) that the folder still holds, by name in the folder, with the
+        timestamp each was written at. Composer keys them by path and keeps those rotation deleted."""
+        self._saver: Any = None
 
     def trainer_arguments(self) -> dict[str, Any]:
         """The Trainer's ``save_*`` arguments that say what this callback says."""
@@ -82,12 +83,17 @@ class CheckpointSaver(Callback):
                 "save_num_checkpoints_to_keep": self.num_checkpoints_to_keep,
                 "save_weights_only": self.weights_only, "save_ignore_keys": self.ignore_keys}
 
+    def bind(self, saver: Any) -> None:
+        """Follow ``saver``'s record (a ``lockstep.checkpoint.saver.CheckpointSaver``): the
+        Trainer's saver that writes this callback's checkpoints."""
+        self._saver = saver
+
     def _record(self, state: Any) -> None:
-        """Note the checkpoints written since the last event, at the timestamp they were written at
-        (the Trainer saves just before BATCH_CHECKPOINT and EPOCH_CHECKPOINT, and at the end of fit)."""
-        for path in self.saved_checkpoints[self._recorded:]:
-            self.all_saved_checkpoints_to_timestamp[path] = state.timestamp
-        self._recorded = len(self.saved_checkpoints)
+        """Take the saver's record (the Trainer saves just before BATCH_CHECKPOINT and
+        EPOCH_CHECKPOINT, and at the end of fit)."""
+        if self._saver is not None:
+            self.all_saved_checkpoints_to_timestamp = {
+                name: Timestamp.from_state_dict(saved) for name, saved in self._saver.record() if saved is not None}
 
     def batch_checkpoint(self, state: Any, logger: Any) -> None:
         self._record(state)

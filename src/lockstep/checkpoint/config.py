@@ -8,7 +8,7 @@ from typing import Any
 
 from lockstep.checkpoint import ignore, templates
 from lockstep.objectstore import ObjectStore
-from lockstep.objectstore.uri import check_path
+from lockstep.objectstore.uri import check_path, is_uri
 from lockstep.state import State
 from lockstep.time import Time, time_argument
 
@@ -29,11 +29,13 @@ class CheckpointConfig:
     save_interval: SaveInterval = "1ep"
     """A Time (``'1ep'``, ``'100ba'``, ...) or ``fn(state, event) -> bool``."""
     save_num_checkpoints_to_keep: int = -1
-    """-1 keeps every checkpoint; N keeps the newest N."""
+    """-1 keeps every checkpoint; N keeps the newest N; 0 deletes each once written and writes no
+    latest pointer (as Composer, which then keeps only uploaded copies; not with a bucket folder
+    or ``autoresume``)."""
     save_overwrite: bool = False
     """Replace checkpoints already in ``save_folder`` instead of refusing to start."""
     save_metrics: bool = False
-    """Also save the metrics of the last evaluation (``state.eval_metrics``); a resume restores them."""
+    """Also save the metrics' last values (``state.eval_metrics``, ``state.train_metrics``); a resume restores them."""
     save_weights_only: bool = False
     """Write only the model's weights (a plain state_dict of full tensors, as ``torch.save(model.state_dict())``
     would): a smaller file to export or fine-tune from, which loads with ``load_weights_only=True``
@@ -76,8 +78,15 @@ class CheckpointConfig:
         self.load_ignore_keys = ignore.check(self.load_ignore_keys)
         self.save_ignore_keys = ignore.check_save(self.save_ignore_keys)
         keep = self.save_num_checkpoints_to_keep
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
-            raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all) or >= 1, got {keep!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1:
+            raise ValueError(f"save_num_checkpoints_to_keep must be -1 (keep all), 0 (delete each once "
+                             f"written) or >= 1, got {keep!r}")
+        if keep == 0 and self.save_folder is not None and is_uri(self.save_folder):
+            raise ValueError(f"save_num_checkpoints_to_keep=0 would delete every checkpoint from {self.save_folder} "
+                             f"(the bucket keeps as many as the staging folder): give -1 to keep all, or >= 1")
+        if keep == 0 and self.autoresume:
+            raise ValueError("autoresume=True resumes from the checkpoints the run keeps, and "
+                             "save_num_checkpoints_to_keep=0 keeps none: give -1 (all) or >= 1")
         if not callable(self.save_interval) or isinstance(self.save_interval, (str, Time)):
             self.save_interval = time_argument("save_interval", self.save_interval)
         if self.autoresume and self.save_weights_only:

@@ -40,6 +40,8 @@ class Loaded:
     rank_entry: dict[str, Any] | None = None
     """None when the checkpoint is of another world size (a sharded one, resharded)."""
     history: list[str] = field(default_factory=list)
+    saved_at: dict[str, Any] = field(default_factory=dict)
+    """The timestamp state each checkpoint of ``history`` was saved at, where known."""
     weights_only: bool = False
 
 
@@ -375,6 +377,11 @@ class _Opened:
         """The save history the checkpoint holds (none for a plain state_dict)."""
         return list((self.meta or {}).get("history", []))
 
+    @property
+    def saved_at(self) -> dict[str, Any]:
+        """The timestamp state each checkpoint of :attr:`history` was saved at, where known."""
+        return dict((self.meta or {}).get("saved_at") or {})
+
 
 def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_only: bool,
           check_run_name: bool, share: tuple[int, int], data: bytes | None = None,
@@ -494,7 +501,7 @@ def _apply_rest(opened: _Opened, content: dict[str, Any], state: State, layout: 
         layout.load_rank_buffers(entry["buffers"])
     if opened.meta is not None:
         layout.restore_meta(opened.meta)
-    return Loaded(opened.batch, entry, opened.history)
+    return Loaded(opened.batch, entry, opened.history, opened.saved_at)
 
 
 def _apply_ignoring(opened: _Opened, state: State, layout: Layout, *, weights_only: bool, strict: bool,

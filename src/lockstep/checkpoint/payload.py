@@ -7,10 +7,19 @@ Composer checkpoint (``ckpt['state']['model']``) reads lockstep's::
     {"state": {"model": {...}, "optimizers": [...], "schedulers": [...], "timestamp": {"Timestamp": {...}},
                "scaler": {...}, "run_name": str, "rank_zero_seed": int, "integrations": {...},
                "callbacks": {name: {...}}, "algorithms": [[name, {...}], ...], "dataset_state": {...},
-               ("metrics": {...})},
+               ("metrics": {...}, "train_metrics": {...})},
      "rng": [...],                                                  # one RNG state per rank, by rank
-     "lockstep": {"version", "layout", "optimizer_keys", "world_size", "run_name", "history", "rank"},
+     "lockstep": {"version", "layout", "optimizer_keys", "world_size", "rank"},
      "ranks": [{"epoch_rng", "fetch_rng", "loader_state"}, ...]}    # the rest of each rank's position
+
+The header says how the checkpoint is laid out, the same for every run that saves the same
+training; what is particular to a run sits where Composer keeps it: its name in
+``state['run_name']``, and the checkpoints its save folder holds, oldest first, each with the
+timestamp it was saved at (itself last), in ``state['callbacks']['CheckpointSaver']
+['all_saved_checkpoints_to_timestamp']`` as ``(name in the save folder, timestamp state)`` pairs
+(Composer lists every checkpoint ever saved there, by path; lockstep drops those rotation deleted,
+and autoresume continues the list). Checkpoints written before held both in the header as
+``run_name`` and ``history``; :func:`normalized` reads either.
 
 Unlike Composer's, ``optimizers`` and ``schedulers`` are lists (Composer keys them by class name,
 which allows one of each class). ``save_ignore_keys`` may have left parts out.
@@ -58,24 +67,31 @@ READABLE = (1, 2)
 """Version 1: the flat layout before Composer's; both load."""
 
 
-def build(state: State, ranks: list[dict[str, Any]], history: list[str],
+SAVER = "CheckpointSaver"
+RECORD = "all_saved_checkpoints_to_timestamp"
+
+
+def build(state: State, ranks: list[dict[str, Any]], record: list[tuple[str, Any]],
           layout: Layout, model: dict[str, Any], optimizers: list[Any], rank: int = 0,
           metrics: bool = False) -> dict[str, Any]:
     """The checkpoint of ``state`` (a Trainer State) with every rank's RNG and data position;
-    ``model`` and ``optimizers`` come from ``layout.gather()``. With ``metrics``, also the
-    metrics of the last evaluation (``save_metrics``)."""
-    extra = {"metrics": eval_metrics.values(state.eval_metrics)} if metrics else {}
+    ``model`` and ``optimizers`` come from ``layout.gather()``; ``record``: the saver's
+    ``(name, timestamp state)`` of each checkpoint its folder holds, this one last. With
+    ``metrics``, also the metrics of the last evaluation (``save_metrics``)."""
+    extra = {"metrics": eval_metrics.values(state.eval_metrics),
+             "train_metrics": eval_metrics.values({"train": state.train_metrics or {}})["train"]} if metrics else {}
+    parts = stateful.save(state)
+    parts["callbacks"][SAVER] = {**parts["callbacks"].get(SAVER, {}), RECORD: [tuple(r) for r in record]}
     return {
         "state": {"model": model, "optimizers": optimizers,
                   "schedulers": [s.state_dict() for s in state.schedulers],
                   "timestamp": {"Timestamp": _plain(state.timestamp.state_dict())},
                   "scaler": state.scaler.state_dict() if state.scaler is not None else {},
                   "run_name": state.run_name, "rank_zero_seed": state.rank_zero_seed,
-                  "integrations": integrations(state.model), **stateful.save(state), **extra},
+                  "integrations": integrations(state.model), **parts, **extra},
         "rng": [r.get("rng") for r in ranks],
         "lockstep": {"version": VERSION, "layout": layout.name, "optimizer_keys": layout.optimizer_keys,
-                     "world_size": len(ranks), "run_name": state.run_name, "history": list(history),
-                     "rank": rank, **layout.extra_meta()},
+                     "world_size": len(ranks), "rank": rank, **layout.extra_meta()},
         "ranks": [{k: v for k, v in r.items() if k != "rng"} for r in ranks],
     }
 
@@ -110,16 +126,34 @@ def normalized(content: Any, path: Path) -> Any:
     ranks = content.get("ranks") or []
     rngs = content.get("rng")
     timestamp = state.get("timestamp")
-    flat = {"lockstep": content["lockstep"], "model": state.get("model", {}),
+    flat = {"lockstep": _header(content["lockstep"], state), "model": state.get("model", {}),
             "optimizers": state.get("optimizers"), "schedulers": state.get("schedulers"),
             "scaler": state.get("scaler", {}), "rank_zero_seed": state.get("rank_zero_seed"),
             "timestamp": timestamp.get("Timestamp") if isinstance(timestamp, dict) else None,
             "ranks": [{**entry, "rng": rngs[i] if rngs is not None and i < len(rngs) else None}
                       for i, entry in enumerate(ranks)]}
-    if "metrics" in state:
-        flat["metrics"] = state["metrics"]
+    flat.update({k: state[k] for k in ("metrics", "train_metrics") if k in state})
     flat.update({k: state[k] for k in STATEFUL if k in state})
     return flat
+
+
+def _header(header: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """The header with the run's name and save record (see the module's docstring) as the loader
+    reads them: ``run_name``, ``history`` (names, oldest first) and ``saved_at`` (name: timestamp state)."""
+    saver = (state.get("callbacks") or {}).get(SAVER)
+    record = saver.get(RECORD) if isinstance(saver, dict) else None
+    pairs = [(str(p[0]), p[1]) for p in record if isinstance(p, (list, tuple)) and len(p) == 2] \
+        if isinstance(record, (list, tuple)) else []
+    header = dict(header)
+    header.setdefault("run_name", state.get("run_name"))
+    header.setdefault("history", [name for name, _ in pairs])
+    header.setdefault("saved_at", dict(pairs))
+    return header
+
+
+def plain_timestamp(timestamp: Timestamp) -> dict[str, Any]:
+    """``timestamp``'s state as a checkpoint holds it."""
+    return _plain(timestamp.state_dict())
 
 
 def layout_of(meta: dict[str, Any]) -> str:
@@ -177,6 +211,8 @@ def apply(payload: dict[str, Any], state: State, path: Path, rank: int, world_si
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     if "metrics" in payload:
         eval_metrics.restore_values(state.eval_metrics, payload["metrics"])
+    if isinstance(payload.get("train_metrics"), dict):
+        eval_metrics.restore_values({"train": state.train_metrics or {}}, {"train": payload["train_metrics"]})
     if isinstance(payload.get("rank_zero_seed"), int):  # the run goes on with the seed it started with
         state.rank_zero_seed = payload["rank_zero_seed"]
     stateful.load(state, payload)

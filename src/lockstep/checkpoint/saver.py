@@ -99,6 +99,8 @@ class CheckpointSaver:
         """The pointer as a template, so that each rank can look for its own before rank 0's."""
         self.history: list[str] = []
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
+        self.saved_at: dict[str, Any] = {}
+        """The timestamp state each checkpoint of :attr:`history` was saved at."""
         self.last_saved_batch: int | None = None
         self._swept = False
         self._pool: ThreadPoolExecutor | None = None
@@ -228,6 +230,7 @@ class CheckpointSaver:
             self.last_saved_batch = resumed.batch
             if config.autoresume:
                 self.history = resumed.history
+                self.saved_at.update(resumed.saved_at)
         if self.remote is not None and self.writes and config.autoresume:
             self._left_in_bucket(resumed)
 
@@ -315,6 +318,7 @@ class CheckpointSaver:
             files.remove_stale_temps(self.folder)
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
+        self.saved_at[name] = payload.plain_timestamp(state.timestamp)
         if self.uploader is not None:
             self._saves += 1
             self._uploaded[self._saves] = name
@@ -353,13 +357,28 @@ class CheckpointSaver:
         """Rank 0's lockstep.pt of a folder layout: everything but the model and optimizer tensors."""
         if dist.get_global_rank() != 0:
             return None
-        return payload.build(state, ranks, history, layout, {}, rests, metrics=self.config.save_metrics)
+        return payload.build(state, ranks, self._record(history), layout, {}, rests,
+                             metrics=self.config.save_metrics)
+
+    def _record(self, history: list[str]) -> list[tuple[str, Any]]:
+        """The record a checkpoint holds of the checkpoints the folder holds with it (see payload):
+        those rotation keeps once it is published (per-rank files keep one more until every rank
+        has published, which the loader may step back to)."""
+        keep = self.config.save_num_checkpoints_to_keep
+        if keep != -1 and self.layout != LOCAL:
+            history = history[len(history) - keep:]
+        return [(name, self.saved_at.get(name)) for name in history]
+
+    def record(self) -> list[tuple[str, Any]]:
+        """``(name, timestamp state)`` of each checkpoint this run saved that the folder still
+        holds, oldest first (a rank that publishes no files lists all it took part in)."""
+        return self._record(self.history) if self.writes else list(self.saved_at.items())
 
     def _save_file(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: Layout,
                    model: dict[str, Any], optimizers: list[Any], path: Path, *, wait: bool) -> None:
         """A writer's one file: staged and written by the thread, or written here when it does not fit."""
         content = model if self.config.save_weights_only else payload.build(
-            state, ranks, history, layout, model, optimizers, rank=dist.get_global_rank(),
+            state, ranks, self._record(history), layout, model, optimizers, rank=dist.get_global_rank(),
             metrics=self.config.save_metrics)
         if self.config.save_ignore_keys is not None:
             try:
@@ -466,7 +485,7 @@ class CheckpointSaver:
     def _publish(self, temp: Path | None, staged: Any, path: Path, history: list[str]) -> None:
         try:
             files.publish(temp if temp is not None else files.write_temp(staged, path), path)
-            if self.latest is not None:
+            if self.latest is not None and self.config.save_num_checkpoints_to_keep != 0:  # 0: pruned next
                 files.point_latest(self.latest, path)
             if self.uploader is not None and self.layout not in FOLDER_LAYOUTS:
                 name = str(path.relative_to(self.folder))

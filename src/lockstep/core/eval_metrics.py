@@ -51,5 +51,14 @@ def restore_values(eval_metrics: dict[str, dict[str, Any]], saved: dict[str, Any
         for name, value in named.items():
             metric = live.get(name)
             if is_metric(metric):
-                metric._computed = torch.tensor(float(value))
+                metric._computed = torch.tensor(float(value), dtype=_float_dtype(metric))
                 metric._update_count = max(metric._update_count, 1)  # no "compute before update" warning
+
+
+def _float_dtype(metric: Any) -> torch.dtype:
+    """The dtype a metric computes in, as its floating-point states tell (float32 without one)."""
+    for name in getattr(metric, "_defaults", {}):
+        state = getattr(metric, name, None)
+        if isinstance(state, torch.Tensor) and state.is_floating_point():
+            return state.dtype
+    return torch.float32

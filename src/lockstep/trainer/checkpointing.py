@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from lockstep.callbacks.load_checkpoint import LoadCheckpoint
 from lockstep.checkpoint.saver import CheckpointSaver
 from lockstep.checkpoint.layout import LOCAL, SINGLE, Layout
 from lockstep.core.event import Event
+from lockstep.objectstore.uri import is_uri
 from lockstep.time import Time, Timestamp
 from lockstep.trainer.data import DataPosition, rank_entry, resume_caveat
 
@@ -27,18 +29,21 @@ if TYPE_CHECKING:
 
 
 def saving_arguments(callbacks: Sequence[Any], arguments: dict[str, Any]) -> dict[str, Any]:
-    """The Trainer's ``save_*`` ``arguments``, or those a ``CheckpointSaver`` callback among
-    ``callbacks`` says instead (the Trainer's one saver writes its checkpoints)."""
+    """The Trainer's ``save_*`` ``arguments``, or, as in Composer, those the first ``CheckpointSaver``
+    callback among ``callbacks`` says instead (its folder is the run's ``save_folder``, which
+    autoresume reads): the Trainer's saver writes that callback's checkpoints."""
     savers = [c for c in callbacks if isinstance(c, SaverCallback)]
-    if not savers:
-        return arguments
-    if len(savers) > 1:
-        raise ValueError(f"callbacks has {len(savers)} CheckpointSaver callbacks: lockstep runs one checkpoint "
-                         f"saver per Trainer; keep one")
-    if arguments["save_folder"] is not None:
-        raise ValueError("give either save_folder=... or a CheckpointSaver callback, not both: lockstep runs one "
-                         "checkpoint saver per Trainer")
-    return savers[0].trainer_arguments()
+    return savers[0].trainer_arguments() if savers else arguments
+
+
+def more_savers(callbacks: Sequence[Any], config: CheckpointConfig) -> list[tuple[SaverCallback, CheckpointConfig]]:
+    """The ``CheckpointSaver`` callbacks after the first, each with the config of the saver that
+    writes its checkpoints: its own folder, names, interval and rotation; it neither loads nor
+    autoresumes (the run's ``save_folder`` is the first one's)."""
+    savers = [c for c in callbacks if isinstance(c, SaverCallback)]
+    return [(callback, dataclasses.replace(config, **callback.trainer_arguments(), autoresume=False,
+                                           load_path=None, load_object_store=None))
+            for callback in savers[1:]]
 
 
 def with_saver_callback(callbacks: list[Any], config: CheckpointConfig) -> list[Any]:
@@ -47,19 +52,28 @@ def with_saver_callback(callbacks: list[Any], config: CheckpointConfig) -> list[
     each checkpoint's ``state['callbacks']``. The Trainer's saver still writes the files."""
     if config.save_folder is None or any(isinstance(c, SaverCallback) for c in callbacks):
         return callbacks
+    prefix = config.save_folder.split("://", 1)[1].partition("/")[2] if is_uri(config.save_folder) \
+        else config.save_folder  # Composer's names of the files in a bucket, relative to it
+    remote = (lambda name: None if name is None else os.path.join(prefix, name)) if prefix else (lambda name: name)
     return [*callbacks, SaverCallback(
         folder=config.save_folder, filename=config.save_filename, latest_filename=config.save_latest_filename,
+        remote_file_name=remote(config.save_filename), latest_remote_file_name=remote(config.save_latest_filename),
         save_interval=config.save_interval, overwrite=config.save_overwrite,
         num_checkpoints_to_keep=config.save_num_checkpoints_to_keep, weights_only=config.save_weights_only,
         ignore_keys=config.save_ignore_keys)]
 
 
-def bind_callbacks(callbacks: Sequence[Any], layout: Layout, saved: list[str]) -> None:
-    """Give the checkpoint callbacks what they need of the Trainer: ``CheckpointSaver`` the list of
-    checkpoints saved, ``LoadCheckpoint`` the backend's checkpoint layout."""
+def bind_callbacks(callbacks: Sequence[Any], layout: Layout, saves: Sequence[FitSaves]) -> None:
+    """Give the checkpoint callbacks what they need of the Trainer: each ``CheckpointSaver`` the
+    saves that write its checkpoints (``saves``: one for each, in order), ``LoadCheckpoint`` the
+    backend's checkpoint layout."""
+    savers = iter(saves)
     for callback in callbacks:
         if isinstance(callback, SaverCallback):
-            callback.saved_checkpoints = saved
+            fit_saves = next(savers, None)
+            if fit_saves is not None:
+                callback.saved_checkpoints = fit_saves.saved
+                callback.bind(fit_saves.saver)
         elif isinstance(callback, LoadCheckpoint):
             callback.bind(layout)
 

@@ -99,8 +99,8 @@ def apply(trainer: Trainer, given: FitArguments) -> None:
         trainer.strategy.precision = given.precision
         trainer.strategy.scaler = s.scaler = make_grad_scaler(given.precision, trainer.strategy.device)
         s.precision = given.precision
-    if trainer.saver:  # 'dur' save intervals follow the new max_duration
-        trainer.saver.max_duration = s.max_duration
+    for saver in trainer._savers:  # 'dur' save intervals follow the new max_duration
+        saver.max_duration = s.max_duration
 
 
 def _check_duration(trainer: Trainer, given: FitArguments, changes: _Changes) -> None:

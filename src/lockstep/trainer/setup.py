@@ -7,6 +7,7 @@ import datetime
 import gc
 import logging
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from collections.abc import Iterator
@@ -145,10 +146,11 @@ def run_name_from_environment(run_name: str | None) -> str | None:
 
 
 def resolve_run_name(run_name: str | None) -> str:
-    """Every rank must use the same name, so rank 0's is broadcast."""
+    """Every rank must use the same name, so rank 0's is broadcast. A made-up name is the time it
+    was made and four random hex digits, so that two runs started in the same second differ."""
     if run_name is not None:
         return run_name
-    names = [datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")]
+    names = [datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(names, src=0)
     return names[0]
@@ -245,10 +247,16 @@ def set_python_log_level(level: str | None) -> None:
     logging.getLogger("lockstep").setLevel(level.upper())
 
 
-def fsdp_from_parallelism_config(parallelism_config: Any, fsdp_config: dict | None) -> dict | None:
-    """Composer 0.32's ``parallelism_config={'fsdp': {...}}``: the FSDP settings, checked."""
+def fsdp_from_parallelism_config(parallelism_config: Any, fsdp_config: Any) -> dict | None:
+    """Composer 0.32's ``parallelism_config={'fsdp': {...}}`` (or a ``ParallelismConfig``) and
+    ``fsdp_config`` (a dict or an ``FSDPConfig``): the FSDP settings as a dict, checked."""
+    from lockstep.utils.parallelism import ParallelismConfig, as_fsdp_dict
+
+    if isinstance(parallelism_config, ParallelismConfig):
+        parallelism_config = {k: v for k, v in (("fsdp", parallelism_config.fsdp), ("tp", parallelism_config.tp))
+                              if v is not None}
     if parallelism_config is None:
-        return fsdp_config
+        return as_fsdp_dict(fsdp_config)
     if not isinstance(parallelism_config, dict):
         raise TypeError(f"parallelism_config must be a dict such as {{'fsdp': {{...}}}}, got "
                         f"{type(parallelism_config).__name__}")
@@ -258,7 +266,7 @@ def fsdp_from_parallelism_config(parallelism_config: Any, fsdp_config: dict | No
                          f"('fsdp'); tensor parallelism ('tp') is not supported")
     if fsdp_config is not None and parallelism_config.get("fsdp") is not None:
         raise ValueError("give the FSDP settings once: in parallelism_config={'fsdp': ...} or in fsdp_config")
-    return parallelism_config.get("fsdp", fsdp_config)
+    return as_fsdp_dict(parallelism_config.get("fsdp", fsdp_config))
 
 
 def auto_microbatching(loop: Any, parallel: Any) -> Any:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, SupportsInt
 
@@ -15,7 +18,8 @@ from lockstep.core.algorithm import Algorithm
 from lockstep.core.callback import Callback
 from lockstep.core.data_spec import DataSpec, ensure_data_spec
 from lockstep.core.event import Event
-from lockstep.checkpoint.config import SaveInterval
+from lockstep.callbacks.checkpoint_saver import CheckpointSaver as CheckpointSaverCallback
+from lockstep.checkpoint.config import CheckpointConfig, SaveInterval
 from lockstep.loggers.console import ConsoleLogger
 from lockstep.loggers.logger import Logger
 from lockstep.loggers.logger_destination import LoggerDestination
@@ -111,10 +115,10 @@ class Trainer:
         save_latest_filename: The pointer to the newest checkpoint; None: no pointer.
         save_interval: When to save: a Time string, an int of epochs, or ``(state, event) -> bool``.
         save_num_checkpoints_to_keep: How many of the newest checkpoints to keep (also in a
-            bucket); -1: all.
+            bucket); -1: all; 0: each is deleted once written (a local folder only).
         save_overwrite: Replace checkpoints already in ``save_folder`` instead of refusing it.
         save_weights_only: Save only the model's weights.
-        save_metrics: Save the latest evaluation metrics' values in checkpoints too.
+        save_metrics: Save the latest evaluation and train metrics' values in checkpoints too.
         load_path: A checkpoint to load at construction (a path or URI; a Composer checkpoint
             too); with ``autoresume``, used only when the run has no checkpoint of its own.
         load_weights_only: Load only the model's weights from ``load_path``.
@@ -240,8 +244,10 @@ class Trainer:
         self._set_train_dataloader()
         self._batch_schedulers, self._epoch_schedulers = setup.split_schedulers(
             self.state.schedulers, step_schedulers_every_batch)
-        self._set_up_checkpoints()
-        checkpointing.bind_callbacks(callbacks, self.layout, self.saved_checkpoints)
+        self._set_up_checkpoints(checkpointing.more_savers(callbacks, self.checkpoints))
+        checkpointing.bind_callbacks(callbacks, self.layout, self._every_save)
+        self._checkpoint_saver = next((c for c in callbacks if isinstance(c, CheckpointSaverCallback)), None)
+        """Composer's name for the ``CheckpointSaver`` callback that stands for ``save_folder``."""
         self._follow_loader(self._train_spec)
         console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
         self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
@@ -260,10 +266,16 @@ class Trainer:
         if auto_log_hparams:
             self.logger.log_hyperparameters(self.local_hparams)
         self.logger.log_hyperparameters(setup.placement(self.state))
+        # As in Composer, callbacks and loggers close at close() or, failing that, when the process
+        # exits: after an error that ends the script, so that what it prints (the traceback) is
+        # still in the loggers that copy stderr.
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
                                                          self.train_dataloader, run_name_given=run_name is not None)
+        for saver in self._savers[1:]:  # only the run's save_folder resumes
+            saver.begin(None)
         self._run_event(Event.AFTER_LOAD)
         if self._resume_entry is None:  # a LoadCheckpoint callback may have loaded the training state
             self._resume_entry = checkpointing.entry_of_callbacks(callbacks)
@@ -273,19 +285,30 @@ class Trainer:
             # dataset made at random on its first read) is drawn as the run that saved drew it.
             rng.seed_everything(self.state.seed)
 
-    def _set_up_checkpoints(self) -> None:
+    def _set_up_checkpoints(self, more: list[tuple[Any, CheckpointConfig]]) -> None:
+        """The run's saver (``save_folder``'s) and one more for each further ``CheckpointSaver``
+        callback in ``more``."""
         self.layout = self.strategy.layout()
         self.saver = checkpointing.make_saver(self.checkpoints, run_name=self.state.run_name,
                                               max_duration=self.state.max_duration, layout=self.layout,
                                               device=self.state.device.torch_device)
-        # The one hook before the weights change in place (the optimizer step; whatever acts at an
-        # event): a checkpoint's background copy may still be reading them.
-        self._before_weights_change = _nothing if self.saver is None else self.saver.before_weights_change
         self._position = data.DataPosition()
         self.saved_checkpoints: list[str] = []
         """The checkpoints this rank wrote in this process, oldest first (retention may have removed some)."""
         self._saves = None if self.saver is None else checkpointing.FitSaves(
             self.saver, self.state, self.layout, self._position, self.saved_checkpoints)
+        self._every_save = [] if self._saves is None else [self._saves]
+        for _, config in more:
+            saver = checkpointing.make_saver(config, run_name=self.state.run_name, max_duration=self.state.max_duration,
+                                             layout=self.layout, device=self.state.device.torch_device)
+            assert saver is not None  # a CheckpointSaver callback has a folder
+            self._every_save.append(checkpointing.FitSaves(saver, self.state, self.layout, self._position, []))
+        self._savers = [saves.saver for saves in self._every_save]
+        # The one hook before the weights change in place (the optimizer step; whatever acts at an
+        # event): a checkpoint's background copy may still be reading them.
+        hooks = [saver.before_weights_change for saver in self._savers]
+        self._before_weights_change = _nothing if not hooks else hooks[0] if len(hooks) == 1 \
+            else functools.partial(_each, hooks)
 
     def _set_up_outputs(self, run_folder: str | None, loggers: Sequence[LoggerDestination],
                         callbacks: Sequence[Callback], progress_bar: bool, console: ConsoleLogger | None) -> None:
@@ -384,22 +407,19 @@ class Trainer:
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
         fit_arguments.apply(self, given)
-        if self.saver is not None:  # held since Trainer(...); a later fit() claims the folder again
-            self.saver.claim()
+        for saver in self._savers:  # held since Trainer(...); a later fit() claims the folder again
+            saver.claim()
         self._fitting = True
         self.fit_count += 1
         self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
         with setup.kept_out_of_gc():
             try:
                 self._fit()
-            except BaseException:
-                self._events.close()
-                raise
             finally:
                 self._fitting = False
                 progress.stop_heartbeat()  # what the script does next may wait on other ranks
-                if self.saver is not None:  # every save is durable by now
-                    self.saver.release()
+                for saver in self._savers:  # every save is durable by now
+                    saver.release()
 
     def _fit(self) -> None:
         s = self.state
@@ -435,8 +455,8 @@ class Trainer:
                 finally:
                     batches.close()  # puts back a sampler the resume skipped through
                 resume = None
-            if self._saves:
-                self._saves.finish()
+            for saves in self._every_save:
+                saves.finish()
         if self.evaluators and s.timestamp.batch.value > started_at:
             # As in Composer, once more at the end unless the last batch just evaluated; before
             # FIT_END (Composer: after it), so that what closes at FIT_END has the last results.
@@ -494,8 +514,9 @@ class Trainer:
         if self.evaluators:
             self._evaluate_due(before, Event.BATCH_END)
         # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
-        if self._saves and not is_last:
-            self._saves.after_batch(before, after)
+        if not is_last:
+            for saves in self._every_save:
+                saves.after_batch(before, after)
         self._run_event(Event.BATCH_CHECKPOINT)
         if is_last:
             if loud:
@@ -516,8 +537,8 @@ class Trainer:
         self._run_event(Event.EPOCH_END)
         if self.evaluators:
             self._evaluate_due(after_batch, Event.EPOCH_END)
-        if self._saves:
-            self._saves.after_epoch(before_batch)
+        for saves in self._every_save:
+            saves.after_epoch(before_batch)
         self._run_event(Event.EPOCH_CHECKPOINT)
 
     def _train_batch(self, batch: Any, global_samples: int, global_tokens: SupportsInt, loud: bool) -> torch.Tensor:
@@ -643,8 +664,9 @@ class Trainer:
 
     def _preempt(self) -> None:
         s = self.state
-        assert self.saver is not None and self._saves is not None
-        self._saves.finish()
+        assert self.saver is not None
+        for saves in self._every_save:
+            saves.finish()
         self._run_event(Event.FIT_END)
         message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch.value}; the checkpoint is in "
                    f"{self.saver.folder}")
@@ -686,9 +708,23 @@ class Trainer:
         if not self._closed:
             self._closed = True
             self._events.close()
-            if self.saver is not None:
-                self.saver.close()
+            for saver in self._savers:
+                saver.close()
 
 
 def _nothing() -> None:
     pass
+
+
+def _close_at_exit(trainer: weakref.ref[Trainer]) -> None:
+    """What ``close`` does for the callbacks and loggers (the saver's uploads are not waited for:
+    the process may be ending on an error)."""
+    alive = trainer()
+    if alive is not None and not alive._closed:
+        alive._closed = True
+        alive._events.close()
+
+
+def _each(hooks: list[Callable[[], None]]) -> None:
+    for hook in hooks:
+        hook()

@@ -26,20 +26,20 @@ def create_interval_scheduler(interval: str | int | Time, include_end_of_trainin
     ``include_end_of_training``, once at the end of training (at one of ``final_events``)."""
     if final_events is None:
         final_events = {Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT}
-    every = Time.from_input(interval, TimeUnit.EPOCH)
-    if every.unit is TimeUnit.EPOCH:
+    time_interval = Time.from_input(interval, TimeUnit.EPOCH)
+    if time_interval.unit is TimeUnit.EPOCH:
         due_event = Event.EPOCH_CHECKPOINT if checkpoint_events else Event.EPOCH_END
-    elif every.unit is TimeUnit.ITERATION:
+    elif time_interval.unit is TimeUnit.ITERATION:
         due_event = Event.ITERATION_CHECKPOINT if checkpoint_events else Event.ITERATION_END
-    elif every.unit in _BY_BATCH:
+    elif time_interval.unit in _BY_BATCH:
         due_event = Event.BATCH_CHECKPOINT if checkpoint_events else Event.BATCH_END
     else:  # pragma: no cover - TimeUnit has no other member
-        raise NotImplementedError(f"an interval in {every.unit} is not supported")
+        raise NotImplementedError(f"an interval in {time_interval.unit} is not supported")
     last_batch_seen = -1
 
     def is_due(state: State, event: Event) -> bool:
         nonlocal last_batch_seen
-        if every.unit is not TimeUnit.DURATION and every.value <= 0:
+        if time_interval.unit is not TimeUnit.DURATION and time_interval.value <= 0:
             return False
         if state.previous_timestamp is None:
             return False
@@ -48,11 +48,11 @@ def create_interval_scheduler(interval: str | int | Time, include_end_of_trainin
         if include_end_of_training and event in final_events and elapsed.value >= 1.0 \
                 and state.timestamp.batch != last_batch_seen:
             return True
-        if every.unit is TimeUnit.DURATION:
+        if time_interval.unit is TimeUnit.DURATION:
             assert state.max_duration is not None
-            unit, step = state.max_duration.unit, every.value * state.max_duration.value
+            unit, step = state.max_duration.unit, time_interval.value * state.max_duration.value
         else:
-            unit, step = every.unit, every.value
+            unit, step = time_interval.unit, time_interval.value
         before = state.previous_timestamp.get(unit).value
         now = state.timestamp.get(unit).value
         if event is due_event and before // step < now // step:
