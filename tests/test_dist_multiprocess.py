@@ -431,3 +431,22 @@ def test_initialize_dist_takes_a_device_object_as_composer_does(tmp_path: Path) 
     assert out.returncode == 0, out.stderr[-2000:]
     said = (tmp_path / "rank1.out").read_text() if (tmp_path / "rank1.out").exists() else ""
     assert "sum 0 gloo 3.0" in out.stdout and "sum 1 gloo 3.0" in said
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_is_named(tmp_path: Path) -> None:
+    """Issue 53: torch's 'wait timeout after 5000ms, keys: /default_pg/0//cpu//0/1' becomes one
+    line naming the rank (and node) that never came."""
+    script = tmp_path / "late.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        from lockstep import dist
+        if os.environ["RANK"] == "1":
+            time.sleep(30)
+        dist.initialize_dist("cpu", timeout=3)
+    """))
+    out = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", str(script)], capture_output=True, text=True,
+                         timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0
+    assert "DistStoreError: rank 1 (node 0) did not join the process group" in out.stderr, out.stderr[-2000:]
+    assert "within 3 s (dist_timeout), seen from rank 0 at 127.0.0.1:" in out.stderr

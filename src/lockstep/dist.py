@@ -24,6 +24,7 @@ import gc
 import math
 import os
 import random
+import re
 import string
 import time
 import warnings
@@ -313,10 +314,36 @@ def initialize_dist(device: Any = None, timeout: float = 300.0, *,
                 "False. Use device='cpu'."
             )
         torch.cuda.set_device(get_local_rank())
-    torch_dist.init_process_group(
-        backend, init_method="env://", world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout)
-    )
+    try:
+        torch_dist.init_process_group(
+            backend, init_method="env://", world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout)
+        )
+    except torch_dist.DistStoreError as e:
+        missing = ranks_waited_for(str(e))
+        if not missing:
+            raise
+        raise torch_dist.DistStoreError(_not_joined(missing, timeout)) from None
     _register_destroy_at_exit()
+
+
+def ranks_waited_for(error: str) -> list[int]:
+    """The ranks a process-group store timeout waited for, from torch's message (``wait timeout
+    after 20000ms, keys: /default_pg/0//cpu//0/1``: each key ends in the rank whose address it is)."""
+    _, found, keys = error.partition("keys: ")
+    if not found:
+        return []
+    return sorted({int(m) for m in re.findall(r"/(\d+)(?=[,\]\s]|$)", keys)})
+
+
+def _not_joined(missing: list[int], timeout: float) -> str:
+    """One line naming the ranks (and, with one node size, the nodes) that never joined."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    names = [f"rank {r}" + (f" (node {r // local})" if local > 0 else "") for r in missing]
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return (f"{', '.join(names)} did not join the process group (lockstep.dist.initialize_dist, which "
+            f"Trainer(...) calls) within {timeout:g} s (dist_timeout), seen from rank {get_global_rank()} at "
+            f"{where}: {'it' if len(missing) == 1 else 'they'} started late, stopped before it, or exited "
+            f"(see {'its' if len(missing) == 1 else 'their'} output)")
 
 
 def _register_destroy_at_exit() -> None:

@@ -62,6 +62,25 @@ def _second_node(port: int, tmp_path: Path, write_script) -> subprocess.Complete
     return result
 
 
+def test_waiting_launchers_say_every_few_seconds_whom_they_wait_for_and_where(tmp_path: Path, write_script) -> None:
+    """Issue 53: a node given a wrong --master_port, and a master whose other node never comes,
+    each say what they wait for while they wait, not only when they give up."""
+    script = write_script("ran.py", "open('ran', 'w').write('yes')\n")
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master_addr", "127.0.0.1", "--rdzv_timeout", "7"]
+    master_port, wrong_port = _free_port(), _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    jobs = [subprocess.Popen([sys.executable, "-m", "lockstep", *common, "--node_rank", rank, "--master_port", port,
+                              str(script)], cwd=tmp_path, env=env, text=True, stderr=subprocess.PIPE)
+            for rank, port in (("0", str(master_port)), ("1", str(wrong_port)))]
+    master, second = (job.communicate(timeout=60)[1] for job in jobs)
+    assert [job.returncode for job in jobs] == [1, 1] and not (tmp_path / "ran").exists()
+    assert master.startswith(f"lockstep: waiting for node(s) 1 to join attempt 0 at 127.0.0.1:{master_port}: "
+                             f"5 s of 7 s (--rdzv_timeout)\n"), master
+    assert second.startswith(f"lockstep: waiting for the master's rendezvous store at 127.0.0.1:{wrong_port} "
+                             f"(nothing accepts connections there yet): 5 s of 7 s (--rdzv_timeout)\n"), second
+    assert master.count("\n") == second.count("\n") == 2  # one such line, then the verdict
+
+
 def test_rendezvous_timeout_when_no_master_listens(tmp_path: Path, write_script) -> None:
     result = _second_node(_free_port(), tmp_path, write_script)
     assert "no rendezvous store at" in result.stderr and "nothing accepts connections" in result.stderr

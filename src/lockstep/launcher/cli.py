@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "number of visible CUDA devices, at least 1.")
     p.add_argument("--stdout", default=None, help=fmt_help("stdout"))
     p.add_argument("--stderr", default=None, help=fmt_help("stderr"))
-    p.add_argument("-v", "--verbose", action="store_true", help="Print what the launcher does.")
+    p.add_argument("-v", "--verbose", action="store_true", help="Print what the launcher does, and the ranks' tracebacks of configuration errors.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("-m", "--module_mode", action="store_true",
                       help="Run training_script as a module (python -m).")

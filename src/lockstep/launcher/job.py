@@ -38,9 +38,11 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lockstep.launcher.rendezvous import TELL_S
 from lockstep.launcher.store import CALL_S, Meanwhile, Stopped, StoreClient, StoreLost, idle, tcp_store
 
 __all__ = ["CALL_S", "Failure", "JobChannel", "Stopped", "StoreClient", "StoreLost", "root_cause", "tcp_store"]
@@ -134,8 +136,9 @@ class JobChannel:
 
     # -- attempts -----------------------------------------------------------------------------
 
-    def begin(self, attempt: int, timeout: float) -> list[int]:
-        """Join ``attempt`` and wait for every node (up to ``timeout`` s); the nodes missing, if any."""
+    def begin(self, attempt: int, timeout: float, tell: Callable[[str], None] | None = None) -> list[int]:
+        """Join ``attempt`` and wait for every node (up to ``timeout`` s); the nodes missing, if any.
+        Every :data:`~lockstep.launcher.rendezvous.TELL_S` seconds ``tell`` gets a line naming them."""
         self._stop_beating()
         self._prefix = f"lockstep/attempt{attempt}/"
         self._seen.clear()
@@ -144,15 +147,23 @@ class JobChannel:
         self._call("set", self._key(f"stage{self.node}"), str(_RUNNING))
         self._call("add", self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
         self._call("add", self._key("joined"), 1)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, told = start + timeout, start
         while self._call("add", self._key("joined"), 0) < self.nnodes:
             if time.monotonic() > deadline:
-                return [n for n in range(self.nnodes) if not self._call("check", [self._key(f"joined{n}")])]
+                return self._not_joined()
+            if tell is not None and time.monotonic() - told >= TELL_S:
+                told = time.monotonic()
+                tell(f"waiting for node(s) {', '.join(map(str, self._not_joined()))} to join attempt {attempt} "
+                     f"at {self._store.where}: {told - start:.0f} s of {timeout:g} s (--rdzv_timeout)")
             self._pause(BEAT_S)
         self._stop = threading.Event()
         self._beater = threading.Thread(target=self._beat, args=(self._stop,), name="lockstep-beat", daemon=True)
         self._beater.start()
         return []
+
+    def _not_joined(self) -> list[int]:
+        return [n for n in range(self.nnodes) if not self._call("check", [self._key(f"joined{n}")])]
 
     def _beat(self, stop: threading.Event) -> None:
         key = self._key(f"alive{self.node}")

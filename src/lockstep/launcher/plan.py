@@ -227,6 +227,8 @@ class LaunchPlan:
             LOCKSTEP_RUN_DIRECTORY=str(self.run_directory),
             PYTHONUNBUFFERED="1",
         )
+        if self.verbose:  # configuration errors with their tracebacks (lockstep.errors)
+            env["LOCKSTEP_VERBOSE"] = "1"
         # As torchrun's agent: a failed NCCL collective raises instead of hanging until the timeout.
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if "OMP_NUM_THREADS" not in base_env:

@@ -22,6 +22,8 @@ from lockstep.launcher import resolver
 _VALIDATE, _PING = 0, 13  # c10d::detail::QueryType
 _MAGIC = 0x3C85F7CE
 _STEP = 0.25  # seconds between checks for a signal while waiting
+TELL_S = 5.0
+"""Seconds between a waiting launcher's lines saying what it waits for."""
 
 
 class StoreState(enum.Enum):
@@ -33,11 +35,20 @@ class StoreState(enum.Enum):
     INTERRUPTED = "interrupted"
 
 
-def wait_for_store(host: str, port: int, timeout: float, interrupted: Callable[[], bool]) -> StoreState:
-    """Wait until a c10d store answers at host:port, at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+def wait_for_store(host: str, port: int, timeout: float, interrupted: Callable[[], bool],
+                   tell: Callable[[str], None] | None = None) -> StoreState:
+    """Wait until a c10d store answers at host:port, at most ``timeout`` seconds; every
+    :data:`TELL_S` seconds ``tell`` gets a line saying what it waits for and why it still waits."""
+    start = time.monotonic()
+    deadline, told = start + timeout, start
     accepted, resolved = False, False
     while not interrupted():
+        if tell is not None and time.monotonic() - told >= TELL_S:
+            told = time.monotonic()
+            state = StoreState.NO_ANSWER if accepted else StoreState.NOTHING_LISTENS if resolved \
+                else StoreState.UNRESOLVED
+            tell(f"waiting for the master's rendezvous store at {host}:{port} ({_WHY[state]}): "
+                 f"{told - start:.0f} s of {timeout:g} s (--rdzv_timeout)")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return StoreState.NO_ANSWER if accepted else StoreState.NOTHING_LISTENS if resolved \
@@ -84,6 +95,11 @@ def _ping(sock: socket.socket, deadline: float, interrupted: Callable[[], bool])
             return None
         answer += chunk
     return StoreState.READY if struct.unpack("=I", answer)[0] == nonce else StoreState.FOREIGN
+
+
+_WHY = {StoreState.UNRESOLVED: "its name does not resolve yet",
+        StoreState.NOTHING_LISTENS: "nothing accepts connections there yet",
+        StoreState.NO_ANSWER: "it accepts connections but has not answered as a store"}
 
 
 def describe(state: StoreState, host: str, port: int, timeout: float) -> str:

@@ -33,6 +33,18 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def configuration_error(path: Path) -> str | None:
+    """The message of a configuration error a rank recorded in its error file (lockstep.errors),
+    without its type; None for any other failure."""
+    try:
+        data = json.loads(path.read_text(errors="replace"))["message"]
+        if data["extraInfo"].get("lockstep_configuration"):
+            return str(data["message"]).partition(": ")[2] or str(data["message"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
 def read_error_file(path: Path) -> tuple[str, str] | None:
     """(message, traceback) from the file torch's ``@record`` writes, or None if there is none.
 
@@ -52,8 +64,13 @@ def read_error_file(path: Path) -> tuple[str, str] | None:
     return str(data.get("message", "")), str(trace)
 
 
-def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, int]]) -> None:
-    """Name the rank that failed first, then show its error and output; ``others``: (rank, code)."""
+def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, int]]) -> bool:
+    """Name the rank that failed first, then show its error and output; ``others``: (rank, code).
+    A configuration error is its one line (``lockstep: error: ...``) alone; True then."""
+    configuration = configuration_error(spec.error_file)
+    if configuration is not None:
+        say(f"error: {configuration}")
+        return True
     say(f"rank {spec.rank} (local rank {spec.local_rank}, pid {pid}) failed first with {describe_exit(code)}")
     error = read_error_file(spec.error_file)
     if error is not None:
@@ -70,6 +87,7 @@ def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, 
     stopped = [f"{rank} ({describe_exit(c)})" for rank, c in others if c not in (0, None)]
     if stopped:
         say("other ranks ended: " + ", ".join(stopped))
+    return False
 
 
 def _output_tail(spec: RankSpec) -> tuple[Path | None, list[str]]:

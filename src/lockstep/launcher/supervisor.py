@@ -299,7 +299,8 @@ class Supervisor:
         if isinstance(outcome, _Stall):
             return self._after_failure(attempt, STALL_EXIT_CODE, "this node's")
         others = [(o.spec.rank, o.returncode) for o in ranks if o is not outcome.rank]
-        report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others)
+        if report_failure(outcome.rank.spec, outcome.rank.proc.pid, outcome.code, others):
+            return shell_code(outcome.code)  # a configuration error: a restart would meet it again
         return self._after_failure(attempt, shell_code(outcome.code), "this node's")
 
     def _begin_attempt(self, channel: JobChannel, attempt: int, port: int) -> int | None:
@@ -311,7 +312,7 @@ class Supervisor:
             # the previous attempt's store closes as this one replaces it
             self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
             channel.publish_port(attempt, self._attempt_store.port)
-        missing = channel.begin(attempt, self.plan.rdzv_timeout)
+        missing = channel.begin(attempt, self.plan.rdzv_timeout, tell=say)
         if missing:
             say(f"error: node(s) {', '.join(map(str, missing))} did not join attempt {attempt} within "
                 f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
@@ -387,7 +388,7 @@ class Supervisor:
         if plan.verbose:
             say(f"waiting up to {plan.rdzv_timeout:g} s for the rendezvous store at {plan.master_addr}:{port}")
 
-        state = wait_for_store(plan.master_addr, port, plan.rdzv_timeout, lambda: self._stopping(wake_r))
+        state = wait_for_store(plan.master_addr, port, plan.rdzv_timeout, lambda: self._stopping(wake_r), tell=say)
         if state is StoreState.READY:
             return None
         if state is StoreState.INTERRUPTED:

@@ -197,8 +197,40 @@ def main(argv: list[str]) -> None:
     sys.argv = [target, *args]
     try:
         (_run_module if mode == "module" else _run_script)(target)
+    except Exception as e:
+        if not getattr(e, _CONFIGURATION, False) or os.environ.get("LOCKSTEP_VERBOSE", "") not in ("", "0"):
+            raise
+        _record_configuration_error(e)
+        raise SystemExit(1) from None
     finally:
         _prepare_fast_shutdown()
+
+
+_CONFIGURATION = "lockstep_configuration"  # lockstep.errors.MARK (this module imports no lockstep)
+
+
+def _record_configuration_error(error: Exception) -> None:
+    """A configuration error (lockstep.errors): into the error file, with its traceback, for the
+    launcher to print once for the job; nothing on this rank's console. Without an error file
+    (not under the launcher), the one line goes to stderr."""
+    import json
+    import time
+    import traceback
+
+    lines = str(error).strip().splitlines()
+    message = lines[0] if lines else type(error).__name__
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        print(f"lockstep: error: {message}", file=sys.stderr, flush=True)
+        return
+    record = {"message": {"message": f"{type(error).__name__}: {message}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(error)), "timestamp": str(int(time.time())),
+        _CONFIGURATION: True}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    except OSError:
+        print(f"lockstep: error: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import IO, Any, SupportsInt
 
 import torch
 
-from lockstep import dist, progress, rng
+from lockstep import dist, errors, progress, rng
 from lockstep.core.algorithm import Algorithm
 from lockstep.core.callback import Callback
 from lockstep.core.data_spec import DataSpec, ensure_data_spec
@@ -154,6 +154,7 @@ class Trainer:
             ``torch.profiler``.
     """
 
+    @errors.configuration_checks()
     def __init__(
         self,
         *,
