@@ -206,6 +206,22 @@ def test_a_checkpoint_records_the_run_s_saves_where_composer_keeps_them(tmp_path
     assert sorted(p.name for p in folder.glob("ep*")) == sorted(names)
 
 
+class Stateful(Callback):
+    def state_dict(self) -> dict:
+        return {"seen": 1}
+
+
+def test_leaving_the_callbacks_out_of_checkpoints_keeps_the_save_record(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    kept = dict(save_folder=str(folder), save_interval="2ba", autoresume=True, save_num_checkpoints_to_keep=2,
+                save_ignore_keys=["state/callbacks/*"], callbacks=[Stateful()])
+    _classifier_run(tmp_path, max_duration="1ep", **kept).fit()
+    content = torch.load(folder / "ep1-ba4-rank0.pt", weights_only=True)
+    assert list(content["state"]["callbacks"]) == ["CheckpointSaver"]  # Stateful's state is left out
+    _classifier_run(tmp_path, max_duration="2ep", **kept).fit()  # resumed: its rotation goes on
+    assert sorted(p.name for p in folder.glob("ep*")) == ["ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]
+
+
 def test_load_checkpoint_callback_resumes_exactly_and_loads_weights_at_an_event(tmp_path: Path) -> None:
     whole = _classifier_run(tmp_path, save_folder=str(tmp_path / "ck"), save_interval="3ba")
     whole.fit()

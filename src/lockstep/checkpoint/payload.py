@@ -99,13 +99,18 @@ def build(state: State, ranks: list[dict[str, Any]], record: list[tuple[str, Any
 def without(content: dict[str, Any], save_ignore_keys: Any, *, weights_only: bool) -> dict[str, Any]:
     """``content`` (what :func:`build` returns, or a weights-only state_dict) less what
     ``save_ignore_keys`` names (:func:`lockstep.checkpoint.ignore.remove_for_save`), in a copy of its
-    containers; the header and the data position stay."""
+    containers; the header, the data position and the save record stay (autoresume's rotation and
+    the loader's step back to a previous per-rank file need them)."""
     tree = ignore.copy_containers({"state": {"model": content}} if weights_only
                                   else {"state": content["state"], "rng": content["rng"]})
     ignore.remove_for_save(save_ignore_keys, tree)
     if weights_only:
         return tree.get("state", {}).get("model", {})
     kept = {**content, "state": tree.get("state", {})}
+    record = content["state"].get("callbacks", {}).get(SAVER, {}).get(RECORD)
+    if record is not None:
+        callbacks = kept["state"].setdefault("callbacks", {})
+        callbacks[SAVER] = {**callbacks.get(SAVER, {}), RECORD: record}
     if "rng" in tree:
         kept["rng"] = tree["rng"]
     else:
