@@ -270,3 +270,13 @@ def test_plain_dataloaders_in_a_list_are_each_an_eval_evaluator_as_in_composer()
     assert [e.label for e in trainer.state.evaluators] == ["eval", "eval", "a"]
     results = trainer.eval()
     assert set(results) == {"eval", "a"}
+
+
+def test_an_empty_eval_dataloader_is_one_warning_naming_the_evaluator(tmp_path: Path) -> None:
+    empty = DataLoader(dataset(0), batch_size=4)
+    trainer = _classifier_run(tmp_path, max_duration="1ba", eval_dataloader=Evaluator(label="held", dataloader=empty))
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit()
+    said = [str(w.message) for w in caught]
+    assert said == ["evaluator 'held' had no batch to evaluate on rank 0: its dataloader yields none here (check its "
+                    "dataset, batch_size and sampler); its metrics count the other ranks' samples only"], said

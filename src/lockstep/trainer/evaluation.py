@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lockstep import progress
+from lockstep import dist, progress
 from lockstep.batch import take
 from lockstep.core.data_spec import DataSpec
 from lockstep.core.eval_metrics import LOSS, value_of
@@ -102,9 +103,17 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
     run_event(Event.EVAL_START)
     for metric in metrics.values():
         metric.reset()
+    evaluated = 0
     for batch, n in _real_batches(state, strategy, spec, limit):
         _evaluate_batch(state, strategy, evaluator, batch, n, metrics, run_event)
-    results = {name: value_of(m) for name, m in metrics.items()}  # every rank: compute() gathers
+        evaluated += 1
+    with warnings.catch_warnings():
+        if not evaluated:  # said once, here, instead of torchmetrics' warning for each metric
+            warnings.warn(f"evaluator {evaluator.label!r} had no batch to evaluate on rank {dist.get_global_rank()}: "
+                          f"its dataloader yields none here (check its dataset, batch_size and sampler); its "
+                          f"metrics count the other ranks' samples only", UserWarning, stacklevel=3)
+            warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric .* before the ``update``")
+        results = {name: value_of(m) for name, m in metrics.items()}  # every rank: compute() gathers
     from lockstep.core.eval_loss import EvalLoss  # imported by now: the evaluators made one
     logger.log_metrics({f"metrics/{evaluator.label}/{name}": value for name, value in results.items()
                         if name != LOSS or not isinstance(metrics[name], EvalLoss)})
