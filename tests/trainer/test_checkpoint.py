@@ -101,7 +101,7 @@ def test_overwrite_is_refused_unless_asked(tmp_path: Path) -> None:
 
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="save_num_checkpoints_to_keep must be -1"):
-        make("2ba", tmp_path, save_num_checkpoints_to_keep=0)
+        make("2ba", tmp_path, save_num_checkpoints_to_keep=-2)
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['step'\]"):
         make("2ba", tmp_path, save_filename="{step}.pt")
     with pytest.raises(ValueError, match="autoresume=True needs run_name"):

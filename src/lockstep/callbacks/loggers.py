@@ -116,7 +116,7 @@ def _is_scalar(loss: torch.Tensor) -> bool:
     return loss.dtype is torch.float32 and loss.dim() == 0 and not loss.requires_grad
 
 
-class _Buffered(Callback):
+class Buffered(Callback):
     """A callback that keeps per-batch records in memory and writes them every ``flush_interval``
     batches, at least every ``flush_seconds``, and at each evaluation and at the end, so that
     logging costs a batch no system call and no device sync."""
@@ -130,9 +130,10 @@ class _Buffered(Callback):
     def _add(self, record: Any, loss: torch.Tensor | None) -> None:
         kept = self._pending.add(record, loss)
         if kept >= self.flush_interval or time.monotonic() - self._flushed_at >= self.flush_seconds:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write what is kept now (also after a ``fit`` that raised: see Trainer.fit)."""
         self._flushed_at = time.monotonic()
         if len(self._pending):
             self._write_records(self._pending.drain())
@@ -141,7 +142,7 @@ class _Buffered(Callback):
         raise NotImplementedError
 
     def close(self, state: State, logger: Logger | None = None) -> None:
-        self._flush()
+        self.flush()
 
 
 def evaluated(state: State) -> tuple[str, dict[str, float]]:
@@ -162,12 +163,12 @@ def format_metrics(state: State) -> str:
     return f"{label} at ep {state.timestamp.epoch.value} ba {state.timestamp.batch.value}: " + ", ".join(parts)
 
 
-class RankLog(_Buffered):
+class RankLog(Buffered):
     """Every rank appends its own log file; ``{rank}`` in the filename keeps them apart. The
     Trainer's own record of a run (``trainer-rank{rank}.log`` in the run folder); Composer's
     :class:`~lockstep.loggers.FileLogger` is the logger destination that writes what is logged.
 
-    A line per ``log_every_n_batches`` batches, written in bursts (see :class:`_Buffered`): every
+    A line per ``log_every_n_batches`` batches, written in bursts (see :class:`Buffered`): every
     ``flush_interval`` batches or ``flush_seconds``, whichever comes first.
     """
 
@@ -209,20 +210,20 @@ class RankLog(_Buffered):
             self._add((time.time(), t.epoch.value, t.batch.value, t.sample.value), state.loss_tensor)
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        self._flush()
+        self.flush()
         self._write(format_metrics(state))
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self._flush()
+        self.flush()
         self._write("fit done")
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-class MetricsJSONL(_Buffered):
+class MetricsJSONL(Buffered):
     """Rank 0 appends one JSON object per training batch and per evaluation to ``metrics.jsonl``,
-    in bursts (see :class:`_Buffered`)."""
+    in bursts (see :class:`Buffered`)."""
 
     def __init__(self, folder: str | Path, flush_interval: int = 100, flush_seconds: float = 10.0) -> None:
         super().__init__(flush_interval, flush_seconds)
@@ -252,7 +253,7 @@ class MetricsJSONL(_Buffered):
 
     def eval_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:
-            self._flush()
+            self.flush()
             label, results = evaluated(state)
             self._emit({"kind": "eval", "label": label, "run_name": state.run_name, **_count_dict(state.timestamp),
                         **results, **eval_metric_names(label, results)})
@@ -260,7 +261,7 @@ class MetricsJSONL(_Buffered):
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self._file is not None:
-            self._flush()
+            self.flush()
             self._file.close()
             self._file = None
 

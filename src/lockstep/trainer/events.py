@@ -11,6 +11,7 @@ from typing import Any
 from lockstep.core.algorithm import Algorithm
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
+from lockstep.callbacks.loggers import Buffered
 from lockstep.loggers.logger import Logger
 from lockstep.state import State
 
@@ -96,6 +97,15 @@ class Events:
         self._handlers_of = {e: [_handler(c, e) for c in self.callbacks if c._listens_to(e)] for e in Event}
         self.step_heard = any(self._handlers_of[e] for e in STEP_EVENTS)
         self._indexed_version = self.callbacks.version
+
+    def flush_logs(self) -> None:
+        """Write what the run folder's logs keep in memory (they close with the Trainer)."""
+        for callback in self.callbacks:
+            if isinstance(callback, Buffered):
+                try:
+                    callback.flush()
+                except Exception as e:  # noqa: BLE001 - the training error is the one to report
+                    warnings.warn(f"{type(callback).__name__}.flush failed: {e}", stacklevel=2)
 
     def close(self) -> None:
         """Let every callback write what it holds, without hiding an error already on its way."""

@@ -416,6 +416,9 @@ class Trainer:
         with setup.kept_out_of_gc():
             try:
                 self._fit()
+            except BaseException:
+                self._events.flush_logs()  # what the run folder holds so far; the rest closes later
+                raise
             finally:
                 self._fitting = False
                 progress.stop_heartbeat()  # what the script does next may wait on other ranks
