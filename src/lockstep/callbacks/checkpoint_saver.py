@@ -74,6 +74,7 @@ class CheckpointSaver(Callback):
         checkpoint it resumed from) that the folder still holds, by name in the folder, with the
         timestamp each was written at. Composer keys them by path and keeps those rotation deleted."""
         self._saver: Any = None
+        self._seen = -1
 
     def trainer_arguments(self) -> dict[str, Any]:
         """The Trainer's ``save_*`` arguments that say what this callback says."""
@@ -91,9 +92,13 @@ class CheckpointSaver(Callback):
     def _record(self, state: Any) -> None:
         """Take the saver's record (the Trainer saves just before BATCH_CHECKPOINT and
         EPOCH_CHECKPOINT, and at the end of fit)."""
-        if self._saver is not None:
-            self.all_saved_checkpoints_to_timestamp = {
-                name: Timestamp.from_state_dict(saved) for name, saved in self._saver.record() if saved is not None}
+        if self._saver is None or self._saver.record_changes == self._seen:  # most batches: nothing new
+            return
+        self._seen = self._saver.record_changes
+        had = self.all_saved_checkpoints_to_timestamp
+        self.all_saved_checkpoints_to_timestamp = {
+            name: had.get(name) or Timestamp.from_state_dict(saved)
+            for name, saved in self._saver.record() if saved is not None}
 
     def batch_checkpoint(self, state: Any, logger: Any) -> None:
         self._record(state)

@@ -101,6 +101,8 @@ class CheckpointSaver:
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
         self.saved_at: dict[str, Any] = {}
         """The timestamp state each checkpoint of :attr:`history` was saved at."""
+        self.record_changes = 0
+        """Counts the changes of :meth:`record` (a save, its publish, a rotation, a resume)."""
         self.last_saved_batch: int | None = None
         self._swept = False
         self._pool: ThreadPoolExecutor | None = None
@@ -231,6 +233,7 @@ class CheckpointSaver:
             if config.autoresume:
                 self.history = resumed.history
                 self.saved_at.update(resumed.saved_at)
+                self.record_changes += 1
         if self.remote is not None and self.writes and config.autoresume:
             self._left_in_bucket(resumed)
 
@@ -319,6 +322,7 @@ class CheckpointSaver:
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
         self.saved_at[name] = payload.plain_timestamp(state.timestamp)
+        self.record_changes += 1
         if self.uploader is not None:
             self._saves += 1
             self._uploaded[self._saves] = name
@@ -491,6 +495,7 @@ class CheckpointSaver:
                 name = str(path.relative_to(self.folder))
                 self.uploader.upload(name, [(path, name)])
             self.history = history
+            self.record_changes += 1
             if self.layout != LOCAL:
                 self._prune()
         except BaseException as e:  # raised on every rank by the next save or wait
@@ -589,6 +594,7 @@ class CheckpointSaver:
             return
         while len(self.history) > keep:
             files.remove(self.folder / self.history.pop(0))
+            self.record_changes += 1
 
 
 def _sees_rank_zero(temp: Path, written: Collection[str]) -> bool:
