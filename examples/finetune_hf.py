@@ -31,6 +31,9 @@ from lockstep.models import HuggingFaceModel, write_huggingface_pretrained_from_
 from lockstep.optim import CosineAnnealingWithWarmupScheduler, DecoupledAdamW
 
 PROMPTS = ["def ", "import os\n"]
+SAMPLING = {"max_new_tokens": 24, "do_sample": False, "no_repeat_ngram_size": 3}
+"""Greedy, so every rank generates the same tokens (FSDP's forwards must match); no 3-gram twice keeps
+a model this small from answering with spaces only."""
 
 
 def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -73,7 +76,7 @@ def main() -> None:
     p.add_argument("--files", type=int, default=40, help="how many stdlib files to read")
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=8, help="per rank")
-    p.add_argument("--save_folder", default="finetune_hf")
+    p.add_argument("--save_folder", default="runs/finetune_hf")
     args = p.parse_args()
 
     tokenizer = byte_tokenizer()
@@ -95,7 +98,7 @@ def main() -> None:
         optimizers=DecoupledAdamW(model.parameters(), lr=3e-3, weight_decay=1e-5),
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur", alpha_f=0.1),
         fsdp_config={"state_dict_type": "sharded"} if args.parallel == "fsdp" else None,
-        callbacks=[Generate(PROMPTS, interval="1dur", max_new_tokens=24, do_sample=False)], loggers=[memory],
+        callbacks=[Generate(PROMPTS, interval="1dur", **SAMPLING)], loggers=[memory],
         save_folder=args.save_folder, save_interval="1dur", save_overwrite=True, seed=17, progress_bar=False)
     trainer.fit()
     losses = [float(v) for _, v in memory.data["loss/train/total"]]
@@ -119,8 +122,8 @@ def main() -> None:
               f"{'equal' if torch.equal(logits, trained_logits) else f'differ by {diff:.3g}'} the trained model's")
         print("generations:", json.loads(memory.tables["generations"])["data"])
         ids = reloaded_tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"]
-        again = reloaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                  pad_token_id=reloaded_tokenizer.eos_token_id)
+        again = reloaded.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=reloaded_tokenizer.eos_token_id,
+                                  **SAMPLING)
         print("reloaded model and tokenizer:", repr(reloaded_tokenizer.decode(again[0])))
         if not torch.equal(logits, trained_logits):
             sys.exit("finetune_hf.py: the reloaded model's logits differ from the trained model's")

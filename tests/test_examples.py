@@ -68,4 +68,4 @@ def test_finetune_hf_trains_under_fsdp_exports_and_reloads(tmp_path: Path) -> No
     assert "from_pretrained's logits equal the trained model's" in result.stdout, result.stdout
     first, last = map(float, re.search(r"train loss (\d+\.\d+) -> (\d+\.\d+)", result.stdout).groups())
     assert last < first - 1.0  # from about ln(257) = 5.5 nats per byte
-    assert (tmp_path / "finetune_hf" / "huggingface" / "tokenizer.json").exists()
+    assert (tmp_path / "runs" / "finetune_hf" / "huggingface" / "tokenizer.json").exists()

@@ -200,7 +200,7 @@ def test_metrics_jsonl_lines_are_what_json_dumps_writes(tmp_path: Path) -> None:
     names = ['run "quoted" \\ é', "plain", "x\ny"]
     for i, (loss, lr) in enumerate(zip(losses, lrs)):
         sink._add((names[i % len(names)], stamp, lr), loss)
-    sink._flush()
+    sink.flush()
     sink._file.close()
     counts = {name: stamp.state_dict()[name] for name in TIMESTAMP_FIELDS}  # the counts, not the clocks
     expected = [json.dumps({"kind": "train", "run_name": names[i % len(names)], **counts, "lr": lr,
