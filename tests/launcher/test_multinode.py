@@ -179,6 +179,38 @@ def test_a_node_that_does_not_come_back_for_a_restart_fails_the_job_clearly(tmp_
     assert "error: node(s) 1 did not join attempt 1 within 4 s (--rdzv_timeout): the job stops" in outs[0][1]
 
 
+def test_a_launcher_started_again_in_place_of_a_killed_one_joins_the_masters_restart(tmp_path: Path) -> None:
+    """Node 1's launcher is killed; node 0 restarts (attempt 1) and waits for it. A launcher started
+    again for node 1 knows nothing of attempts: it must join the master's at once, not begin its own
+    attempt 0, start ranks into that attempt's finished rendezvous, find its verdict and spend a
+    restart of its own on a failure it never saw (with the master a few attempts ahead, more
+    restarts than it has)."""
+    import datetime
+
+    from lockstep.launcher.store import tcp_store
+
+    env = {"FAIL_RANK": "-1", "FAIL_CODE": "0", "STEPS": "150"}
+    nodes = _nodes(tmp_path, ["--max_restarts", "1", "--rdzv_timeout", "30"], env)
+    _wait_until_training(tmp_path, nodes)
+    nodes[1].kill()
+    nodes[1].communicate()
+    port = int(nodes[0].args[nodes[0].args.index("--master_port") + 1])
+    store = tcp_store()("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
+    deadline = time.monotonic() + 60
+    while store.add("lockstep/attempt1/joined", 0) < 1:  # the master waits in attempt 1
+        assert time.monotonic() < deadline and nodes[0].poll() is None, nodes[0].communicate()
+        time.sleep(0.1)
+    again = subprocess.Popen(nodes[1].args, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = [n.communicate(timeout=90) for n in (nodes[0], again)]
+    assert [nodes[0].returncode, again.returncode] == [0, 0], outs
+    assert "node 1's launcher stopped answering" in outs[0][1], outs[0][1]
+    assert "restarting" not in outs[1][1] and "the job failed" not in outs[1][1], outs[1][1]
+    lines = {outs[0][0].strip(), outs[1][0].strip(), *((tmp_path / f"out{r}").read_text().strip() for r in (1, 3))}
+    assert {line.splitlines()[-1] for line in lines} == {
+        f"rank {r} attempt 1 restart count 1 done" for r in range(4)}
+
+
 def test_a_failed_local_rank_0s_last_lines_reach_every_node(tmp_path: Path) -> None:
     # rank 2 is node 1's local rank 0: its output goes to node 1's console, not to a file
     nodes = _nodes(tmp_path, [], {"FAIL_RANK": "2", "FAIL_CODE": "7"})

@@ -22,6 +22,12 @@ every restart) and every launcher talks to it under ``lockstep/attempt{N}/``:
   new port (torch's env:// rendezvous keeps no per-attempt prefix, so the old keys would mislead
   them); attempt 0's ranks use the store on ``--master_port`` itself.
 
+Outside the attempts' prefixes, ``lockstep/attempt`` is the attempt the master's launcher is in.
+The other nodes follow it rather than count for themselves: a node that lost the master during a
+join, or a launcher started again in place of a killed one, joins the attempt the master waits
+in, not one of its own numbering (the two sides would each wait for the other until
+``--rdzv_timeout``).
+
 Every store call has a deadline (:class:`~lockstep.launcher.store.StoreClient`); while one is out,
 the launcher's main thread does its other work through the ``meanwhile`` hook the supervisor sets.
 
@@ -52,6 +58,7 @@ LOST_AFTER_S = 3.0
 _SILENT_S = 10.0
 """A node that beats but has not reported this long after deciding began is not waited for."""
 LOST_EXIT_CODE = 1
+ATTEMPT_KEY = "lockstep/attempt"
 DONE = 1 << 40
 """Added to a node's ``alive`` counter once its ranks all finished (no node beats that often)."""
 
@@ -183,6 +190,29 @@ class JobChannel:
 
     def close(self) -> None:
         self._stop_beating()
+
+    def publish_attempt(self, attempt: int) -> None:
+        """The master's: it is beginning ``attempt`` (after :meth:`publish_port`, before :meth:`begin`)."""
+        self._call("set", ATTEMPT_KEY, str(attempt))
+
+    def attempt_to_join(self, timeout: float, tell: Callable[[str], None] | None = None) -> int | None:
+        """The attempt this node joins: the master's, unless this node (or a launcher it replaces)
+        already took part in it; then the master's next one, waited for up to ``timeout`` s (None if
+        it does not begin by then). Every :data:`~lockstep.launcher.rendezvous.TELL_S` seconds
+        ``tell`` gets a line."""
+        start = told = time.monotonic()
+        while True:
+            master = int(self._call("get", ATTEMPT_KEY)) if self._call("check", [ATTEMPT_KEY]) else 0
+            if not self._call("check", [f"lockstep/attempt{master}/joined{self.node}"]):
+                return master
+            now = time.monotonic()
+            if now - start > timeout:
+                return None
+            if tell is not None and now - told >= TELL_S:
+                told = now
+                tell(f"waiting for the master to begin the attempt after {master} at {self._store.where}: "
+                     f"{now - start:.0f} s of {timeout:g} s (--rdzv_timeout)")
+            self._pause(BEAT_S)
 
     def publish_port(self, attempt: int, port: int) -> None:
         """The master's: where the ranks of ``attempt`` find their store (before :meth:`begin`)."""

@@ -190,54 +190,54 @@ class Supervisor:
         return channel
 
     def _run_attempts(self, port: int, listener, wake_r: int, watchdog: Watchdog, pass_fd: bool) -> int:
-        for attempt in range(self.plan.max_restarts + 1):
+        attempt = 0
+        while True:
             if not self.plan.hosts_store and self._channel is None:
                 # multi-node: rejoin the master after it was lost (it may still be cut off)
                 joined = self._join_job(port, None, wake_r) if self.plan.is_multinode else \
                     self._await_store(port, wake_r)
                 if isinstance(joined, int):
                     return joined
-            channel = self._channel
-            ranks: list[Rank] = []
-            self._ranks, self._stashed = ranks, ([], [])  # nothing of an earlier attempt carries over
-            rank_port: int | None = port
-            try:
-                if channel is not None:
-                    rank_port = self._begin_attempt(channel, attempt, port)
-                    if rank_port is None:
-                        return LOST_EXIT_CODE
-                store_fd = listener.fileno() if (listener and pass_fd) else None
-                ranks = self._spawn_all(rank_port, attempt, store_fd, watchdog)
-                self._ranks = ranks
-                outcome = self._monitor(ranks, wake_r, channel)
-                if outcome is None and channel is not None:
-                    outcome = self._finish_job(ranks, wake_r, channel)
-                if outcome is None:
-                    self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
-                    return 0
-                if isinstance(outcome, int):  # the launcher was signalled
-                    self._teardown(ranks, wake_r, watchdog, None)
-                    code = signalled_code(ranks, outcome)
-                    if channel is not None:
-                        self._leave(channel, wake_r)
-                    return code
-                if channel is not None:
-                    code = self._settle_across_nodes(channel, attempt, ranks, wake_r, watchdog)
-                    if code is None:
-                        continue
-                    return code
-            except Stopped as e:  # while waiting for the store: the signal went on to the ranks already
-                return self._stopped_while_waiting(e.signum, wake_r, watchdog)
-            except StoreLost as e:
-                self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)  # their last words, then the verdict
-                code = self._lost_master(port, str(e), attempt)
-                if code is not None:
-                    return code
-                continue
-            code = self._settle_here(outcome, attempt, ranks, wake_r, watchdog)
+            code, attempt = self._attempt(attempt, port, listener if pass_fd else None, wake_r, watchdog)
             if code is not None:
                 return code
-        raise AssertionError("unreachable")
+            attempt += 1
+
+    def _attempt(self, attempt: int, port: int, listener, wake_r: int, watchdog: Watchdog) -> tuple[int | None, int]:
+        """Run one attempt (on another node than the master's: the master's, which may not be
+        ``attempt``); the exit code or None to restart, and the attempt that ran."""
+        channel = self._channel
+        ranks: list[Rank] = []
+        self._ranks, self._stashed = ranks, ([], [])  # nothing of an earlier attempt carries over
+        rank_port: int | None = port
+        try:
+            if channel is not None:
+                begun = self._begin_attempt(channel, attempt, port)
+                if begun is None:
+                    return LOST_EXIT_CODE, attempt
+                attempt, rank_port = begun
+            ranks = self._spawn_all(rank_port, attempt, listener.fileno() if listener else None, watchdog)
+            self._ranks = ranks
+            outcome = self._monitor(ranks, wake_r, channel)
+            if outcome is None and channel is not None:
+                outcome = self._finish_job(ranks, wake_r, channel)
+            if outcome is None:
+                self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+                return 0, attempt
+            if isinstance(outcome, int):  # the launcher was signalled
+                self._teardown(ranks, wake_r, watchdog, None)
+                code = signalled_code(ranks, outcome)
+                if channel is not None:
+                    self._leave(channel, wake_r)
+                return code, attempt
+            if channel is not None:
+                return self._settle_across_nodes(channel, attempt, ranks, wake_r, watchdog), attempt
+        except Stopped as e:  # while waiting for the store: the signal went on to the ranks already
+            return self._stopped_while_waiting(e.signum, wake_r, watchdog), attempt
+        except StoreLost as e:
+            self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)  # their last words, then the verdict
+            return self._lost_master(port, str(e), attempt), attempt
+        return self._settle_here(outcome, attempt, ranks, wake_r, watchdog), attempt
 
     def _stopped_while_waiting(self, signum: int, wake_r: int, watchdog: Watchdog) -> int:
         """A stopping signal that came while the main thread waited for the store, and went on to
@@ -303,21 +303,30 @@ class Supervisor:
             return shell_code(outcome.code)  # a configuration error: a restart would meet it again
         return self._after_failure(attempt, shell_code(outcome.code), "this node's")
 
-    def _begin_attempt(self, channel: JobChannel, attempt: int, port: int) -> int | None:
-        """Join ``attempt`` with every node; the port of its ranks' store (None: a node is missing).
+    def _begin_attempt(self, channel: JobChannel, attempt: int, port: int) -> tuple[int, int] | None:
+        """Join an attempt with every node: ``attempt`` on the master's node, the master's on the
+        others; that attempt and the port of its ranks' store (None: a node is missing).
 
         A restart's ranks rendezvous in a fresh store: torch's env:// rendezvous keeps no
         per-attempt prefix, so the old attempt's keys would mislead them."""
-        if attempt and self.plan.hosts_store:
-            # the previous attempt's store closes as this one replaces it
-            self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
-            channel.publish_port(attempt, self._attempt_store.port)
+        if self.plan.hosts_store:
+            if attempt:  # the previous attempt's store closes as this one replaces it
+                self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
+                channel.publish_port(attempt, self._attempt_store.port)
+            channel.publish_attempt(attempt)
+        else:
+            followed = channel.attempt_to_join(self.plan.rdzv_timeout, tell=say)
+            if followed is None:
+                say(f"error: the master began no new attempt within {self.plan.rdzv_timeout:g} s (--rdzv_timeout): "
+                    f"the job stops")
+                return None
+            attempt = followed
         missing = channel.begin(attempt, self.plan.rdzv_timeout, tell=say)
         if missing:
             say(f"error: node(s) {', '.join(map(str, missing))} did not join attempt {attempt} within "
                 f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
             return None
-        return channel.port(attempt) if attempt else port
+        return attempt, channel.port(attempt) if attempt else port
 
     def _leave(self, channel: JobChannel, wake_r: int) -> None:
         """Tell the other nodes that this one is done with the store. Node 0's launcher, which
