@@ -21,8 +21,9 @@ JOB = Path(__file__).with_name("train_job.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def job(tmp: Path, name: str, *extra: str, restarts: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
-    return launch(["-n", "2", "--max_restarts", str(restarts), str(JOB), "--folder", str(tmp / name),
+def job(tmp: Path, name: str, *extra: str, restarts: int = 0, timeout: float = 120,
+        ranks: int = 2) -> subprocess.CompletedProcess:
+    return launch(["-n", str(ranks), "--max_restarts", str(restarts), str(JOB), "--folder", str(tmp / name),
                    "--out", str(tmp / f"{name}.pt"), *extra], cwd=REPO, timeout=timeout)
 
 
@@ -87,6 +88,34 @@ def test_kill_9_of_either_rank_during_background_sharded_writes_loses_nothing(re
     assert_bitwise(final(tmp_path, "torn"), reference["sharded"])
     leftovers = [p.name for p in (tmp_path / "torn").iterdir() if p.name.startswith(".")]
     assert leftovers == []
+
+
+FOLDER_LAYOUTS = ("sharded", "local", "zero2")
+
+
+def four_rank_kills(seed: int) -> list[str]:
+    """One kill -9 per folder layout, each on its own attempt: a random rank after a random batch
+    (``--kill ATTEMPT:RANK:BATCH:LAYOUT``, the layouts trained in turn, 16 batches each)."""
+    rng = random.Random(seed)
+    return [f"{attempt}:{rng.randrange(4)}:{rng.randrange(2, 16)}:{layout}"
+            for attempt, layout in enumerate(FOLDER_LAYOUTS)]
+
+
+@pytest.mark.timeout(360)
+def test_four_ranks_killed_in_each_folder_layout_restart_and_match(tmp_path: Path) -> None:
+    # FSDP sharded and local and ZeRO-2, where every rank writes its part of each checkpoint in the
+    # background: a rank killed at any step on 4 ranks restarts all of them from what was published
+    layouts = ["--layouts", ",".join(FOLDER_LAYOUTS), "--batches", "16"]
+    clean = job(tmp_path, "clean", *layouts, ranks=4, timeout=200)
+    assert clean.returncode == 0, clean.stderr
+    kills = four_rank_kills(seed=49)
+    result = job(tmp_path, "killed", *layouts, *(a for k in kills for a in ("--kill", k)), restarts=3,
+                 ranks=4, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("failed first with signal SIGKILL") == 3, result.stderr
+    for layout in FOLDER_LAYOUTS:
+        assert_bitwise(torch.load(tmp_path / f"killed.pt.{layout}", weights_only=True),
+                       torch.load(tmp_path / f"clean.pt.{layout}", weights_only=True))
 
 
 def batches_done(progress: Path) -> int:

@@ -1,7 +1,7 @@
 """A training job for the fault tests, run under the launcher with autoresume.
 
 Faults come from the command line: ``--kill A:R:B`` makes rank R SIGKILL itself after batch B on
-attempt A (LOCKSTEP_RESTART_COUNT); ``--kill-in-save A:B`` makes rank 0 die on attempt A while
+attempt A (LOCKSTEP_RESTART_COUNT), ``--kill A:R:B:LAYOUT`` only while LAYOUT trains; ``--kill-in-save A:B`` makes rank 0 die on attempt A while
 saving the checkpoint of batch B, after the file is written and before it is renamed;
 ``--kill-in-write A:R:B`` makes rank R die as its writer thread starts to write batch B's
 checkpoint. ``--sharded`` trains under FSDP with sharded checkpoints, ``--zero N`` under DeepSpeed
@@ -33,10 +33,20 @@ def faults(specs: list[str]) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in spec.split(":")) for spec in specs]
 
 
+def kills_of(specs: list[str], layout: str | None) -> set[tuple[int, int]]:
+    """The (rank, batch) kills of this attempt while ``layout`` trains (None: not --layouts)."""
+    attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
+    kills = set()
+    for spec in specs:
+        a, r, b, *only = spec.split(":")
+        if int(a) == attempt and (not only or only[0] == layout):
+            kills.add((int(r), int(b)))
+    return kills
+
+
 class Faults(Callback):
-    def __init__(self, kills: list[tuple[int, ...]], sleep: float, progress: Path | None) -> None:
-        self.attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
-        self.kills = {(r, b) for a, r, b in kills if a == self.attempt}
+    def __init__(self, kills: set[tuple[int, int]], sleep: float, progress: Path | None) -> None:
+        self.kills = kills
         self.sleep, self.progress = sleep, progress
 
     def batch_end(self, state, logger) -> None:
@@ -100,6 +110,7 @@ def main() -> None:
         zipwriter.DIRECT_MIN = 1
     jobs = [args] if args.layouts is None else [
         argparse.Namespace(**{**vars(args), "sharded": False, "local": False, "zero": None, **LAYOUTS[layout],
+                              "layout": layout,
                               "folder": f"{args.folder}/{layout}", "out": f"{args.out}.{layout}"})
         for layout in args.layouts.split(",")]
     for one in jobs:
@@ -135,7 +146,8 @@ def train(args: argparse.Namespace) -> None:
                       fsdp_config={"state_dict_type": "sharded"} if args.sharded else
                       {"state_dict_type": "local"} if args.local else None,
                       deepspeed_config=None if args.zero is None else {"zero_optimization": {"stage": args.zero}},
-                      callbacks=[Faults(faults(args.kill), args.sleep, args.progress)])
+                      callbacks=[Faults(kills_of(args.kill, getattr(args, "layout", None)), args.sleep,
+                                        args.progress)])
     uploader = trainer.saver.uploader if trainer.saver is not None else None
     if uploader is not None:  # an upload process only on ranks that upload: DDP's rank 0, every rank of the rest
         folder_layout = args.sharded or args.local or args.zero is not None

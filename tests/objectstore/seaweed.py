@@ -139,11 +139,13 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
     return server
 
 
-def restart(server: SeaweedServer, timeout: float = 60.0) -> None:
+def restart(server: SeaweedServer, timeout: float = 60.0, *, until_reads: bool = True) -> None:
     """Start ``server`` again after it was killed: the same ports, the same data (its buckets and
-    objects)."""
+    objects); return once its objects read back, or with ``until_reads=False`` once S3 answers."""
     assert server.process.poll() is not None, "stop the server before restarting it"
     _launch(server, timeout)
+    if not until_reads:
+        return
     # S3 answers before the volume servers are back: reads fail with InternalError for a while
     deadline = time.monotonic() + timeout
     while not _reads_back(server):

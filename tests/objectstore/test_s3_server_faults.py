@@ -127,16 +127,19 @@ def test_a_killed_server_fails_the_job_in_one_line_and_once_back_the_run_resumes
     message = str(failed.value)
     assert message.startswith(f"uploading checkpoints to s3://{bucket}/run failed") and "\n" not in message
 
-    seaweed.restart(own_server)  # the same data: what reached the bucket before the kill is there
+    # The same data: what reached the bucket before the kill is there. The job starts the moment S3
+    # answers again, while reads still fail with InternalError for a second or two (the volume
+    # servers are not back): the client's retries ride that out.
+    seaweed.restart(own_server, until_reads=False)
+    fresh = tmp_path / "fresh"  # another machine: only the bucket holds the run
+    fresh.mkdir()
+    monkeypatch.chdir(fresh)
+    resumed = _trainer(12, f"s3://{bucket}/run")
     store = S3ObjectStore(bucket)
     try:  # the newest checkpoint whose upload ended before the kill (usually batch 4)
         pointed = int(re.search(r"-ba(\d+)-", store.read_bytes("run/latest-rank0.pt.symlink").decode())[1])
     except FileNotFoundError:  # on a machine too slow for any upload to end first: a fresh start
         pointed = 0
-    fresh = tmp_path / "fresh"  # another machine: only the bucket holds the run
-    fresh.mkdir()
-    monkeypatch.chdir(fresh)
-    resumed = _trainer(12, f"s3://{bucket}/run")
     assert resumed.state.timestamp.batch.value == pointed
     resumed.fit()
     resumed.close()
