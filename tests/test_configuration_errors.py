@@ -26,9 +26,11 @@ BAD = textwrap.dedent("""
             raise ValueError("the user's own check")
 
     model = MLP()
-    extra = {"callbacks": [Raises()]} if sys.argv[1:] == ["user"] else {"max_duration": "3 bananas"}
-    Trainer(model=model, train_dataloader=loader(8), optimizers=sgd(model), progress_bar=False,
-            **{"max_duration": "1ep", **extra})
+    how = sys.argv[1] if sys.argv[1:] else "init"
+    extra = {"callbacks": [Raises()]} if how == "user" else {"max_duration": "3 bananas"} if how == "init" else {}
+    trainer = Trainer(model=model, train_dataloader=loader(8), optimizers=sgd(model), progress_bar=False,
+                      **{"max_duration": "1ep", **extra})
+    trainer.fit(duration="3 bananas")
 """)
 LINE = "lockstep: error: max_duration='3 bananas': invalid duration '3 bananas': expected a number"
 
@@ -54,6 +56,12 @@ def test_under_the_launcher_it_is_one_line_for_the_job_and_no_restart(tmp_path: 
     shown = _run(tmp_path, ["-m", "lockstep", "-v", "-n", "2", "SCRIPT"])
     assert shown.returncode == 1 and "Traceback (most recent call last)" in shown.stderr
     assert "failed first with exit code 1" in shown.stderr
+
+
+def test_fit_s_arguments_are_checked_as_the_trainer_s(tmp_path: Path) -> None:
+    done = _run(tmp_path, ["-m", "lockstep", "-n", "2", "--max_restarts", "2", "SCRIPT", "fit"])
+    line = "lockstep: error: duration='3 bananas': invalid duration '3 bananas'"
+    assert done.returncode == 1 and done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_an_error_raised_by_the_user_s_code_keeps_its_traceback(tmp_path: Path) -> None:

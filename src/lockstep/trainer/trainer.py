@@ -407,7 +407,8 @@ class Trainer:
         given = fit_arguments.FitArguments(**{k: v for k, v in locals().items() if k != "self"})
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
-        fit_arguments.apply(self, given)
+        with errors.configuration_checks():  # fit's arguments are checked as the Trainer's are
+            fit_arguments.apply(self, given)
         for saver in self._savers:  # held since Trainer(...); a later fit() claims the folder again
             saver.claim()
         self._fitting = True
