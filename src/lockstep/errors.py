@@ -1,8 +1,8 @@
 """Configuration errors: one line for the job, no traceback.
 
 A mistake in what a script asks of lockstep (a wrong argument, a bad config, a missing optional
-package) is raised while the Trainer is built or ``fit``'s arguments are applied, by lockstep's own checks, with a message that says
-what to change. Such an error keeps its type (a ``ValueError`` stays one, as Composer's tests and
+package) is raised while the Trainer is built or ``fit``'s arguments are applied, by lockstep's
+own checks, with a message that says what to change. Such an error keeps its type (a ``ValueError`` stays one, as Composer's tests and
 users' ``except`` clauses expect) and is marked as a configuration error; where it ends the
 process, it is printed as one line, ``lockstep: error: <message>``, instead of a traceback:
 
