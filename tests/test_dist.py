@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import math
 import random
-import socket
 import string
 import threading
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as torch_dist
 
 from lockstep import dist
+from tests.helpers import free_port
 
 _CONTRACT = (
     "RANK",
@@ -300,15 +300,9 @@ def test_initialize_dist_argument_errors() -> None:
         dist.initialize_dist("cpu", timeout=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.timeout(60)
 def test_initialize_dist_single_rank_with_master_addr(clean_env: pytest.MonkeyPatch) -> None:
-    _set_env(clean_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
+    _set_env(clean_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     dist.initialize_dist("cpu", timeout=30)
     assert dist.is_initialized()
     assert torch_dist.get_backend() == "gloo"

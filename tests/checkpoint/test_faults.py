@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import assert_bitwise
 from tests.launcher.conftest import launch
 
 JOB = Path(__file__).with_name("train_job.py")
@@ -29,12 +30,6 @@ def job(tmp: Path, name: str, *extra: str, restarts: int = 0, timeout: float = 1
 
 def final(tmp: Path, name: str) -> dict[str, torch.Tensor]:
     return torch.load(tmp / f"{name}.pt", weights_only=True)
-
-
-def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
 
 
 @pytest.fixture(scope="module")

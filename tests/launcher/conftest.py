@@ -52,3 +52,11 @@ def write_script(tmp_path: Path):
         path.write_text(body)
         return path
     return write
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    """A script that prints a line, for the tests that parse a command line around it."""
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)

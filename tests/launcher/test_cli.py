@@ -14,13 +14,6 @@ from lockstep.launcher.cli import main, parse_plan
 from lockstep.launcher.plan import LaunchError, Mode, Stream
 
 
-@pytest.fixture
-def script(tmp_path: Path) -> str:
-    path = tmp_path / "train.py"
-    path.write_text("print('hi')\n")
-    return str(path)
-
-
 def test_defaults_single_node(script: str) -> None:
     plan = parse_plan(["-n", "2", script, "--lr", "3"], env={})
     assert (plan.nproc, plan.world_size, plan.base_rank, plan.node_rank) == (2, 2, 0, 0)

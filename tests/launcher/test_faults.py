@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from tests.launcher.conftest import launch, wait_for_files, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,12 +45,6 @@ def test_launcher_killed_between_popen_and_the_rest_leaves_no_rank(tmp_path: Pat
     assert wait_gone(pids, timeout=10) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _second_node(port: int, tmp_path: Path, write_script) -> subprocess.CompletedProcess[str]:
     script = write_script("ran.py", "open('ran', 'w').write('yes')\n")
     start = time.monotonic()
@@ -67,7 +62,7 @@ def test_waiting_launchers_say_every_few_seconds_whom_they_wait_for_and_where(tm
     each say what they wait for while they wait, not only when they give up."""
     script = write_script("ran.py", "open('ran', 'w').write('yes')\n")
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master_addr", "127.0.0.1", "--rdzv_timeout", "7"]
-    master_port, wrong_port = _free_port(), _free_port()
+    master_port, wrong_port = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     jobs = [subprocess.Popen([sys.executable, "-m", "lockstep", *common, "--node_rank", rank, "--master_port", port,
                               str(script)], cwd=tmp_path, env=env, text=True, stderr=subprocess.PIPE)
@@ -82,7 +77,7 @@ def test_waiting_launchers_say_every_few_seconds_whom_they_wait_for_and_where(tm
 
 
 def test_rendezvous_timeout_when_no_master_listens(tmp_path: Path, write_script) -> None:
-    result = _second_node(_free_port(), tmp_path, write_script)
+    result = _second_node(free_port(), tmp_path, write_script)
     assert "no rendezvous store at" in result.stderr and "nothing accepts connections" in result.stderr
     assert "--rdzv_timeout" in result.stderr
 
@@ -158,7 +153,7 @@ def test_a_malformed_endpoint_from_the_environment_is_one_line_exit_2(tmp_path: 
 
 def test_a_tcp_scheme_before_the_endpoint_is_dropped(tmp_path: Path, write_script) -> None:
     """``tcp://H:P`` (as in init_method) names host H and port P, not a host 'tcp://H:P' on port 29400."""
-    port = _free_port()
+    port = free_port()
     script = write_script("ran.py", "open('ran', 'w').write('yes')\n")
     result = launch(["--nnodes", "2", "--node-rank", "1", "-n", "1", "--rdzv-endpoint", f"tcp://127.0.0.1:{port}",
                      "--rdzv_timeout", "2", str(script)], cwd=tmp_path, timeout=60)
@@ -182,7 +177,7 @@ def test_a_node_started_before_the_master_waits_for_its_store(tmp_path: Path, wr
         dist.all_reduce(t)
         print(f"sum {t.item():g}")
     """))
-    port = str(_free_port())
+    port = str(free_port())
     common = ["-n", "1", "--world_size", "2", "--master_addr", "127.0.0.1", "--master_port", port,
               "--rdzv_timeout", "60", "-v"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -26,7 +26,7 @@ from lockstep.launcher.store import StoreClient, Stopped, StoreLost, tcp_store
 from lockstep.launcher.output import RankLogs
 from lockstep.launcher.ranks import Rank, Waiter
 from tests.checkpoint.test_faults import JOB as TRAIN_JOB
-from tests.checkpoint.test_faults import assert_bitwise
+from tests.helpers import assert_bitwise
 from tests.launcher import netns
 from tests.launcher.netns import Hosts, make_hosts
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from tests.launcher.conftest import launch, wait_for_files, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -299,15 +300,9 @@ def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(tmp_path: Path
     assert wait_gone([int((tmp_path / "pid0").read_text())], timeout=5) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_launchers_form_one_world_of_four(tmp_path: Path, write_script) -> None:
     script = write_script("allreduce.py", ALL_REDUCE)
-    port = str(_free_port())
+    port = str(free_port())
     common = ["-n", "2", "--world_size", "4", "--master_addr", "127.0.0.1", "--master_port", port]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(

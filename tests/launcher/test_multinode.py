@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from lockstep.launcher.job import EXITED, LOST, SIGNALLED, STOPPED, WAITING, Fai
 from lockstep.launcher.output import ConsolePump
 from lockstep.launcher.plan import Stream
 from lockstep.launcher.stall import STALL_EXIT_CODE
+from tests.helpers import free_port
 from tests.launcher.test_stacks_and_stalls import _sections as _stacks
 
 pytestmark = pytest.mark.timeout(150)
@@ -64,12 +64,6 @@ _STALLING = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _nodes(tmp_path: Path, extra: list[str], env: dict[str, str],
            per_node: tuple[list[str], list[str]] = ([], []), job: str = _JOB,
            node1_first: bool = False) -> list[subprocess.Popen[str]]:
@@ -77,7 +71,7 @@ def _nodes(tmp_path: Path, extra: list[str], env: dict[str, str],
     (node 1 runs with -v, which says so; the lines read meanwhile are not in its stderr)."""
     script = tmp_path / "job.py"
     script.write_text(job)
-    port = str(_free_port())
+    port = str(free_port())
     common = ["-n", "2", "--world_size", "4", "--master_addr", "127.0.0.1", "--master_port", port,
               "--rdzv_timeout", "60", "--stdout", str(tmp_path / "out{rank}"), *extra]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
@@ -270,7 +264,7 @@ def test_a_signal_while_a_launcher_waits_for_the_store_is_the_cause_the_others_r
 
     script = tmp_path / "job.py"
     script.write_text("import time\ntime.sleep(60)\n")
-    port = _free_port()
+    port = free_port()
 
     def start(node: int) -> subprocess.Popen[str]:
         return subprocess.Popen(

@@ -21,13 +21,6 @@ from lockstep.launcher.plan import LaunchError
 from lockstep.launcher.slurm import PORT_BASE, PORT_SPAN, expand_hostlist
 
 
-@pytest.fixture
-def script(tmp_path: Path) -> str:
-    path = tmp_path / "train.py"
-    path.write_text("print('hi')\n")
-    return str(path)
-
-
 @pytest.mark.parametrize(("text", "hosts"), [
     ("node01", ["node01"]),
     ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),

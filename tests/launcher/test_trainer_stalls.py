@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from lockstep.launcher.stall import STALL_EXIT_CODE
+from tests.helpers import free_port
 from tests.launcher.conftest import launch
-from tests.launcher.test_multinode import _free_port
 
 pytestmark = pytest.mark.timeout(150)
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ JOB = Path(__file__).with_name("trainer_stall_job.py")
 
 def _two_nodes(tmp_path: Path, env: dict[str, str], per_node: int) -> list[tuple[int, str, str]]:
     """Two launchers on loopback, both watching for stalls; (code, out, err) of each."""
-    port = str(_free_port())
+    port = str(free_port())
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env}
     nodes = [subprocess.Popen([sys.executable, "-m", "lockstep", "-n", str(per_node), "--world_size", str(2 * per_node),
                                "--node_rank",

@@ -20,16 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seaweed import dying_with_parent
+from tests.helpers import free_port
 
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 """Azurite's one account and its published key (Microsoft's documentation gives both)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_gcs_binary() -> str | None:

@@ -15,6 +15,7 @@ import torch
 from lockstep import Callback, Trainer
 from lockstep.checkpoint.remote import RemoteFolder, Uploader
 from lockstep.objectstore import S3ObjectStore
+from tests.helpers import trainer_params
 from tests.trainer.common import MLP, error_of, loader
 
 pytestmark = pytest.mark.timeout(90)
@@ -25,10 +26,6 @@ def _trainer(**kwargs) -> Trainer:
     model = MLP()
     return Trainer(model=model, train_dataloader=loader(4), optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
                    device="cpu", progress_bar=False, seed=3, **kwargs)
-
-
-def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items()}
 
 
 def _objects(bucket: str) -> dict[str, bytes]:
@@ -49,7 +46,7 @@ def test_saves_go_to_the_bucket_with_pointer_and_rotation(bucket: str, tmp_path:
     assert not Path("s3:").exists()
     local = tmp_path / ".lockstep" / "s3" / bucket / "runs" / "r1"
     assert (local / "ep0-ba6-rank0.pt").read_bytes() == objects["runs/r1/ep0-ba6-rank0.pt"]
-    expected = _params(trainer)
+    expected = trainer_params(trainer)
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

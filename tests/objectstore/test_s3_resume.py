@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,27 +30,16 @@ import torch
 from lockstep.checkpoint import files, integrity
 from lockstep.objectstore import S3ObjectStore
 from tests.checkpoint.test_faults import descendants
+from tests.helpers import assert_bitwise, free_port
 from tests.launcher.conftest import launch, wait_gone
 
 JOB = Path(__file__).resolve().parents[1] / "checkpoint" / "train_job.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job(cwd: Path, folder: str, out: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
     return launch(["-n", "2", str(JOB), "--folder", folder, "--out", str(out), *BATCHES, *extra],
                   cwd=cwd, timeout=timeout)
-
-
-def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
 
 
 def _wait_for_pointer(store: S3ObjectStore, key: str, procs: list[subprocess.Popen]) -> str:

@@ -20,6 +20,7 @@ import torch
 
 from lockstep import Callback, Trainer
 from lockstep.objectstore import S3ObjectStore
+from tests.helpers import assert_bitwise, trainer_params
 from tests.trainer.common import MLP, loader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,14 +75,6 @@ def _trainer(batches: int, folder: str | None, *callbacks: Callback) -> Trainer:
                    callbacks=list(callbacks))
 
 
-def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items()}
-
-
-def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_a_paused_server_delays_the_uploads_and_loses_nothing(own_server, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -97,7 +90,7 @@ def test_a_paused_server_delays_the_uploads_and_loses_nothing(own_server, tmp_pa
     trainer = _trainer(8, f"s3://{bucket}/run", At(3, pause))
     trainer.fit()
     trainer.close()
-    _assert_bitwise(_params(trainer), _params(reference))
+    assert_bitwise(trainer_params(trainer), trainer_params(reference))
     store = S3ObjectStore(bucket)
     assert sorted(store.list_objects("run/")) == ["run/ep0-ba6-rank0.pt", "run/ep1-ba8-rank0.pt",
                                                   "run/latest-rank0.pt.symlink"]
@@ -143,7 +136,7 @@ def test_a_killed_server_fails_the_job_in_one_line_and_once_back_the_run_resumes
     assert resumed.state.timestamp.batch.value == pointed
     resumed.fit()
     resumed.close()
-    _assert_bitwise(_params(resumed), _params(reference))
+    assert_bitwise(trainer_params(resumed), trainer_params(reference))
     assert store.read_bytes("run/latest-rank0.pt.symlink") == b"run/ep1-ba12-rank0.pt"
 
 

@@ -18,6 +18,7 @@ from lockstep.objectstore import BucketStore, store_for_uri
 from lockstep.objectstore.lease import LAPSE_S, Lease
 from lockstep.objectstore.probe import problem
 from lockstep.objectstore.writer import StoreWriter
+from tests.helpers import trainer_params
 from tests.trainer.common import MLP, loader
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,10 +151,6 @@ def _trainer(**kwargs) -> Trainer:
                    device="cpu", progress_bar=False, seed=3, **kwargs)
 
 
-def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items()}
-
-
 def test_a_trainer_saves_rotates_and_autoresumes_on_a_fresh_disk(remote, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -179,8 +176,8 @@ def test_a_trainer_saves_rotates_and_autoresumes_on_a_fresh_disk(remote, tmp_pat
     assert resumed.state.timestamp.batch.value == 4
     resumed.fit()
     resumed.close()
-    for k, v in _params(reference).items():
-        assert torch.equal(v, _params(resumed)[k]), k
+    for k, v in trainer_params(reference).items():
+        assert torch.equal(v, trainer_params(resumed)[k]), k
     assert sorted(store.list_objects("runs/r/")) == ["runs/r/ep1-ba7-rank0.pt", "runs/r/ep1-ba8-rank0.pt",
                                                      "runs/r/latest-rank0.pt.symlink"]
     loaded = _trainer(max_duration="8ba", load_path=remote.uri("runs/r/ep1-ba8-rank0.pt"))
