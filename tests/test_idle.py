@@ -30,12 +30,12 @@ def test_a_background_thread_is_made_idle_only_and_training_is_left_as_it_was() 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is Linux's")
 def test_the_checkpoint_writer_and_logger_threads_yield_to_training(tmp_path) -> None:
     from lockstep.checkpoint.config import CheckpointConfig
-    from lockstep.checkpoint.saver import CheckpointSaver
+    from lockstep.checkpoint.writer import CheckpointWriter
     from lockstep.checkpoint.states import SHARDED, SINGLE
     from lockstep.loggers.background import BackgroundWriter
 
     def writer_policy(layout: str) -> tuple[int, int]:
-        saver = CheckpointSaver(CheckpointConfig(save_folder=str(tmp_path / layout)), run_name="r",
+        saver = CheckpointWriter(CheckpointConfig(save_folder=str(tmp_path / layout)), run_name="r",
                                 max_duration=None, layout=layout)
         saver._hand_over(False, lambda: None)  # starts the lasting writer thread
         policy = saver._pool.submit(lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)))
@@ -54,10 +54,10 @@ def test_the_checkpoint_writer_and_logger_threads_yield_to_training(tmp_path) ->
 
 def test_a_checkpoint_write_shortens_the_interpreter_lock_turns_until_it_ends(tmp_path) -> None:
     from lockstep.checkpoint.config import CheckpointConfig
-    from lockstep.checkpoint.saver import CheckpointSaver
+    from lockstep.checkpoint.writer import CheckpointWriter
 
     before = sys.getswitchinterval()
-    saver = CheckpointSaver(CheckpointConfig(save_folder=str(tmp_path)), run_name="r", max_duration=None)
+    saver = CheckpointWriter(CheckpointConfig(save_folder=str(tmp_path)), run_name="r", max_duration=None)
     seen: list[float] = []
 
     def write() -> None:

@@ -187,7 +187,7 @@ def test_metrics_jsonl_lines_are_what_json_dumps_writes(tmp_path: Path) -> None:
     """The per-batch line is put together by hand, for speed: it must be json.dumps's, byte for
     byte, for any run name and for the floats JSON has no numbers for; losses that are not 0-d
     float32 tensors (bf16, a graph attached, one element of shape [1]) are read too."""
-    from lockstep.callbacks.loggers import MetricsJSONL
+    from lockstep.callbacks.run_files import MetricsJSONL
     from lockstep.time import TIMESTAMP_FIELDS, Timestamp
 
     sink = MetricsJSONL(tmp_path)
@@ -212,7 +212,7 @@ def test_metrics_jsonl_lines_are_what_json_dumps_writes(tmp_path: Path) -> None:
 def test_rank_log_stamps_each_line_with_its_own_second(tmp_path: Path) -> None:
     import time
 
-    from lockstep.callbacks.loggers import RankLog
+    from lockstep.callbacks.run_files import RankLog
 
     sink = RankLog(tmp_path / "log.txt")
     sink._file = open(tmp_path / "log.txt", "w")

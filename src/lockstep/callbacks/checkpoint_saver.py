@@ -85,7 +85,7 @@ class CheckpointSaver(Callback):
                 "save_weights_only": self.weights_only, "save_ignore_keys": self.ignore_keys}
 
     def bind(self, saver: Any) -> None:
-        """Follow ``saver``'s record (a ``lockstep.checkpoint.saver.CheckpointSaver``): the
+        """Follow ``saver``'s record (a ``lockstep.checkpoint.writer.CheckpointWriter``): the
         Trainer's saver that writes this callback's checkpoints."""
         self._saver = saver
 

@@ -34,7 +34,7 @@ from lockstep.objectstore import ObjectStore, parse_uri, store_for_uri
 if TYPE_CHECKING:
     import torch
 
-    from lockstep.checkpoint.saver import CheckpointSaver
+    from lockstep.checkpoint.writer import CheckpointWriter
 
 
 def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, run_name: str,
@@ -68,7 +68,7 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
     return os.path.join(local_root, key_template)
 
 
-def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bool:
+def autoresume(saver: CheckpointWriter, *, layout_name: str, run_name: str) -> bool:
     """Before autoresume reads the local staging folder (a collective): unless the local files
     serve every rank, download the checkpoint the bucket's pointer names, and point the local
     pointer at it, or when the bucket's pointer names a newer checkpoint than the local pointer
@@ -116,7 +116,7 @@ def autoresume(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> bo
     return any(_agreement.gather_small_objects(downloaded)) or not any(seen)
 
 
-def _bucket_ahead(saver: CheckpointSaver, run_name: str, *, per_rank: bool) -> bool:
+def _bucket_ahead(saver: CheckpointWriter, run_name: str, *, per_rank: bool) -> bool:
     """Whether the bucket's latest pointer names a newer checkpoint than the local one does (a
     collective; rank 0's pointers, or under per-rank files each rank's own), by the time fields of
     their names: a disk that holds an older copy of the run (the job ran on other machines since)
@@ -146,7 +146,7 @@ def _later(a: dict[str, int] | None, b: dict[str, int] | None) -> bool:
     return False
 
 
-def redownload(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> tuple[str, list[str]] | None:
+def redownload(saver: CheckpointWriter, *, layout_name: str, run_name: str) -> tuple[str, list[str]] | None:
     """After the local copy of the newest checkpoint failed to load as damaged (every rank agreed,
     before any rank loaded anything), a collective: set that copy aside with the ``.damaged``
     suffix, on each staging folder that holds it, then download the checkpoint the bucket's
@@ -182,7 +182,7 @@ def redownload(saver: CheckpointSaver, *, layout_name: str, run_name: str) -> tu
     return uri, every_aside
 
 
-def _set_aside_damaged(saver: CheckpointSaver, paths: list[str]) -> list[str]:
+def _set_aside_damaged(saver: CheckpointWriter, paths: list[str]) -> list[str]:
     """Rename each of ``paths`` (this rank's share of the damaged copies) with the ``.damaged``
     suffix, a collective that raises on every rank if any rank could not; the new names."""
     assert saver.remote is not None
@@ -197,7 +197,7 @@ def _set_aside_damaged(saver: CheckpointSaver, paths: list[str]) -> list[str]:
     return aside
 
 
-def _download_again(saver: CheckpointSaver, key: str, layout_name: str, pointers: list[str]) -> str:
+def _download_again(saver: CheckpointWriter, key: str, layout_name: str, pointers: list[str]) -> str:
     """Download the checkpoint ``key`` (a collective: a folder's parts by the ranks that read them,
     a single file by the ranks given ``pointers``, the first of each staging folder), then point
     ``pointers`` at it; its URI."""
@@ -220,7 +220,7 @@ def _download_again(saver: CheckpointSaver, key: str, layout_name: str, pointers
     return folder.store.get_uri(key)
 
 
-def _agreed_targets(saver: CheckpointSaver, *, per_rank: bool) -> list[str | None]:
+def _agreed_targets(saver: CheckpointWriter, *, per_rank: bool) -> list[str | None]:
     """Every rank's reading of the bucket's latest pointer (a collective): each rank reads its own
     under per-rank files, else rank 0 alone (the others' entries are None). A failed read raises
     on every rank."""
@@ -246,7 +246,7 @@ def _absolute(path: Path | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
-def _pointer_target(saver: CheckpointSaver) -> str | None:
+def _pointer_target(saver: CheckpointWriter) -> str | None:
     """The key the bucket's latest pointer names; None when there is no pointer (nothing saved yet)."""
     folder, pointer = saver.remote, saver.latest
     assert folder is not None and pointer is not None
@@ -261,7 +261,7 @@ def _pointer_target(saver: CheckpointSaver) -> str | None:
     return target
 
 
-def _from_pointer(saver: CheckpointSaver) -> bool:
+def _from_pointer(saver: CheckpointWriter) -> bool:
     """A single-file checkpoint: download the one the bucket's pointer names, and point the local
     pointer at it; False when the bucket has no pointer (nothing saved there yet)."""
     folder, pointer = saver.remote, saver.latest
@@ -289,7 +289,7 @@ def _holds_reads(pointer: Path) -> bool:
         return False
 
 
-def _folder_from_pointer(saver: CheckpointSaver) -> bool:
+def _folder_from_pointer(saver: CheckpointWriter) -> bool:
     """Every rank: download the parts it reads of the folder checkpoint the bucket's pointer names
     (a collective); then one rank of each staging folder points the local pointer at it. Nothing
     when the bucket has no pointer yet; then False."""
@@ -412,7 +412,7 @@ def _names_under(store: ObjectStore, key: str) -> list[str]:
     return [full[len(base):] if full.startswith(base) else os.path.basename(full) for full in found]
 
 
-def _per_rank_files(saver: CheckpointSaver, run_name: str) -> bool:
+def _per_rank_files(saver: CheckpointWriter, run_name: str) -> bool:
     """FSDP ``local`` checkpoints: each rank downloads its own file of the newest step that any
     rank's pointer names (False, on every rank, when the bucket has no pointer). Each rank moves
     its own pointer, so a job killed between two ranks' moves leaves pointers one step apart; both

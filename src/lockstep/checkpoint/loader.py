@@ -291,7 +291,7 @@ def _apply_agreed(opened: _Opened, state: State, layout: Layout, *, weights_only
 def _step_back(mine: _Local, low: int, state: State, layout: Layout, *, run_name: str) -> _Opened:
     """Autoresume of per-rank files after a crash between two ranks' publishes: the ranks whose
     latest pointer is one save ahead open their previous checkpoint (kept until every rank had
-    published: see CheckpointSaver._prune), so that all resume from the step every rank has. Once
+    published: see CheckpointWriter._prune), so that all resume from the step every rank has. Once
     all agree, those ranks point their latest pointer back and delete the newer file, which no
     other rank's files match."""
     ahead = mine.opened

@@ -1,5 +1,5 @@
 """Composer's ``composer.checkpoint.save`` metadata file: what a run ran on, as JSON beside a
-checkpoint. (The Trainer's own checkpoints are written by :mod:`lockstep.checkpoint.saver`.)"""
+checkpoint. (The Trainer's own checkpoints are written by :mod:`lockstep.checkpoint.writer`.)"""
 
 from __future__ import annotations
 

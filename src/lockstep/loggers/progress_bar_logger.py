@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import IO, Any
 
-from lockstep.callbacks.loggers import ProgressBar
+from lockstep.callbacks.run_files import ProgressBar
 from lockstep.loggers.logger import format_log_data_value
 from lockstep.loggers.logger_destination import LoggerDestination
 
@@ -12,7 +12,7 @@ __all__ = ["ProgressBarLogger"]
 
 
 class ProgressBarLogger(ProgressBar, LoggerDestination):
-    """lockstep's progress bar (:class:`~lockstep.callbacks.loggers.ProgressBar`: one bar over the
+    """lockstep's progress bar (:class:`~lockstep.callbacks.run_files.ProgressBar`: one bar over the
     whole run, with the loss, samples/s and ETA, on rank 0) on ``stream``. Passed in
     ``Trainer(loggers=[...])``, it takes the place of the bar that ``progress_bar=True`` draws.
     ``log_traces``: also print what ``logger.log_traces`` receives, above the bar."""

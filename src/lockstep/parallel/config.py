@@ -23,7 +23,7 @@ class ParallelConfig:
     find_unused_parameters: bool = False
     """DDP's own flag, for models whose forward leaves some parameters unused."""
     fsdp_config: FSDPConfig | Mapping[str, Any] | None = None
-    """Shard the model with FSDP (see :mod:`lockstep.parallel.fsdp`)."""
+    """Shard the model with FSDP (see :mod:`lockstep.parallel.fsdp_sharding`)."""
     deepspeed_config: Mapping[str, Any] | None = None
     """Train through a DeepSpeed engine (see :mod:`lockstep.parallel.deepspeed`)."""
     compile_config: Mapping[str, Any] | None = None
@@ -46,7 +46,7 @@ def build_strategy(config: ParallelConfig, *, device: torch.device, precision: s
     """The backend object for ``config``; checks a DeepSpeed config against the Trainer's settings
     and imports DeepSpeed, before any process group exists."""
     if config.fsdp_config is not None:
-        from lockstep.parallel.fsdp_strategy import FSDPStrategy
+        from lockstep.parallel.fsdp import FSDPStrategy
         return FSDPStrategy(device, precision, config.fsdp_config)  # type: ignore[arg-type]
     if config.deepspeed_config is not None:
         from lockstep import dist

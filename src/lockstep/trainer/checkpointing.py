@@ -17,7 +17,7 @@ from lockstep.checkpoint.files import DAMAGED, CheckpointError, DamagedCheckpoin
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
 from lockstep.callbacks.load_checkpoint import LoadCheckpoint
-from lockstep.checkpoint.saver import CheckpointSaver
+from lockstep.checkpoint.writer import CheckpointWriter
 from lockstep.checkpoint.layout import LOCAL, SINGLE, Layout
 from lockstep.core.event import Event
 from lockstep.objectstore.uri import is_uri
@@ -90,7 +90,7 @@ def entry_of_callbacks(callbacks: Sequence[Any]) -> dict[str, Any] | None:
 
 
 def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | None, layout: Layout,
-               device: torch.device) -> CheckpointSaver | None:
+               device: torch.device) -> CheckpointWriter | None:
     if config.save_folder is None:
         return None
     if config.save_weights_only and layout.name != SINGLE:
@@ -104,7 +104,7 @@ def make_saver(config: CheckpointConfig, *, run_name: str, max_duration: Time | 
     if config.save_ignore_keys is not None:  # what they leave out, before any checkpoint is written
         ignore.check_save_globs(config.save_ignore_keys, layout.model.state_dict().keys(),
                                 weights_only=config.save_weights_only)
-    saver = CheckpointSaver(config, run_name=run_name, max_duration=max_duration, layout=layout.name, device=device)
+    saver = CheckpointWriter(config, run_name=run_name, max_duration=max_duration, layout=layout.name, device=device)
     saver.check_folder()
     return saver
 
@@ -113,7 +113,7 @@ class FitSaves:
     """The saves ``fit`` makes: when ``save_interval`` asks, at the end, and after SIGTERM. Each
     holds this rank's RNG state and data position (``position``, which the data loop keeps)."""
 
-    def __init__(self, saver: CheckpointSaver, state: State, layout: Layout, position: DataPosition,
+    def __init__(self, saver: CheckpointWriter, state: State, layout: Layout, position: DataPosition,
                  saved: list[str]) -> None:
         self.saver, self.state, self.layout, self.position, self.saved = saver, state, layout, position, saved
 
@@ -146,7 +146,7 @@ class FitSaves:
         self.saver.wait()
 
 
-def save_to_folder(saves: FitSaves | None, saver: CheckpointSaver | None, *, fitting: bool) -> None:
+def save_to_folder(saves: FitSaves | None, saver: CheckpointWriter | None, *, fitting: bool) -> None:
     """``Trainer.save_checkpoint_to_save_folder``: a checkpoint of the state now, into the run's
     ``save_folder`` as its saves during ``fit`` go (a collective), durable when this returns;
     nothing new when the run saved this batch already."""
@@ -184,7 +184,7 @@ def save_named(name: str, state: State, layout: Layout, position: DataPosition, 
     return None if path is None else str(path)
 
 
-def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver | None,
+def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointWriter | None,
                   train_dataloader: Any, *, run_name_given: bool) -> dict[str, Any] | None:
     """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh, and tell
     the saver what the run continues from; returns this rank's RNG and data entry for ``fit`` to
@@ -210,7 +210,7 @@ def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver:
     return loaded.rank_entry or {}
 
 
-def _load(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver | None,
+def _load(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointWriter | None,
           *, run_name_given: bool) -> loader.Loaded | None:
     loaded = None
     if config.autoresume:
@@ -231,7 +231,7 @@ def _load(config: CheckpointConfig, state: State, layout: Layout, saver: Checkpo
 
 
 def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
-                saver: CheckpointSaver) -> loader.Loaded | None:
+                saver: CheckpointWriter) -> loader.Loaded | None:
     """Load the newest checkpoint the latest pointer names. If its bytes are damaged (a restart
     would fail on it every time), fall back to the newest one that loads, with a warning naming
     what was wrong, and set the damaged one aside. The loader finds damage before any rank loads
@@ -271,7 +271,7 @@ def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
         raise
 
 
-def _from_bucket_copy(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointSaver,
+def _from_bucket_copy(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointWriter,
                       newest: DamagedCheckpoint) -> loader.Loaded | None:
     """A bucket save_folder whose local copy of the newest checkpoint is damaged: set that copy
     aside, download the bucket's copy of the checkpoint its pointer names, and load it (a
@@ -307,7 +307,7 @@ def _from_bucket_copy(config: CheckpointConfig, state: State, layout: Layout, sa
     return loaded
 
 
-def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
+def _set_aside(saver: CheckpointWriter, resumed: Path) -> str:
     """Rank 0 (each rank, for per-rank files), once every rank has loaded ``resumed``: rename the
     damaged checkpoint the latest pointer names with a ``.damaged`` suffix (kept to look at, and out
     of the way of the run's next save of that step) and point the pointer at ``resumed``. What it
@@ -327,7 +327,7 @@ def _set_aside(saver: CheckpointSaver, resumed: Path) -> str:
     return done
 
 
-def _older_checkpoints(saver: CheckpointSaver, *, per_rank: bool) -> list[Path]:
+def _older_checkpoints(saver: CheckpointWriter, *, per_rank: bool) -> list[Path]:
     """The run's checkpoints, newest first, the same steps on every rank (the loads that try them
     are collectives), but for those set aside. One file serves every rank: rank 0's list, without
     the one its latest pointer names. Per-rank files: each rank's own file of each step that every
@@ -350,7 +350,7 @@ def _older_checkpoints(saver: CheckpointSaver, *, per_rank: bool) -> list[Path]:
     return [mine[key] for key in every[0] if key in common]
 
 
-def _listed(saver: CheckpointSaver, *, but_newest: bool) -> list[Path]:
+def _listed(saver: CheckpointWriter, *, but_newest: bool) -> list[Path]:
     """This rank's checkpoints of the run in its folder (``save_filename`` may name subfolders),
     newest first, but for those set aside and, ``but_newest``, the one its latest pointer names."""
     pointer = saver.latest

@@ -11,7 +11,7 @@ from typing import Any
 from lockstep.core.algorithm import Algorithm
 from lockstep.core.callback import Callback
 from lockstep.core.event import Event
-from lockstep.callbacks.loggers import Buffered
+from lockstep.callbacks.run_files import Buffered
 from lockstep.loggers.logger import Logger
 from lockstep.state import State
 

@@ -159,7 +159,7 @@ def resolve_run_name(run_name: str | None) -> str:
 def default_callbacks(run_folder: Path | None, progress_bar: bool, destinations: Sequence[Any] = ()) -> list[Callback]:
     """The progress bar (unless a ProgressBarLogger is among ``destinations``, as in Composer) and,
     with a run folder, the per-rank log, metrics.jsonl and the loss curve."""
-    from lockstep.callbacks.loggers import LossCurve, MetricsJSONL, ProgressBar, RankLog
+    from lockstep.callbacks.run_files import LossCurve, MetricsJSONL, ProgressBar, RankLog
 
     bar_given = any(isinstance(d, ProgressBar) for d in destinations)  # ProgressBarLogger is one
     callbacks: list[Callback] = [ProgressBar()] if progress_bar and not bar_given else []

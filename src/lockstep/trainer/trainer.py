@@ -51,7 +51,7 @@ class Trainer:
     ``autoresume`` (with ``run_name``) continues from the newest checkpoint of the run. While
     saving is on, SIGTERM makes every rank stop at the same step, save, and exit with 143.
 
-    ``fsdp_config`` shards the model with FSDP instead of DDP (see :mod:`lockstep.parallel.fsdp`);
+    ``fsdp_config`` shards the model with FSDP instead of DDP (see :mod:`lockstep.parallel.fsdp_sharding`);
     the optimizers given are pointed at the sharded parameters. ``deepspeed_config`` trains with a
     DeepSpeed engine (ZeRO stages 0-3) around the model and its one optimizer instead (see
     :mod:`lockstep.parallel.deepspeed`); batch sizes and precision in it are filled in from the Trainer.

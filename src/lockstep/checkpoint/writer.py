@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 def _check_config(config: CheckpointConfig, layout: str, max_duration: Time | None) -> None:
     """Settings the saver cannot work with, refused before anything is written."""
     if config.save_folder is None:
-        raise ValueError("CheckpointSaver needs config.save_folder")
+        raise ValueError("CheckpointWriter needs config.save_folder")
     if layout == LOCAL:
         for name in ("save_filename", "save_latest_filename"):
             value = getattr(config, name)
@@ -46,7 +46,7 @@ def _check_config(config: CheckpointConfig, layout: str, max_duration: Time | No
                          f"max_duration is needed")
 
 
-class CheckpointSaver:
+class CheckpointWriter:
     """Writes the Trainer's checkpoints. Rank 0 writes one file that holds every rank's RNG state
     and data position; all ranks take part in gathering those. Under FSDP's ``local`` layout each
     rank writes its own file (and pointer); under ``sharded`` the ranks write one DCP folder, and
