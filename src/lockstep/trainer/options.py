@@ -4,6 +4,8 @@ profiler, and loss weighting by tokens."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,17 +82,26 @@ def _is_pair(item: Any) -> bool:
     return isinstance(item, (tuple, list)) and len(item) == 2 and callable(item[0]) and isinstance(item[1], int)
 
 
-def from_arguments(arguments: dict[str, Any]) -> RunOptions:
-    """The run options among the Trainer's ``arguments``, checked; a one-line error for those that
-    lockstep cannot honour; deterministic kernels switched on when asked (before any kernel runs)."""
-    check_unsupported(**{name: arguments[name] for name in _UNSUPPORTED})
-    run = RunOptions(**{name: arguments[name] for name in RunOptions.__dataclass_fields__})
+def start(run: RunOptions) -> None:
+    """What the options do before anything else runs: deterministic kernels when asked."""
     if run.deterministic_mode:
         configure_deterministic_mode()
-    return run
 
 
-_UNSUPPORTED = ("precision_config", "profiler", "device_train_microbatch_size")
+def keeps_arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """Decorate the Trainer's ``__init__``: ``self.local_hparams`` (Composer's name) holds the
+    arguments it was given, every default filled in, as loggable values (``auto_log_hparams``
+    logs them). Only hyperparameter logging reads them: every argument reaches its config by name."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def keeping(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        self.local_hparams = hyperparameters_of({k: v for k, v in bound.arguments.items() if k != "self"})
+        init(self, *args, **kwargs)
+
+    return keeping
 
 
 def check_unsupported(*, precision_config: dict[str, Any] | None, profiler: Any,

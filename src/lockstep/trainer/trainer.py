@@ -25,13 +25,13 @@ from lockstep.loggers.logger import Logger
 from lockstep.loggers.logger_destination import LoggerDestination
 from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
-from lockstep.parallel.config import build_strategy
+from lockstep.algorithms.gradient_clipping import for_deepspeed
+from lockstep.parallel.config import ParallelConfig, build_strategy
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
-from lockstep.trainer import arguments as arguments_of
 from lockstep.trainer import (
     checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, setup, train_metrics)
-from lockstep.trainer.config import subset
+from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
 
@@ -155,6 +155,7 @@ class Trainer:
     """
 
     @errors.configuration_checks()
+    @options.keeps_arguments
     def __init__(
         self,
         *,
@@ -218,24 +219,57 @@ class Trainer:
         deterministic_mode: bool = False,
         profiler: Any = None,
     ) -> None:
-        callbacks, loggers, algorithms = setup.as_list(callbacks), setup.as_list(loggers), setup.as_list(algorithms)
-        optimizers = setup.default_optimizer(model) if optimizers is None else optimizers
-        run_name = setup.run_name_from_environment(run_name)
-        arguments = dict(locals())  # auto_log_hparams logs them
-        self.options = options.from_arguments(arguments)  # deterministic_mode acts here, before any kernel
+        self.options = options.RunOptions(
+            train_dataloader_label=train_dataloader_label, spin_dataloaders=spin_dataloaders,
+            algorithm_passes=algorithm_passes, log_traces=log_traces, auto_log_hparams=auto_log_hparams,
+            load_progress_bar=load_progress_bar, load_exclude_algorithms=load_exclude_algorithms,
+            accumulate_train_batch_on_tokens=accumulate_train_batch_on_tokens,
+            deterministic_mode=deterministic_mode, profiler=profiler)
+        options.check_unsupported(precision_config=precision_config, profiler=profiler,
+                                  device_train_microbatch_size=device_train_microbatch_size)
+        options.start(self.options)  # deterministic_mode acts here, before any kernel
         setup.set_python_log_level(python_log_level)
-        configs = arguments_of.sort(arguments)
-        callbacks = checkpointing.with_saver_callback(callbacks, configs.checkpoints)
-        self.loop, self.checkpoints, self.algorithms = configs.loop, configs.checkpoints, configs.algorithms
-        self.parallel = parallel = configs.parallel
+        callbacks, loggers = setup.as_list(callbacks), setup.as_list(loggers)
+        self.loop = LoopConfig(
+            max_duration=max_duration, eval_interval=eval_interval, device=device, precision=precision,
+            device_train_microbatch_size=device_train_microbatch_size, grad_accum=grad_accum, seed=seed,
+            scale_schedule_ratio=scale_schedule_ratio, train_subset_num_batches=train_subset_num_batches,
+            eval_subset_num_batches=eval_subset_num_batches)
+        saving = checkpointing.saving_arguments(callbacks, dict(
+            save_folder=save_folder, save_filename=save_filename, save_latest_filename=save_latest_filename,
+            save_interval=save_interval, save_num_checkpoints_to_keep=save_num_checkpoints_to_keep,
+            save_overwrite=save_overwrite, save_weights_only=save_weights_only, save_ignore_keys=save_ignore_keys))
+        self.checkpoints = CheckpointConfig(
+            **saving, save_metrics=save_metrics, load_path=load_path, load_object_store=load_object_store,
+            load_weights_only=load_weights_only, load_ignore_keys=load_ignore_keys,
+            load_strict_model_weights=load_strict_model_weights, autoresume=autoresume)
+        deepspeed_config, self.algorithms = for_deepspeed(deepspeed_config, setup.check_algorithms(algorithms))
+        self.parallel = ParallelConfig(
+            ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters,
+            fsdp_config=setup.fsdp_from_parallelism_config(parallelism_config, fsdp_config),
+            deepspeed_config=deepspeed_config, compile_config=compile_config)
+        callbacks = checkpointing.with_saver_callback(callbacks, self.checkpoints)
+        run_name = setup.run_name_from_environment(run_name)
+        self._assemble(model, setup.default_optimizer(model) if optimizers is None else optimizers,
+                       train_dataloader, eval_dataloader, schedulers, step_schedulers_every_batch, run_name,
+                       dist_timeout, callbacks)
+        console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
+        self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
+        self._begin(model, callbacks, compile_config, run_name_given=run_name is not None)
+
+    def _assemble(self, model: Model, optimizers: Any, train_dataloader: Any, eval_dataloader: Any, schedulers: Any,
+                  step_schedulers_every_batch: bool | None, run_name: str | None, dist_timeout: float,
+                  callbacks: list[Callback]) -> None:
+        """The backend, the process group, the state, the training data and the checkpoint savers."""
         self._train_spec = None if train_dataloader is None else ensure_data_spec(train_dataloader)
         train_dataloader = None if self._train_spec is None else self._train_spec.dataloader
         optimizer_list = setup.check_inputs(model, optimizers, train_dataloader, None)
         self.train_dataloader = data.shielded(train_dataloader)
         self._eval_dataloader = eval_dataloader  # made into evaluators once the device is known
         self.strategy = build_strategy(
-            parallel, device=self.loop.device, precision=self.loop.precision, train_dataloader=train_dataloader,  # type: ignore[arg-type]
-            microbatch_size=self.loop.fixed_microbatch_size, grad_accum=grad_accum, num_optimizers=len(optimizer_list))
+            self.parallel, device=self.loop.device, precision=self.loop.precision,  # type: ignore[arg-type]
+            train_dataloader=train_dataloader, microbatch_size=self.loop.fixed_microbatch_size,
+            grad_accum=self.loop.grad_accum, num_optimizers=len(optimizer_list))
         self.state = self._start_distributed(model, optimizer_list, schedulers, run_name, dist_timeout)
         train_metrics.build(self.state)
         self.algorithms = self.state.algorithms  # one list: what state.algorithms shows is what runs
@@ -250,8 +284,9 @@ class Trainer:
         self._checkpoint_saver = next((c for c in callbacks if isinstance(c, CheckpointSaverCallback)), None)
         """Composer's name for the ``CheckpointSaver`` callback that stands for ``save_folder``."""
         self._follow_loader(self._train_spec)
-        console = ConsoleLogger(console_log_interval, console_stream) if log_to_console else None
-        self._set_up_outputs(run_folder, loggers, callbacks, progress_bar, console)
+
+    def _begin(self, model: Model, callbacks: list[Callback], compile_config: Any, *, run_name_given: bool) -> None:
+        """Microbatching, hyperparameters, the INIT event and the checkpoint the run starts from."""
         on_tokens = self.options.accumulate_train_batch_on_tokens
         self._microbatches = microbatch.Microbatches(
             self.state, self.strategy, self._run_event, self.loop, setup.auto_microbatching(self.loop, self.parallel),
@@ -261,10 +296,8 @@ class Trainer:
         self.fit_count = 0
         """How many times ``fit`` ran (a second one that would train nothing is refused, as in Composer)."""
         self._events.index()
-        self.local_hparams = options.hyperparameters_of(arguments)
-        """Composer's: the Trainer's arguments as loggable values, and ``is_model_compiled``."""
         self.local_hparams["is_model_compiled"] = compile_config is not None or setup.already_compiled(model)
-        if auto_log_hparams:
+        if self.options.auto_log_hparams:
             self.logger.log_hyperparameters(self.local_hparams)
         self.logger.log_hyperparameters(setup.placement(self.state))
         # As in Composer, callbacks and loggers close at close() or, failing that, when the process
@@ -274,7 +307,7 @@ class Trainer:
         self._run_event(Event.INIT)
         self._run_event(Event.BEFORE_LOAD)
         self._resume_entry = checkpointing.load_at_start(self.checkpoints, self.state, self.layout, self.saver,
-                                                         self.train_dataloader, run_name_given=run_name is not None)
+                                                         self.train_dataloader, run_name_given=run_name_given)
         for saver in self._savers[1:]:  # only the run's save_folder resumes
             saver.begin(None)
         self._run_event(Event.AFTER_LOAD)
