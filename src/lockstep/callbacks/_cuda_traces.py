@@ -14,7 +14,7 @@ import torch
 from lockstep.checkpoint.templates import format_name, place_values
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 log = logging.getLogger("lockstep")

@@ -11,7 +11,7 @@ from lockstep.core.callback import Callback
 from lockstep.time import Time, Timestamp, TimeUnit
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["EarlyStopper"]

@@ -15,7 +15,7 @@ from lockstep.parallel.precision import autocast
 from lockstep.time import Time, TimeUnit, Timestamp, is_interval_due
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["Generate"]

@@ -11,7 +11,7 @@ from lockstep.core.event import Event
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.layout import Layout
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["LoadCheckpoint"]

@@ -12,7 +12,7 @@ from lockstep.core.callback import Callback
 from lockstep.time import Time, TimeUnit
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["MemorySnapshot"]

@@ -14,7 +14,7 @@ from lockstep.core.callback import Callback
 from lockstep.time import fraction_done
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 # Dense peak FLOP/s (no sparsity) per precision, by a substring of torch.cuda.get_device_name().

@@ -10,7 +10,7 @@ import torch
 from lockstep.core.callback import Callback
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["NaNMonitor"]

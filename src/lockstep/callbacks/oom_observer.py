@@ -12,7 +12,7 @@ from lockstep.callbacks._cuda_traces import (file_prefix, flamegraph_script, log
 from lockstep.core.callback import Callback
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["OOMObserver"]

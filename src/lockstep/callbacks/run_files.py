@@ -20,7 +20,7 @@ from lockstep.time import TIMESTAMP_FIELDS, Timestamp, fraction_done
 from lockstep.state import State
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
 
 
 class ProgressBar(Callback):

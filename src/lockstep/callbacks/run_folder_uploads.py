@@ -11,7 +11,7 @@ from lockstep import dist
 from lockstep.core.callback import Callback
 
 if TYPE_CHECKING:
-    from lockstep.loggers.logger import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 FILES = ("metrics.jsonl", "loss_curve.png")

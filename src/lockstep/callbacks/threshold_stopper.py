@@ -8,7 +8,7 @@ from lockstep.callbacks._watched_metric import Comparison, comparison, evaluated
 from lockstep.core.callback import Callback
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["ThresholdStopper"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lockstep.core.event import Event
-    from lockstep.state import State
+    from lockstep.core.state import State
 
 
 class Algorithm:

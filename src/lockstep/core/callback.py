@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from lockstep.core.event import Event
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
-    from lockstep.state import State
+    from lockstep.core.log import Logger
+    from lockstep.core.state import State
 
 
 class Callback:

@@ -30,8 +30,8 @@ from lockstep.core.event import Event
 
 if TYPE_CHECKING:
     from lockstep.core.algorithm import Algorithm
-    from lockstep.loggers.logger import Logger
-    from lockstep.state import State
+    from lockstep.core.log import Logger
+    from lockstep.core.state import State
 
 log = logging.getLogger(__name__)
 

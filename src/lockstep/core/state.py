@@ -27,7 +27,7 @@ from lockstep.time import Time, Timestamp, TimeUnit
 from lockstep.batch import batch_get, batch_set, ensure_tuple
 
 if TYPE_CHECKING:
-    from lockstep.loggers.logger import Logger
+    from lockstep.core.log import Logger
 
 SERIALIZED_ATTRIBUTES = ("model", "optimizers", "schedulers", "algorithms", "callbacks", "scaler", "timestamp",
                          "rank_zero_seed", "train_metrics", "eval_metrics", "run_name", "dataset_state")

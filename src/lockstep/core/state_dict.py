@@ -14,7 +14,7 @@ import inspect
 import os
 import platform
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 from lockstep import dist
 from lockstep.batch import ensure_tuple
 
-if TYPE_CHECKING:
-    from lockstep.core.state import State
+State = Any
+"""A :class:`lockstep.core.state.State` (not imported: it imports this module)."""
 
 BY_CLASS = ("schedulers", "callbacks", "scaler", "timestamp")
 """Attributes saved as ``{class name: obj.state_dict()}`` (optimizers too, through DCP)."""

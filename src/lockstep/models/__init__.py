@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from lockstep.models.base import ComposerModel
 
 if TYPE_CHECKING:
-    from lockstep.checkpoint.huggingface import write_huggingface_pretrained_from_composer_checkpoint
     from lockstep.models.huggingface import HuggingFaceModel
     from lockstep.models.initializers import Initializer
     from lockstep.models.tasks.classification import ComposerClassifier

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lockstep.objectstore.probe import first_line, try_a_write
 
-if TYPE_CHECKING:
-    from lockstep.objectstore.s3 import S3ObjectStore
+
+class S3ObjectStore(Protocol):
+    """What this module reads of :class:`lockstep.objectstore.s3.S3ObjectStore` (which imports it)."""
+
+    client: Any
+    bucket: str
+
 
 _CREDENTIALS = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials this bucket "
                 "accepts")

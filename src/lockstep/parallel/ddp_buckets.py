@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -23,8 +23,16 @@ from torch import nn
 
 from lockstep.checkpoint.states import ReplicatedLayout
 
-if TYPE_CHECKING:
-    from lockstep.parallel.ddp import DDPStrategy
+
+class DDPStrategy(Protocol):
+    """What a :class:`DDPLayout` reads of :class:`lockstep.parallel.ddp.DDPStrategy` (which imports this module)."""
+
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    buckets: BucketLayout | None
+
+    def use_buckets(self, layout: Any) -> None: ...
+
 
 BucketLayout = list[list[str]]
 META_KEY = "ddp_buckets"

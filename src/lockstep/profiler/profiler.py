@@ -10,7 +10,7 @@ from lockstep.profiler.profiler_action import ProfilerAction
 from lockstep.profiler.torch_profiler import TorchProfiler, _in_bucket
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["Profiler"]

@@ -18,7 +18,7 @@ from lockstep.profiler.profiler_action import ProfilerAction
 from lockstep.time import Timestamp
 
 if TYPE_CHECKING:
-    from lockstep.loggers import Logger
+    from lockstep.core.log import Logger
     from lockstep.state import State
 
 __all__ = ["TorchProfiler"]

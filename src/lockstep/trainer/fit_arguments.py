@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lockstep.checks import check_bool, check_choice
 from lockstep.core.data_spec import DataSpec, ensure_data_spec
 from lockstep.core.precision import precision_name
 from lockstep.optim.stepper import compile_schedulers
-from lockstep.parallel.precision import PRECISIONS, make_grad_scaler
+from lockstep.parallel.precision import PRECISIONS
 from lockstep.time import Time, Timestamp, TimeUnit, time_argument
 from lockstep.trainer import data, evaluation, setup
-from lockstep.trainer.config import check_ratio, scale_duration, subset
+from lockstep.parallel.config import ParallelConfig
+from lockstep.state import State
+from lockstep.trainer.config import LoopConfig, check_ratio, scale_duration, subset
 from lockstep.trainer.options import check_label
-
-if TYPE_CHECKING:
-    from lockstep.trainer.trainer import Trainer
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,8 +57,9 @@ class FitArguments:
 
 
 @dataclass(slots=True)
-class _Changes:
-    """What a ``fit`` call changes, worked out and checked before anything changes."""
+class Changes:
+    """What a ``fit`` call changes, worked out and checked before anything changes (the Trainer
+    applies them)."""
 
     spec: DataSpec | None = None
     timestamp: Timestamp | None = None
@@ -70,61 +70,30 @@ class _Changes:
     evaluators: tuple[list[Any], dict[str, Any]] | None = None
 
 
-def apply(trainer: Trainer, given: FitArguments) -> None:
-    """Change ``trainer`` as ``given`` asks, before its loop starts (on every rank). Every check
-    comes first: a call that fails changes nothing."""
-    s, loop = trainer.state, trainer.loop
-    changes = _check(trainer, given)
-    if changes.spec is not None:
-        trainer._use_train_dataloader(changes.spec)
-        trainer.options.train_dataloader_label = given.train_dataloader_label
-    s.timestamp, s.max_duration = changes.timestamp, changes.max_duration  # type: ignore[assignment]
-    if given.train_subset_num_batches is not None:
-        loop.train_subset_num_batches = changes.subset
-        s.batches_per_epoch = setup.epoch_length(trainer.train_dataloader, loop.train_subset_num_batches)
-    if given.spin_dataloaders is not None:
-        trainer.options.spin_dataloaders = given.spin_dataloaders
-    if changes.schedulers is not None and changes.split is not None:
-        s.schedulers = changes.schedulers
-        trainer._batch_schedulers, trainer._epoch_schedulers = changes.split
-    if changes.evaluators is not None:  # Composer replaces the evaluators and their metrics
-        trainer.evaluators, s.eval_metrics = changes.evaluators
-        s.evaluators = trainer.evaluators
-        trainer._evaluated_at.clear()
-    if given.device_train_microbatch_size is not None:
-        loop.device_train_microbatch_size, loop.grad_accum = given.device_train_microbatch_size, None
-        trainer._microbatches.auto = setup.auto_microbatching(loop, trainer.parallel)
-        s.device_train_microbatch_size = loop.fixed_microbatch_size
-    if given.precision is not None and given.precision != s.precision:
-        trainer.strategy.precision = given.precision
-        trainer.strategy.scaler = s.scaler = make_grad_scaler(given.precision, trainer.strategy.device)
-        s.precision = given.precision
-    for saver in trainer._savers:  # 'dur' save intervals follow the new max_duration
-        saver.max_duration = s.max_duration
-
-
-def _check_duration(trainer: Trainer, given: FitArguments, changes: _Changes) -> None:
+def _check_duration(given: FitArguments, changes: Changes, loop: LoopConfig, train_dataloader: Any,
+                    fit_count: int) -> None:
     """Composer's refusals: epochs of a dataloader without a length, and a second ``fit()`` that
     would train nothing (a resumed run whose checkpoint is already at the end is not one: it ends
     quietly, so a job restarted after its last save still exits 0)."""
-    loader = changes.spec.dataloader if changes.spec is not None else trainer.train_dataloader
-    subset_given = (changes.subset if changes.subset is not None else trainer.loop.train_subset_num_batches) \
+    loader = changes.spec.dataloader if changes.spec is not None else train_dataloader
+    subset_given = (changes.subset if changes.subset is not None else loop.train_subset_num_batches) \
         not in (None, -1)
     if changes.max_duration.unit is TimeUnit.EPOCH and setup.safe_len(loader) is None and not subset_given:
         raise ValueError(f"max_duration cannot be specified in epochs when using an infinite dataloader (got "
                          f"'{changes.max_duration}'): give it in ba, sp or tok, or pass train_subset_num_batches")
     elapsed = changes.timestamp.get(changes.max_duration.unit)
-    if trainer.fit_count and given.duration is None and not given.reset_time \
+    if fit_count and given.duration is None and not given.reset_time \
             and elapsed.value >= changes.max_duration.value:
         raise ValueError(f"The max_duration ({changes.max_duration}) is less than or equal to the elapsed training "
                          f"duration ({elapsed}). No training would occur. Please provide the `duration` or specify "
                          f"`reset_time=True` in Trainer.fit().")
 
 
-def _check(trainer: Trainer, given: FitArguments) -> _Changes:
-    """Everything ``given`` changes, checked, with nothing changed yet."""
-    s = trainer.state
-    changes = _Changes()
+def check(given: FitArguments, *, state: State, loop: LoopConfig, parallel: ParallelConfig, train_dataloader: Any,
+          fit_count: int) -> Changes:
+    """Everything ``given`` changes in a Trainer with these parts, checked, with nothing changed yet."""
+    s = state
+    changes = Changes()
     if given.train_dataloader is not None:
         changes.spec = ensure_data_spec(given.train_dataloader)
         data.check_distributed_sampler(changes.spec.dataloader, "train_dataloader")
@@ -135,11 +104,11 @@ def _check(trainer: Trainer, given: FitArguments) -> _Changes:
     if not s.optimizers:
         raise ValueError("No optimizer was specified when constructing the Trainer (the model has no parameters "
                          "to train, so none was made): give a model with parameters, or only call eval()")
-    if (trainer.train_dataloader is None and changes.spec is None) or changes.max_duration is None:
+    if (train_dataloader is None and changes.spec is None) or changes.max_duration is None:
         raise ValueError("fit() needs a train_dataloader and a max_duration (or duration=)")
     if given.train_subset_num_batches is not None:
         changes.subset = subset("train_subset_num_batches", given.train_subset_num_batches)
-    _check_duration(trainer, given, changes)
+    _check_duration(given, changes, loop, train_dataloader, fit_count)
     if given.schedulers is not None:  # stretched with the duration by the ratio
         changes.max_duration = scale_duration(changes.max_duration, given.scale_schedule_ratio)
         changes.schedulers = compile_schedulers(setup.as_list(given.schedulers), s, given.scale_schedule_ratio)
@@ -152,22 +121,22 @@ def _check(trainer: Trainer, given: FitArguments) -> _Changes:
         warnings.warn("fit(eval_interval=..., eval_subset_num_batches=...) apply to fit(eval_dataloader=...); "
                       "without it they change nothing", stacklevel=4)
     if given.device_train_microbatch_size is not None:
-        _check_microbatch_size(trainer, given.device_train_microbatch_size)
+        _check_microbatch_size(given.device_train_microbatch_size, loop, parallel)
     if given.precision is not None and given.precision != s.precision and \
-            (trainer.parallel.fsdp_config is not None or trainer.parallel.deepspeed_config is not None):
+            (parallel.fsdp_config is not None or parallel.deepspeed_config is not None):
         raise ValueError(f"fit(precision={given.precision!r}): under FSDP or DeepSpeed the precision is part of "
                          f"the wrapped model, fixed at Trainer(precision={s.precision.value!r}); give it there")
     return changes
 
 
-def _check_microbatch_size(trainer: Trainer, size: int | str) -> None:
+def _check_microbatch_size(size: int | str, loop: LoopConfig, parallel: ParallelConfig) -> None:
     if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f"device_train_microbatch_size must be an integer >= 1 or 'auto', got {size!r}")
-    if trainer.parallel.deepspeed_config is not None and size != trainer.loop.device_train_microbatch_size:
+    if parallel.deepspeed_config is not None and size != loop.device_train_microbatch_size:
         raise ValueError("fit(device_train_microbatch_size=...) under DeepSpeed: its engine fixed the microbatch "
                          "size at Trainer(...) (train_micro_batch_size_per_gpu); give it there")
     if size == "auto":
-        setup.check_auto_microbatching(trainer.parallel)
+        setup.check_auto_microbatching(parallel)
 
 
 def _interval(interval: Any) -> Any:

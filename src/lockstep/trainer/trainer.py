@@ -27,6 +27,7 @@ from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.parallel.config import ParallelConfig, build_strategy
+from lockstep.parallel.precision import make_grad_scaler
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
 from lockstep.trainer import (
@@ -441,7 +442,7 @@ class Trainer:
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
         with errors.configuration_checks():  # fit's arguments are checked as the Trainer's are
-            fit_arguments.apply(self, given)
+            self._apply_fit_arguments(given)
         for saver in self._savers:  # held since Trainer(...); a later fit() claims the folder again
             saver.claim()
         self._fitting = True
@@ -458,6 +459,39 @@ class Trainer:
                 progress.stop_heartbeat()  # what the script does next may wait on other ranks
                 for saver in self._savers:  # every save is durable by now
                     saver.release()
+
+    def _apply_fit_arguments(self, given: fit_arguments.FitArguments) -> None:
+        """Change the run as ``fit``'s arguments ask, before its loop starts (on every rank). Every
+        check comes first: a call that fails changes nothing."""
+        s, loop = self.state, self.loop
+        changes = fit_arguments.check(given, state=s, loop=loop, parallel=self.parallel,
+                                      train_dataloader=self.train_dataloader, fit_count=self.fit_count)
+        if changes.spec is not None:
+            self._use_train_dataloader(changes.spec)
+            self.options.train_dataloader_label = given.train_dataloader_label
+        s.timestamp, s.max_duration = changes.timestamp, changes.max_duration  # type: ignore[assignment]
+        if given.train_subset_num_batches is not None:
+            loop.train_subset_num_batches = changes.subset
+            s.batches_per_epoch = setup.epoch_length(self.train_dataloader, loop.train_subset_num_batches)
+        if given.spin_dataloaders is not None:
+            self.options.spin_dataloaders = given.spin_dataloaders
+        if changes.schedulers is not None and changes.split is not None:
+            s.schedulers = changes.schedulers
+            self._batch_schedulers, self._epoch_schedulers = changes.split
+        if changes.evaluators is not None:  # Composer replaces the evaluators and their metrics
+            self.evaluators, s.eval_metrics = changes.evaluators
+            s.evaluators = self.evaluators
+            self._evaluated_at.clear()
+        if given.device_train_microbatch_size is not None:
+            loop.device_train_microbatch_size, loop.grad_accum = given.device_train_microbatch_size, None
+            self._microbatches.auto = setup.auto_microbatching(loop, self.parallel)
+            s.device_train_microbatch_size = loop.fixed_microbatch_size
+        if given.precision is not None and given.precision != s.precision:
+            self.strategy.precision = given.precision
+            self.strategy.scaler = s.scaler = make_grad_scaler(given.precision, self.strategy.device)
+            s.precision = given.precision
+        for saver in self._savers:  # 'dur' save intervals follow the new max_duration
+            saver.max_duration = s.max_duration
 
     def _fit(self) -> None:
         s = self.state
