@@ -29,12 +29,11 @@ from lockstep.checkpoint import files, integrity, payload, remote, templates
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.remote import error_line as _line
 from lockstep.checkpoint.layout import DEEPSPEED, FOLDER_LAYOUTS, LOCAL, SHARDED_META
+from lockstep.checkpoint.save_folder import SaveFolder
 from lockstep.objectstore import ObjectStore, parse_uri, store_for_uri
 
 if TYPE_CHECKING:
     import torch
-
-    from lockstep.checkpoint.writer import CheckpointWriter
 
 
 def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, run_name: str,
@@ -68,7 +67,7 @@ def load_path(path: str, object_store: ObjectStore | None, *, layout_name: str, 
     return os.path.join(local_root, key_template)
 
 
-def autoresume(saver: CheckpointWriter, *, layout_name: str, run_name: str) -> bool:
+def autoresume(where: SaveFolder, device: torch.device, *, layout_name: str, run_name: str) -> bool:
     """Before autoresume reads the local staging folder (a collective): unless the local files
     serve every rank, download the checkpoint the bucket's pointer names, and point the local
     pointer at it, or when the bucket's pointer names a newer checkpoint than the local pointer
@@ -83,54 +82,54 @@ def autoresume(saver: CheckpointWriter, *, layout_name: str, run_name: str) -> b
     which share none (a rank that sees no local pointer at all). When every rank sees one, the
     local files are read as a local save_folder's are (a damaged newest checkpoint falls back to
     an older one)."""
-    template, folder = saver.latest_template, saver.remote
+    template, folder = where.latest_template, where.remote
     assert template is not None and folder is not None
     from lockstep.checkpoint.loader import candidates
 
     own, zero = candidates(template, run_name)
     if layout_name == LOCAL:
         seen = _agreement.gather_small_objects(own.exists() or own.is_symlink())
-        if all(seen) and not _bucket_ahead(saver, run_name, per_rank=True):
+        if all(seen) and not _bucket_ahead(where, device, run_name, per_rank=True):
             return True
-        return _per_rank_files(saver, run_name) or not any(seen)
+        return _per_rank_files(where, device, run_name) or not any(seen)
     if layout_name in FOLDER_LAYOUTS:
         pointer = next((p for p in (own, zero) if p.exists() or p.is_symlink()), None)
         holds = pointer is not None and _holds_reads(pointer)
         found = _agreement.gather_small_objects((pointer is not None, holds))
-        if all(holds for _, holds in found) and not _bucket_ahead(saver, run_name, per_rank=False):
+        if all(holds for _, holds in found) and not _bucket_ahead(where, device, run_name, per_rank=False):
             return True
         seen = [seen for seen, _ in found]
         # no rank sees a local pointer: nothing was left anywhere, a fresh start rather than a stopped job's copies
-        return _folder_from_pointer(saver) or all(seen) or not any(seen)
+        return _folder_from_pointer(where, device) or all(seen) or not any(seen)
     local = own.exists() or own.is_symlink() or zero.exists() or zero.is_symlink()
     seen = _agreement.gather_small_objects(local)
-    if seen[0] and not _bucket_ahead(saver, run_name, per_rank=False):
+    if seen[0] and not _bucket_ahead(where, device, run_name, per_rank=False):
         return True  # the loader sends rank 0's file to ranks without it
     error, downloaded = None, False
     if dist.get_local_rank() == 0:
         try:
-            downloaded = _from_pointer(saver)
+            downloaded = _from_pointer(where, device)
         except Exception as e:
             error = f"autoresume from {folder.uri}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    _agreement.raise_first_error(error, CheckpointError, device=device)
     return any(_agreement.gather_small_objects(downloaded)) or not any(seen)
 
 
-def _bucket_ahead(saver: CheckpointWriter, run_name: str, *, per_rank: bool) -> bool:
+def _bucket_ahead(where: SaveFolder, device: torch.device, run_name: str, *, per_rank: bool) -> bool:
     """Whether the bucket's latest pointer names a newer checkpoint than the local one does (a
     collective; rank 0's pointers, or under per-rank files each rank's own), by the time fields of
     their names: a disk that holds an older copy of the run (the job ran on other machines since)
     must not take the run back. False where a name does not tell (another save_filename)."""
-    targets = _agreed_targets(saver, per_rank=per_rank)
+    targets = _agreed_targets(where, device, per_rank=per_rank)
     key = targets[dist.get_global_rank()] if per_rank else targets[0]
     ahead = False
     if key is not None and (per_rank or dist.get_global_rank() == 0):
-        assert saver.remote is not None and saver.latest is not None
-        template = saver.config.save_filename
+        assert where.remote is not None and where.latest is not None
+        template = where.filename
         try:
-            local = files.resolve_pointer(saver.latest).relative_to(saver.folder).as_posix()
-            ahead = _later(templates.time_fields(template, saver.place, key[len(saver.remote.key_of("")):]),
-                           templates.time_fields(template, saver.place, local))
+            local = files.resolve_pointer(where.latest).relative_to(where.local).as_posix()
+            ahead = _later(templates.time_fields(template, where.place, key[len(where.remote.key_of("")):]),
+                           templates.time_fields(template, where.place, local))
         except Exception:  # a local pointer the loader will find damaged, or a name elsewhere
             ahead = False
     return any(_agreement.gather_small_objects(ahead))
@@ -146,7 +145,7 @@ def _later(a: dict[str, int] | None, b: dict[str, int] | None) -> bool:
     return False
 
 
-def redownload(saver: CheckpointWriter, *, layout_name: str, run_name: str) -> tuple[str, list[str]] | None:
+def redownload(where: SaveFolder, device: torch.device, *, layout_name: str, run_name: str) -> tuple[str, list[str]] | None:
     """After the local copy of the newest checkpoint failed to load as damaged (every rank agreed,
     before any rank loaded anything), a collective: set that copy aside with the ``.damaged``
     suffix, on each staging folder that holds it, then download the checkpoint the bucket's
@@ -154,59 +153,59 @@ def redownload(saver: CheckpointWriter, *, layout_name: str, run_name: str) -> t
     point the local pointers at it. Returns the bucket's URI of what was downloaded and the copies
     set aside (every rank's); None, having touched nothing, when the bucket has no pointer.
     Raises CheckpointError, on every rank, when a download fails."""
-    folder = saver.remote
-    assert folder is not None and saver.latest is not None and saver.latest_template is not None
+    folder = where.remote
+    assert folder is not None and where.latest is not None and where.latest_template is not None
     from lockstep.checkpoint.loader import candidates
 
     per_rank = layout_name == LOCAL
-    targets = _agreed_targets(saver, per_rank=per_rank)
+    targets = _agreed_targets(where, device, per_rank=per_rank)
     if all(t is None for t in targets) or (not per_rank and targets[0] is None):
         return None
-    own, zero = candidates(saver.latest_template, run_name)
+    own, zero = candidates(where.latest_template, run_name)
     followed = next((p for p in ((own,) if per_rank else (own, zero)) if p.is_symlink()), None)
     damaged = None if followed is None else followed.parent / os.readlink(followed)
-    place = (socket.gethostname(), *_identity_of(saver.folder))
+    place = (socket.gethostname(), *_identity_of(where.local))
     every = _agreement.gather_small_objects((place, _absolute(followed), _absolute(damaged)))
-    sharing = [r for r, (where, _, _) in enumerate(every) if where == place]
+    sharing = [r for r, (host, _, _) in enumerate(every) if host == place]
     first = per_rank or dist.get_global_rank() == sharing[0]  # per-rank files: no rank reads another's
     mine = (dist.get_global_rank(),) if per_rank else sharing
-    aside = _set_aside_damaged(saver, sorted({every[r][2] for r in mine if every[r][2] is not None}) if first else [])
+    aside = _set_aside_damaged(where, device, sorted({every[r][2] for r in mine if every[r][2] is not None}) if first else [])
     if per_rank:
-        _per_rank_files(saver, run_name)
-        downloaded = files.resolve_pointer(saver.latest).relative_to(saver.folder).as_posix()
+        _per_rank_files(where, device, run_name)
+        downloaded = files.resolve_pointer(where.latest).relative_to(where.local).as_posix()
         uri = f"{folder.store.get_uri(folder.key_of(downloaded))} (each rank its own file)"
     else:
         pointers = sorted({every[r][1] for r in sharing if every[r][1]} | {_absolute(zero)}) if first else []
-        uri = _download_again(saver, targets[0], layout_name, pointers)
+        uri = _download_again(where, device, targets[0], layout_name, pointers)
     every_aside = sorted({p for one in _agreement.gather_small_objects(aside) for p in one})
     return uri, every_aside
 
 
-def _set_aside_damaged(saver: CheckpointWriter, paths: list[str]) -> list[str]:
+def _set_aside_damaged(where: SaveFolder, device: torch.device, paths: list[str]) -> list[str]:
     """Rename each of ``paths`` (this rank's share of the damaged copies) with the ``.damaged``
     suffix, a collective that raises on every rank if any rank could not; the new names."""
-    assert saver.remote is not None
+    assert where.remote is not None
     aside, error = [], None
     for path in paths:
         try:
             if os.path.lexists(path):
                 aside.append(str(files.set_aside(Path(path))))
         except OSError as e:
-            error = f"autoresume from {saver.remote.uri}: could not set the damaged {path} aside: {e}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # before any download
+            error = f"autoresume from {where.remote.uri}: could not set the damaged {path} aside: {e}"
+    _agreement.raise_first_error(error, CheckpointError, device=device)  # before any download
     return aside
 
 
-def _download_again(saver: CheckpointWriter, key: str, layout_name: str, pointers: list[str]) -> str:
+def _download_again(where: SaveFolder, device: torch.device, key: str, layout_name: str, pointers: list[str]) -> str:
     """Download the checkpoint ``key`` (a collective: a folder's parts by the ranks that read them,
     a single file by the ranks given ``pointers``, the first of each staging folder), then point
     ``pointers`` at it; its URI."""
-    folder = saver.remote
+    folder = where.remote
     assert folder is not None
     what = f"autoresume from {folder.uri}"
-    local = saver.folder / key[len(folder.key_of("")):]
+    local = where.local / key[len(folder.key_of("")):]
     if layout_name in FOLDER_LAYOUTS:
-        download_folder(folder.store, key, local, what=what, device=saver._device)
+        download_folder(folder.store, key, local, what=what, device=device)
     error = None
     if pointers:
         try:
@@ -216,22 +215,22 @@ def _download_again(saver: CheckpointWriter, key: str, layout_name: str, pointer
                 files.point_latest(Path(pointer), local)
         except Exception as e:
             error = f"{what}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # every copy in place
+    _agreement.raise_first_error(error, CheckpointError, device=device)  # every copy in place
     return folder.store.get_uri(key)
 
 
-def _agreed_targets(saver: CheckpointWriter, *, per_rank: bool) -> list[str | None]:
+def _agreed_targets(where: SaveFolder, device: torch.device, *, per_rank: bool) -> list[str | None]:
     """Every rank's reading of the bucket's latest pointer (a collective): each rank reads its own
     under per-rank files, else rank 0 alone (the others' entries are None). A failed read raises
     on every rank."""
-    assert saver.remote is not None
+    assert where.remote is not None
     target, error = None, None
     if per_rank or dist.get_global_rank() == 0:
         try:
-            target = _pointer_target(saver)
+            target = _pointer_target(where, device)
         except Exception as e:
-            error = f"autoresume from {saver.remote.uri}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+            error = f"autoresume from {where.remote.uri}: {_line(e)}"
+    _agreement.raise_first_error(error, CheckpointError, device=device)
     return _agreement.gather_small_objects(target)
 
 
@@ -246,11 +245,11 @@ def _absolute(path: Path | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
-def _pointer_target(saver: CheckpointWriter) -> str | None:
+def _pointer_target(where: SaveFolder, device: torch.device) -> str | None:
     """The key the bucket's latest pointer names; None when there is no pointer (nothing saved yet)."""
-    folder, pointer = saver.remote, saver.latest
+    folder, pointer = where.remote, where.latest
     assert folder is not None and pointer is not None
-    key = folder.key_of(str(pointer.relative_to(saver.folder))) + remote.POINTER_SUFFIX
+    key = folder.key_of(str(pointer.relative_to(where.local))) + remote.POINTER_SUFFIX
     try:
         target = folder.store.read_bytes(key).decode().strip()
     except FileNotFoundError:
@@ -261,15 +260,15 @@ def _pointer_target(saver: CheckpointWriter) -> str | None:
     return target
 
 
-def _from_pointer(saver: CheckpointWriter) -> bool:
+def _from_pointer(where: SaveFolder, device: torch.device) -> bool:
     """A single-file checkpoint: download the one the bucket's pointer names, and point the local
     pointer at it; False when the bucket has no pointer (nothing saved there yet)."""
-    folder, pointer = saver.remote, saver.latest
+    folder, pointer = where.remote, where.latest
     assert folder is not None and pointer is not None
-    target = _pointer_target(saver)
+    target = _pointer_target(where, device)
     if target is None:
         return False
-    local = saver.folder / target[len(folder.key_of("")):]
+    local = where.local / target[len(folder.key_of("")):]
     _download(folder.store, target, local)
     files.point_latest(pointer, local)
     return True
@@ -289,25 +288,25 @@ def _holds_reads(pointer: Path) -> bool:
         return False
 
 
-def _folder_from_pointer(saver: CheckpointWriter) -> bool:
+def _folder_from_pointer(where: SaveFolder, device: torch.device) -> bool:
     """Every rank: download the parts it reads of the folder checkpoint the bucket's pointer names
     (a collective); then one rank of each staging folder points the local pointer at it. Nothing
     when the bucket has no pointer yet; then False."""
-    folder, pointer = saver.remote, saver.latest
+    folder, pointer = where.remote, where.latest
     assert folder is not None and pointer is not None
     what = f"autoresume from {folder.uri}"
-    target = _agreed_targets(saver, per_rank=False)[0]
+    target = _agreed_targets(where, device, per_rank=False)[0]
     if target is None:
         return False  # nothing saved in the bucket yet
-    local = saver.folder / target[len(folder.key_of("")):]
-    first = download_folder(folder.store, target, local, what=what, device=saver._device)
+    local = where.local / target[len(folder.key_of("")):]
+    first = download_folder(folder.store, target, local, what=what, device=device)
     error = None
     if first:
         try:
             files.point_latest(pointer, local)
         except OSError as e:
             error = f"{what}: could not point {pointer} at {local}: {e}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)  # every pointer moved
+    _agreement.raise_first_error(error, CheckpointError, device=device)  # every pointer moved
     return True
 
 
@@ -330,7 +329,7 @@ def download_folder(store: ObjectStore, key: str, local: Path, *, what: str, dev
         error = f"{what}: {_line(e)}"
     _agreement.raise_first_error(error, CheckpointError, device=device)
     every = _agreement.gather_small_objects((place, names, os.getpid(), local.is_dir()))
-    sharing = [rank for rank, (where, *_) in enumerate(every) if where == place]
+    sharing = [rank for rank, (host, *_) in enumerate(every) if host == place]
     first, rank = sharing[0], dist.get_global_rank()
     fresh = not every[first][3]  # as the first rank of this folder saw it
     into = files.temp_path(local, every[first][2]) if fresh else local
@@ -412,19 +411,19 @@ def _names_under(store: ObjectStore, key: str) -> list[str]:
     return [full[len(base):] if full.startswith(base) else os.path.basename(full) for full in found]
 
 
-def _per_rank_files(saver: CheckpointWriter, run_name: str) -> bool:
+def _per_rank_files(where: SaveFolder, device: torch.device, run_name: str) -> bool:
     """FSDP ``local`` checkpoints: each rank downloads its own file of the newest step that any
     rank's pointer names (False, on every rank, when the bucket has no pointer). Each rank moves
     its own pointer, so a job killed between two ranks' moves leaves pointers one step apart; both
     steps are complete in the bucket (a pointer moves only once every rank's file is there), so the
     ranks behind take their file of the newer one."""
-    folder, pointer = saver.remote, saver.latest
+    folder, pointer = where.remote, where.latest
     assert folder is not None and pointer is not None
     prefix = folder.key_of("")
-    targets = _agreed_targets(saver, per_rank=True)
+    targets = _agreed_targets(where, device, per_rank=True)
     if all(t is None for t in targets):
         return False
-    template, newest, error = saver.config.save_filename, None, None
+    template, newest, error = where.filename, None, None
     try:
         for rank, key in enumerate(targets):
             if key is None:
@@ -436,13 +435,13 @@ def _per_rank_files(saver: CheckpointWriter, run_name: str) -> bool:
             if newest is None or times.get("batch", 0) > newest.get("batch", 0):
                 newest = times
         assert newest is not None
-        name = template.format(**saver.place, **newest)
-        local = saver.folder / name
+        name = template.format(**where.place, **newest)
+        local = where.local / name
         _download(folder.store, folder.key_of(name), local)
         files.point_latest(pointer, local)
     except Exception as e:
         error = f"autoresume from {folder.uri}: {_line(e)}"
-    _agreement.raise_first_error(error, CheckpointError, device=saver._device)
+    _agreement.raise_first_error(error, CheckpointError, device=device)
     return True
 
 

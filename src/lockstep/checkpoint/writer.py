@@ -21,6 +21,7 @@ from lockstep import _agreement, dist, idle, progress
 from lockstep.checkpoint import (bucket_claim, bucket_rotation, files, integrity, leftovers, ownership, payload, remote,
                                  staging, templates, writable)
 from lockstep.checkpoint.config import CheckpointConfig
+from lockstep.checkpoint.save_folder import SaveFolder
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
 from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
@@ -67,7 +68,7 @@ class CheckpointWriter:
                  layout: str = SINGLE, device: torch.device | str = "cpu") -> None:
         _check_config(config, layout, max_duration)
         self.config, self.layout, self.max_duration = config, layout, max_duration
-        self._device = torch.device(device)
+        self.device = torch.device(device)
         """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
         self.run_name = run_name
         self._rank = dist.get_global_rank()
@@ -77,26 +78,19 @@ class CheckpointWriter:
         """Whether rank 0 holds the bucket's lease on a bucket's folder (see :mod:`~lockstep.checkpoint.bucket_claim`)."""
         self._claim_agreed = False
         """Whether every rank agreed that the run holds the folder (the same on every rank)."""
-        self.place = templates.place_values(run_name, rank=None if layout == LOCAL else 0)
-        """Values of the place fields in names: this rank's for per-rank files, else rank 0's."""
-        folder = config.save_folder
-        if remote.is_remote(folder):  # staged in a local folder, then uploaded
-            folder = remote.local_template(config.save_folder)
-        self.folder = Path(templates.format_name(folder, self.place))
-        self.remote: remote.RemoteFolder | None = None
-        """The bucket's folder when save_folder is ``s3://...``; then :attr:`folder` is its local staging folder."""
+        self.where = SaveFolder.of(config.save_folder, config.save_filename,  # type: ignore[arg-type]
+                                   config.save_latest_filename, run_name=run_name, layout=layout)
+        """The save folder: its names, its local (or staging) folder, its bucket."""
         self.uploader: remote.Uploader | None = None
-        if remote.is_remote(config.save_folder):
-            self.remote, self.uploader = self._bucket_folder()
+        if self.where.remote is not None:  # staged in the local folder, then uploaded
+            self.uploader = remote.Uploader(self.where.remote, self._rank,
+                                            active=self.writes or self.layout in FOLDER_LAYOUTS,
+                                            keep=config.save_num_checkpoints_to_keep)
         self._uploaded: dict[int, str] = {}
         """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's name of it."""
         self._saves = 0
         self._rotation = bucket_rotation.BucketRotation(config.save_num_checkpoints_to_keep)
         """The bucket's own record of this rank's checkpoints there, which its rotation follows."""
-        latest = config.save_latest_filename
-        self.latest = None if latest is None else self.folder / templates.format_name(latest, self.place)
-        self.latest_template = None if latest is None else os.path.join(folder, latest)
-        """The pointer as a template, so that each rank can look for its own before rank 0's."""
         self.history: list[str] = []
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
         self.saved_at: dict[str, Any] = {}
@@ -116,20 +110,13 @@ class CheckpointWriter:
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
-    def _bucket_folder(self) -> tuple[remote.RemoteFolder, remote.Uploader]:
-        """The bucket's folder of an ``s3://`` save_folder, and this rank's uploader into it."""
-        assert self.config.save_folder is not None
-        folder = remote.RemoteFolder.of(templates.format_name(self.config.save_folder, self.place), self.folder)
-        return folder, remote.Uploader(folder, self._rank, active=self.writes or self.layout in FOLDER_LAYOUTS,
-                                       keep=self.config.save_num_checkpoints_to_keep)
-
     def check_folder(self) -> None:
         """Before training (a collective): the folder exists or can be created and takes a write on
         every rank that writes into it; otherwise a ValueError on every rank that names the cause,
         instead of an error at the first save, after training has run."""
-        error = writable.check_folder(self.folder) if self.writes or self.layout in FOLDER_LAYOUTS else None
-        if error is None and self.remote is not None:  # wrong credentials, no bucket, no server: now
-            error = self.remote.problem()
+        error = writable.check_folder(self.where.local) if self.writes or self.layout in FOLDER_LAYOUTS else None
+        if error is None and self.where.remote is not None:  # wrong credentials, no bucket, no server: now
+            error = self.where.remote.problem()
         self.claim(error)
 
     def claim(self, error: str | None = None) -> None:
@@ -140,19 +127,19 @@ class CheckpointWriter:
         if self._claim_agreed:
             return
         if error is None and self.writes:
-            error = ownership.claim(self.folder, self.run_name, self._rank, self._patterns())
+            error = ownership.claim(self.where.local, self.run_name, self._rank, self._patterns())
             self._claimed = error is None
-        if error is None and self.remote is not None and self._rank == 0:
-            error = bucket_claim.claim(self.remote, self.run_name, self._patterns(), self._lease_lost)
+        if error is None and self.where.remote is not None and self._rank == 0:
+            error = bucket_claim.claim(self.where.remote, self.run_name, self._patterns(), self._lease_lost)
             self._leased = error is None
         try:
-            _agreement.raise_first_error(error, ValueError, device=self._device)
+            _agreement.raise_first_error(error, ValueError, device=self.device)
         except ValueError:
             self.release()
             raise
-        if self.remote is not None:  # every rank's writes to the bucket stop once the lease is another job's
+        if self.where.remote is not None:  # every rank's writes to the bucket stop once the lease is another job's
             guard = _agreement.gather_small_objects(
-                bucket_claim.guard(self.remote, self.run_name) if self._rank == 0 else None)[0]
+                bucket_claim.guard(self.where.remote, self.run_name) if self._rank == 0 else None)[0]
             if self.uploader is not None:
                 self.uploader.guard = guard
         self._claim_agreed = True
@@ -160,8 +147,8 @@ class CheckpointWriter:
     def _patterns(self) -> list[str]:
         """Globs of the names this rank writes in the folder, for :mod:`ownership`."""
         names = [self.filename_glob()]
-        if self.latest is not None:
-            names.append(self.latest.name)
+        if self.where.latest is not None:
+            names.append(self.where.latest.name)
         return names
 
     @property
@@ -175,13 +162,13 @@ class CheckpointWriter:
         self._claim_agreed = False
         if self._claimed:
             self._claimed = False
-            ownership.release(self.folder, self.run_name, self._rank)
+            ownership.release(self.where.local, self.run_name, self._rank)
         if self._leased:
-            assert self.remote is not None
+            assert self.where.remote is not None
             if self.uploader is not None:  # its queued writes are guarded by the lease: they end first
                 self.uploader.drain()
             self._leased = False
-            bucket_claim.release(self.remote, self.run_name, self._lease_lost)
+            bucket_claim.release(self.where.remote, self.run_name, self._lease_lost)
 
     def _lease_lost(self, message: str) -> None:
         """Another job took the bucket's folder over: this job fails at its next save (or the end of ``fit``)."""
@@ -201,25 +188,25 @@ class CheckpointWriter:
         unfinished, partial checkpoint folders and files being written or downloaded
         (:mod:`leftovers`), also on nodes whose disk rank 0 does not see. No writer of this run is
         alive then (a live job of the run on rank 0's disk is refused by :meth:`claim`)."""
-        if self.remote is None:
+        if self.where.remote is None:
             return
         error, place = None, None
         try:
-            seen = os.stat(self.folder)
+            seen = os.stat(self.where.local)
             place = (socket.gethostname(), seen.st_dev, seen.st_ino)  # one folder of one machine
         except FileNotFoundError:
             pass  # nothing left on this disk
         except OSError as e:
-            error = f"cannot read the staging folder {self.folder}: {e}"
+            error = f"cannot read the staging folder {self.where.local}: {e}"
         every = _agreement.gather_small_objects((place, self._patterns()))
         sharing = [rank for rank, (where, _) in enumerate(every) if where == place]
         if place is not None and error is None and sharing[0] == dist.get_global_rank():
             globs = sorted({g for rank in sharing for g in every[rank][1]})
             try:
-                leftovers.sweep(self.folder, globs)
+                leftovers.sweep(self.where.local, globs)
             except OSError as e:
-                error = f"cannot remove what a stopped job left in the staging folder {self.folder}: {e}"
-        _agreement.raise_first_error(error, RuntimeError, device=self._device)  # every sweep is done
+                error = f"cannot remove what a stopped job left in the staging folder {self.where.local}: {e}"
+        _agreement.raise_first_error(error, RuntimeError, device=self.device)  # every sweep is done
 
     def begin(self, resumed: Loaded | None) -> None:
         """Before training: continue the save history of the checkpoint the run resumed from, or,
@@ -234,23 +221,23 @@ class CheckpointWriter:
                 self.history = resumed.history
                 self.saved_at.update(resumed.saved_at)
                 self.record_changes += 1
-        if self.remote is not None and self.writes and config.autoresume:
+        if self.where.remote is not None and self.writes and config.autoresume:
             self._left_in_bucket(resumed)
 
     def _left_in_bucket(self, resumed: Loaded | None) -> None:
         """A restarted job: the bucket's rotation starts from the checkpoints earlier attempts left
         there under this rank's names (more than the resumed checkpoint's history may name)."""
-        assert self.remote is not None
+        assert self.where.remote is not None
         try:
-            names = self.remote.names()
+            names = self.where.remote.names()
         except Exception as e:  # rotation then deletes only this attempt's checkpoints
-            warnings.warn(f"could not list {self.remote.uri} ({remote.error_line(e)}): checkpoints an earlier "
+            warnings.warn(f"could not list {self.where.remote.uri} ({remote.error_line(e)}): checkpoints an earlier "
                           f"attempt left there are not rotated", stacklevel=2)
             return
         ours = None  # a fresh start: what earlier attempts left is stale
         if resumed is not None and not resumed.weights_only:
             ours = resumed.history[-1] if resumed.history else ""  # "": a name that tells no time
-        self._rotation.earlier(*bucket_rotation.left_earlier(names, self.config.save_filename, self.place, ours))
+        self._rotation.earlier(*bucket_rotation.left_earlier(names, self.config.save_filename, self.where.place, ours))
 
     @property
     def writes(self) -> bool:
@@ -258,22 +245,22 @@ class CheckpointWriter:
         return self.layout == LOCAL or dist.get_global_rank() == 0
 
     def filename_glob(self) -> str:
-        """A glob, relative to :attr:`folder`, of every checkpoint name ``save_filename`` makes."""
-        return templates.glob_of(self.config.save_filename, self.place)
+        """A glob, relative to the folder, of every checkpoint name ``save_filename`` makes."""
+        return self.where.filename_glob()
 
     def _refuse_existing(self) -> None:
         """Before training: refuse a folder that already holds checkpoints this run would mix with."""
         if self.config.save_overwrite or not self.writes:
             return
-        pattern = str(self.folder / self.filename_glob())
+        pattern = str(self.where.local / self.filename_glob())
         found = sorted(glob.glob(pattern))
-        if self.latest is not None and (self.latest.exists() or self.latest.is_symlink()):
-            found.insert(0, str(self.latest))
-        if not found and self.remote is not None:
-            in_bucket = self.remote.holds_objects()
-            found = [f"{self.remote.store.scheme}://{self.remote.store.bucket}/{in_bucket}"] if in_bucket else []
+        if self.where.latest is not None and (self.where.latest.exists() or self.where.latest.is_symlink()):
+            found.insert(0, str(self.where.latest))
+        if not found and self.where.remote is not None:
+            in_bucket = self.where.remote.holds_objects()
+            found = [f"{self.where.remote.store.scheme}://{self.where.remote.store.bucket}/{in_bucket}"] if in_bucket else []
         if found:
-            where = self.folder if self.remote is None else self.remote.uri
+            where = self.where.local if self.where.remote is None else self.where.remote.uri
             raise FileExistsError(
                 f"save_folder {where} already holds checkpoints (e.g. {found[0]}): pass "
                 f"save_overwrite=True to replace them, autoresume=True to continue that run, or "
@@ -307,8 +294,8 @@ class CheckpointWriter:
         training, preemption) there is nothing to overlap, so the state is written and published
         straight away, without the copy.
         """
-        name = templates.format_name(self.config.save_filename, self.place, state.timestamp)
-        path = self.folder / name
+        name = templates.format_name(self.config.save_filename, self.where.place, state.timestamp)
+        path = self.where.local / name
         if self.layout == LOCAL:  # so that export finds every rank's file from any one of them
             rank_entry = {**rank_entry, "file": name}
         buffers = layout.rank_buffers()
@@ -318,7 +305,7 @@ class CheckpointWriter:
         with _agreement.long_io():  # every rank is here (it took part in the agreement)
             model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
         if self.writes and not self._swept:  # temporary files of a writer that died mid-save
-            files.remove_stale_temps(self.folder)
+            files.remove_stale_temps(self.where.local)
             self._swept = True
         history = [n for n in self.history if n != name] + [name]
         self.saved_at[name] = payload.plain_timestamp(state.timestamp)
@@ -351,7 +338,7 @@ class CheckpointWriter:
         if self.layout == LOCAL:  # only now is the previous save published on every rank
             self._prune()
         if any(g[1] for g in gathered):
-            shown = path if clash else f"{self.folder}/{name} (on another rank)"
+            shown = path if clash else f"{self.where.local}/{name} (on another rank)"
             raise FileExistsError(f"checkpoint {shown} already exists: pass save_overwrite=True to "
                                   f"replace it, or choose another save_folder or save_filename")
         return ([_from_wire(e) for e, *_ in gathered] if self.writes else []), gathered[0][2]
@@ -489,10 +476,10 @@ class CheckpointWriter:
     def _publish(self, temp: Path | None, staged: Any, path: Path, history: list[str]) -> None:
         try:
             files.publish(temp if temp is not None else files.write_temp(staged, path), path)
-            if self.latest is not None and self.config.save_num_checkpoints_to_keep != 0:  # 0: pruned next
-                files.point_latest(self.latest, path)
+            if self.where.latest is not None and self.config.save_num_checkpoints_to_keep != 0:  # 0: pruned next
+                files.point_latest(self.where.latest, path)
             if self.uploader is not None and self.layout not in FOLDER_LAYOUTS:
-                name = str(path.relative_to(self.folder))
+                name = str(path.relative_to(self.where.local))
                 self.uploader.upload(name, [(path, name)])
             self.history = history
             self.record_changes += 1
@@ -516,13 +503,13 @@ class CheckpointWriter:
             cause, self._failure = self._failure, None
             progress.echo(first[0])
             where = "" if dist.get_world_size() == 1 else f" on rank {first[0]}"
-            raise RuntimeError(f"writing a checkpoint in {self.folder} failed{where}: {first[1]}") from cause
+            raise RuntimeError(f"writing a checkpoint in {self.where.local} failed{where}: {first[1]}") from cause
 
     def wait(self) -> None:
         """Return on every rank once the newest checkpoint is durable and the latest pointer names
         it; raise on every rank if writing it failed on any."""
         failure = self._join()
-        self._raise_failure(_agreement.first_error(failure, device=self._device))
+        self._raise_failure(_agreement.first_error(failure, device=self.device))
         if self.layout == LOCAL:
             self._prune()
         if self.uploader is not None:
@@ -541,7 +528,7 @@ class CheckpointWriter:
         """Hand this rank's files of a folder checkpoint to the uploader (rank 0: the files no
         other rank writes, lockstep.pt among them)."""
         assert self.uploader is not None
-        name, rank = str(path.relative_to(self.folder)), dist.get_global_rank()
+        name, rank = str(path.relative_to(self.where.local)), dist.get_global_rank()
         mine = [(p, os.path.join(name, str(p.relative_to(temp)))) for p in sorted(temp.rglob("*"))
                 if p.is_file() and remote.owner_of(p.name) == rank]
         self.uploader.upload(name, mine)
@@ -549,12 +536,12 @@ class CheckpointWriter:
     def _after_uploads(self, states: list[tuple[list[int], str | None] | None]) -> None:
         """Every rank, with every rank's upload state: fail on a lost upload; else move the bucket's
         latest pointer to the newest checkpoint every rank has uploaded, then rotate the bucket."""
-        assert self.uploader is not None and self.remote is not None
+        assert self.uploader is not None and self.where.remote is not None
         failed = next(((r, s[1]) for r, s in enumerate(states) if s is not None and s[1] is not None), None)
         if failed is not None:
             progress.echo(failed[0])  # every rank raises it: the launcher names the rank it came from
             where = "" if dist.get_world_size() == 1 else f" on rank {failed[0]}"
-            raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {failed[1]}")
+            raise RuntimeError(f"uploading checkpoints to {self.where.remote.uri} failed{where}: {failed[1]}")
         done = [None if s is None else s[0] for s in states]
         save = remote.complete(list(self._uploaded), done)
         if save is None:
@@ -566,9 +553,9 @@ class CheckpointWriter:
         old = self._rotation.settle([(name, remote.complete([s], done) is not None) for s, name in settled])
         newest = settled[-1][1]
         pointer = None
-        if self.latest is not None:
-            pointer = self.remote.key_of(str(self.latest.relative_to(self.folder))) + remote.POINTER_SUFFIX
-        self.uploader.publish(newest, self.remote.key_of(newest), pointer, old)
+        if self.where.latest is not None:
+            pointer = self.where.remote.key_of(str(self.where.latest.relative_to(self.where.local))) + remote.POINTER_SUFFIX
+        self.uploader.publish(newest, self.where.remote.key_of(newest), pointer, old)
 
     def _finish_uploads(self) -> None:
         """At the end of ``fit`` (and after SIGTERM's save): wait for every upload, then publish
@@ -578,12 +565,12 @@ class CheckpointWriter:
         self._after_uploads(_agreement.gather_small_objects(self._upload_state()))
         self.uploader.drain()
         _, failure = self.uploader.state()
-        first = _agreement.first_error(failure, device=self._device)
+        first = _agreement.first_error(failure, device=self.device)
         if first is not None:
-            assert self.remote is not None
+            assert self.where.remote is not None
             progress.echo(first[0])
             where = "" if dist.get_world_size() == 1 else f" on rank {first[0]}"
-            raise RuntimeError(f"uploading checkpoints to {self.remote.uri} failed{where}: {first[1]}")
+            raise RuntimeError(f"uploading checkpoints to {self.where.remote.uri} failed{where}: {first[1]}")
 
     def _prune(self) -> None:
         """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only
@@ -593,7 +580,7 @@ class CheckpointWriter:
         if keep == -1:
             return
         while len(self.history) > keep:
-            files.remove(self.folder / self.history.pop(0))
+            files.remove(self.where.local / self.history.pop(0))
             self.record_changes += 1
 
 

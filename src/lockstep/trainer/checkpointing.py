@@ -6,14 +6,12 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep import dist, progress
-from lockstep.checkpoint import fetch, ignore, loader, remote, templates
-from lockstep.checkpoint.files import DAMAGED, CheckpointError, DamagedCheckpoint, point_latest, set_aside
+from lockstep.checkpoint import autoresume, fetch, ignore, loader, remote
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
 from lockstep.callbacks.load_checkpoint import LoadCheckpoint
@@ -218,7 +216,7 @@ def _load(config: CheckpointConfig, state: State, layout: Layout, saver: Checkpo
             raise ValueError("autoresume=True needs run_name=...: a restarted job finds its checkpoints by "
                              "its run name, and a generated name differs on every launch")
         assert saver is not None  # CheckpointConfig: autoresume needs save_folder, so there is a saver
-        loaded = _autoresume(config, state, layout, saver)
+        loaded = autoresume.resume(config, state, layout, saver.where, saver.device)
     if loaded is None and config.load_path is not None:
         path = config.load_path
         if remote.is_remote(path) or config.load_object_store is not None:  # downloaded first
@@ -230,140 +228,3 @@ def _load(config: CheckpointConfig, state: State, layout: Layout, saver: Checkpo
     return loaded
 
 
-def _autoresume(config: CheckpointConfig, state: State, layout: Layout,
-                saver: CheckpointWriter) -> loader.Loaded | None:
-    """Load the newest checkpoint the latest pointer names. If its bytes are damaged (a restart
-    would fail on it every time), fall back to the newest one that loads, with a warning naming
-    what was wrong, and set the damaged one aside. The loader finds damage before any rank loads
-    anything, so a fallback starts from an untouched state. A checkpoint that does not fit the run
-    fails as it is. Per-rank files (FSDP ``local``) fall back to the newest step every rank has."""
-    template = saver.latest_template
-    assert template is not None  # CheckpointConfig: autoresume needs save_latest_filename
-    if saver.remote is not None and not fetch.autoresume(saver, layout_name=layout.name, run_name=state.run_name):
-        if dist.get_global_rank() == 0:
-            warnings.warn(f"autoresume found no complete checkpoint in {saver.remote.uri} (no latest pointer "
-                          f"there yet), and the local copies in {saver.folder} do not serve every rank: they "
-                          f"are what a job stopped before its first checkpoint reached the bucket left on "
-                          f"its nodes; starting fresh", stacklevel=4)
-        return None
-    try:
-        return loader.load(template, state, layout, run_name=state.run_name,
-                           weights_only=False, strict=config.load_strict_model_weights, optional=True,
-                           what="autoresume's latest pointer")
-    except DamagedCheckpoint as newest:
-        if saver.remote is not None:
-            again = _from_bucket_copy(config, state, layout, saver, newest)
-            if again is not None:
-                return again
-        per_rank = layout.name == LOCAL
-        for path in _older_checkpoints(saver, per_rank=per_rank):
-            try:
-                loaded = loader.load(str(path), state, layout, run_name=state.run_name, weights_only=False,
-                                     strict=config.load_strict_model_weights, what="autoresume's fallback")
-            except DamagedCheckpoint:
-                continue
-            rank = dist.get_global_rank()
-            aside = _set_aside(saver, path) if per_rank or rank == 0 else ""
-            if rank == 0:
-                warnings.warn(f"autoresume skipped the newest checkpoint, which does not load ({newest}); "
-                              f"resumed from {path} instead{aside}", stacklevel=4)
-            return loaded
-        raise
-
-
-def _from_bucket_copy(config: CheckpointConfig, state: State, layout: Layout, saver: CheckpointWriter,
-                      newest: DamagedCheckpoint) -> loader.Loaded | None:
-    """A bucket save_folder whose local copy of the newest checkpoint is damaged: set that copy
-    aside, download the bucket's copy of the checkpoint its pointer names, and load it (a
-    collective; every rank decides alike). None, with a warning, when the bucket has none or its
-    copy does not load either: then autoresume falls back to older local checkpoints."""
-    assert saver.remote is not None and saver.latest_template is not None
-    rank, where = dist.get_global_rank(), saver.remote.uri
-    try:
-        done = fetch.redownload(saver, layout_name=layout.name, run_name=state.run_name)
-    except CheckpointError as e:  # agreed: raised on every rank
-        if rank == 0:
-            warnings.warn(f"autoresume found the local copy of the newest checkpoint damaged ({newest}) and "
-                          f"could not download it again from {where} ({e}); trying older local checkpoints",
-                          stacklevel=5)
-        return None
-    if done is None:
-        return None  # no pointer in the bucket: nothing there to download
-    uri, aside = done
-    try:
-        loaded = loader.load(saver.latest_template, state, layout, run_name=state.run_name, weights_only=False,
-                             strict=config.load_strict_model_weights, optional=True,
-                             what="autoresume's download from the bucket")
-    except DamagedCheckpoint as again:
-        if rank == 0:
-            warnings.warn(f"autoresume found the local copy of the newest checkpoint damaged ({newest}), and "
-                          f"the copy downloaded again from {uri} does not load either ({again}); trying older "
-                          f"local checkpoints", stacklevel=5)
-        return None
-    if rank == 0 and loaded is not None:
-        moved = f"set it aside as {', '.join(aside)}" if aside else "it was gone when set aside"
-        warnings.warn(f"autoresume found the local copy of the newest checkpoint damaged ({newest}); {moved}, "
-                      f"downloaded the bucket's copy {uri} again and resumed from it", stacklevel=5)
-    return loaded
-
-
-def _set_aside(saver: CheckpointWriter, resumed: Path) -> str:
-    """Rank 0 (each rank, for per-rank files), once every rank has loaded ``resumed``: rename the
-    damaged checkpoint the latest pointer names with a ``.damaged`` suffix (kept to look at, and out
-    of the way of the run's next save of that step) and point the pointer at ``resumed``. What it
-    did, for the warning; it never raises, since no other rank would know (the run goes on, and its
-    next save moves the pointer)."""
-    pointer = saver.latest
-    assert pointer is not None  # autoresume needs save_latest_filename
-    done = ""
-    try:
-        if pointer.is_symlink():
-            newest = pointer.parent / os.readlink(pointer)
-            if newest.exists() and newest.resolve() != resumed.resolve():
-                done = f"; renamed the damaged one to {set_aside(newest).name}"
-        point_latest(pointer, resumed)
-    except OSError as e:
-        done += f"; could not set the damaged one aside ({e})"
-    return done
-
-
-def _older_checkpoints(saver: CheckpointWriter, *, per_rank: bool) -> list[Path]:
-    """The run's checkpoints, newest first, the same steps on every rank (the loads that try them
-    are collectives), but for those set aside. One file serves every rank: rank 0's list, without
-    the one its latest pointer names. Per-rank files: each rank's own file of each step that every
-    rank has, in the order of rank 0's (the ranks' pointers may name different steps, so none is
-    left out: a damaged step fails its load again)."""
-    rank = dist.get_global_rank()
-    if not per_rank:
-        found: list[Any] = [[str(p) for p in _listed(saver, but_newest=True)] if rank == 0 else None]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(found, src=0)
-        return [Path(p) for p in found[0]]
-    template, place = saver.config.save_filename, saver.place
-    mine = {}
-    for path in _listed(saver, but_newest=False):
-        times = templates.time_fields(template, place, path.relative_to(saver.folder).as_posix())
-        if times is not None:  # else not a name of this run's template
-            mine[tuple(times.items())] = path
-    every = dist.all_gather_object(list(mine))
-    common = set(every[0]).intersection(*every[1:])
-    return [mine[key] for key in every[0] if key in common]
-
-
-def _listed(saver: CheckpointWriter, *, but_newest: bool) -> list[Path]:
-    """This rank's checkpoints of the run in its folder (``save_filename`` may name subfolders),
-    newest first, but for those set aside and, ``but_newest``, the one its latest pointer names."""
-    pointer = saver.latest
-    newest = None
-    if but_newest and pointer is not None and pointer.is_symlink():
-        newest = (pointer.parent / os.readlink(pointer)).resolve()
-    paths = [p for p in saver.folder.glob(saver.filename_glob())
-             if not p.name.endswith(DAMAGED) and (newest is None or p.resolve() != newest)]
-    return sorted(paths, key=_mtime, reverse=True)
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0

@@ -741,7 +741,7 @@ class Trainer:
             saves.finish()
         self._run_event(Event.FIT_END)
         message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch.value}; the checkpoint is in "
-                   f"{self.saver.folder}")
+                   f"{self.saver.where.local}")
         if dist.get_global_rank() == 0:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(message)
