@@ -94,10 +94,6 @@ class State:
         self.dataset_resumption: dict[str, Any] = dataset_resumption or {}
         self._train_dataloader = train_dataloader
         self._evaluators = list(ensure_tuple(evaluators))
-        self.previous_timestamp: Timestamp | None = None
-        self.timestamp = Timestamp()
-        self.eval_timestamp = Timestamp()
-        self.predict_timestamp = Timestamp()
         self._precision = Precision(precision)
         self._precision_config = precision_config
         self.load_path: str | None = None
@@ -111,6 +107,21 @@ class State:
         self.parallelism_config = parallelism_config
         self.profiler: Any = None
         """The run's :class:`lockstep.profiler.Profiler` (Composer's ``state.profiler``), or None."""
+        self._empty_run(eval_metrics)
+        # lockstep's own
+        self.strategy = strategy
+        """The backend (:class:`lockstep.parallel.strategy.Strategy`): gradient clipping goes through it."""
+        self.batches_per_epoch = batches_per_epoch
+        """Training batches per epoch (None: unknown), which ``ep`` schedules are counted in."""
+        self.run_folder = run_folder
+        """The run's folder (``run_folder=`` or the launcher's run directory), where loggers put files."""
+
+    def _empty_run(self, eval_metrics: dict[str, dict[str, Any]] | None) -> None:
+        """What the loop fills in as it runs: the clocks at zero, no metrics, no batch yet."""
+        self.previous_timestamp: Timestamp | None = None
+        self.timestamp = Timestamp()
+        self.eval_timestamp = Timestamp()
+        self.predict_timestamp = Timestamp()
         self.serialized_attributes = list(SERIALIZED_ATTRIBUTES)
         self.train_metrics: dict[str, Any] | None = {}
         self.eval_metrics: dict[str, dict[str, Any]] = eval_metrics if eval_metrics is not None else {}
@@ -128,13 +139,6 @@ class State:
         self.loss_tensor: Any = None
         """This rank's mean training loss of the last batch (kept as a tensor: no device sync per step);
         in the microbatch loop, from AFTER_LOSS on, the microbatch's loss."""
-        # lockstep's own
-        self.strategy = strategy
-        """The backend (:class:`lockstep.parallel.strategy.Strategy`): gradient clipping goes through it."""
-        self.batches_per_epoch = batches_per_epoch
-        """Training batches per epoch (None: unknown), which ``ep`` schedules are counted in."""
-        self.run_folder = run_folder
-        """The run's folder (``run_folder=`` or the launcher's run directory), where loggers put files."""
 
     # -- time ---------------------------------------------------------------------------------
 

@@ -315,8 +315,9 @@ def _check_values(args: argparse.Namespace, pet: list[str]) -> None:
             raise LaunchError(f"{flag} {value!r}: expected a path; leave the flag out for the default")
 
 
-def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.datetime | None = None) -> LaunchPlan:
-    """Turn the command line and environment into a LaunchPlan; raise LaunchError on bad input."""
+def _parsed(argv: Sequence[str], env: Mapping[str, str]) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[str]]:
+    """The parser, the arguments (torchrun's ``PET_*`` variables read as flags, the command line
+    winning) and those variables' flags; each value checked."""
     parser = build_parser()
     args = parser.parse_args(list(argv))
     pet = torchrun.pet_arguments(parser, args, env)
@@ -326,6 +327,23 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         raise LaunchError(f"unknown option {args.training_script!r} (see lockstep --help)")
     torchrun.check_accepted(args)
     _check_values(args, pet)
+    return parser, args, pet
+
+
+def _checked_outputs(args: argparse.Namespace, nproc: int) -> Mode:
+    """Check the output flags and the target; what the target is."""
+    inputs.check_format("stdout", args.stdout)
+    inputs.check_format("stderr", args.stderr)
+    mode = Mode.MODULE if args.module_mode else Mode.COMMAND if args.command_mode else Mode.SCRIPT
+    inputs.check_target(mode, args.training_script)
+    torchrun.check_stream_map("--tee", args.tee, nproc)
+    torchrun.check_stream_map("--redirects", getattr(args, "redirects", Stream.NONE), nproc)
+    return mode
+
+
+def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.datetime | None = None) -> LaunchPlan:
+    """Turn the command line and environment into a LaunchPlan; raise LaunchError on bad input."""
+    parser, args, pet = _parsed(argv, env)
     standalone = getattr(args, "standalone", False)
     if standalone:
         env = torchrun.standalone_env(env)
@@ -339,18 +357,11 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     max_restarts = args.max_restarts
     if max_restarts is None:
         max_restarts = _from_env(env, "LOCKSTEP_MAX_RESTARTS", _non_negative_int, "--max_restarts") or 0
-
-    inputs.check_format("stdout", args.stdout)
-    inputs.check_format("stderr", args.stderr)
-    mode = Mode.MODULE if args.module_mode else Mode.COMMAND if args.command_mode else Mode.SCRIPT
-    inputs.check_target(mode, args.training_script)
-
+    mode = _checked_outputs(args, nproc)
     stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%dT%H-%M-%S-%f")
     run_directory, torchrun_logs = _run_directory(args, stamp)
     run_id = getattr(args, "rdzv_id", None)
     tee, redirects = args.tee, getattr(args, "redirects", Stream.NONE)
-    torchrun.check_stream_map("--tee", tee, nproc)
-    torchrun.check_stream_map("--redirects", redirects, nproc)
     plan = LaunchPlan(
         nproc=nproc, world_size=world_size, base_rank=base_rank, node_rank=node_rank,
         master_addr=master_addr or "127.0.0.1", master_port=master_port,
