@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 import threading
-import warnings
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,13 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle, progress
-from lockstep.checkpoint import (bucket_claim, bucket_rotation, files, integrity, leftovers, ownership, payload, remote,
+from lockstep.checkpoint import (bucket_claim, files, integrity, leftovers, ownership, payload, remote,
                                  staging, templates, writable)
 from lockstep.checkpoint.config import CheckpointConfig
+from lockstep.checkpoint.mirror import BucketMirror
 from lockstep.checkpoint.save_folder import SaveFolder
+from lockstep.checkpoint.schedule import SaveSchedule
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
-from lockstep.time import Time, Timestamp, TimeUnit, is_interval_due
+from lockstep.time import Time, Timestamp, TimeUnit
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.loader import Loaded
@@ -67,7 +68,9 @@ class CheckpointWriter:
     def __init__(self, config: CheckpointConfig, *, run_name: str, max_duration: Time | None,
                  layout: str = SINGLE, device: torch.device | str = "cpu") -> None:
         _check_config(config, layout, max_duration)
-        self.config, self.layout, self.max_duration = config, layout, max_duration
+        self.config, self.layout = config, layout
+        self.schedule = SaveSchedule(config.save_interval, max_duration)
+        """When a checkpoint is due."""
         self.device = torch.device(device)
         """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
         self.run_name = run_name
@@ -81,16 +84,10 @@ class CheckpointWriter:
         self.where = SaveFolder.of(config.save_folder, config.save_filename,  # type: ignore[arg-type]
                                    config.save_latest_filename, run_name=run_name, layout=layout)
         """The save folder: its names, its local (or staging) folder, its bucket."""
-        self.uploader: remote.Uploader | None = None
-        if self.where.remote is not None:  # staged in the local folder, then uploaded
-            self.uploader = remote.Uploader(self.where.remote, self._rank,
-                                            active=self.writes or self.layout in FOLDER_LAYOUTS,
-                                            keep=config.save_num_checkpoints_to_keep)
-        self._uploaded: dict[int, str] = {}
-        """Each save (numbered alike on every rank) not yet known complete in the bucket: this rank's name of it."""
-        self._saves = 0
-        self._rotation = bucket_rotation.BucketRotation(config.save_num_checkpoints_to_keep)
-        """The bucket's own record of this rank's checkpoints there, which its rotation follows."""
+        self.mirror = None if self.where.remote is None else BucketMirror(
+            self.where, uploads=self.writes or layout in FOLDER_LAYOUTS, publishes=self.writes,
+            keep=config.save_num_checkpoints_to_keep, device=self.device)
+        """The bucket's copy of the folder, when save_folder is a bucket's (the local folder stages it)."""
         self.history: list[str] = []
         """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
         self.saved_at: dict[str, Any] = {}
@@ -109,6 +106,11 @@ class CheckpointWriter:
         """The process group of a folder layout's writes, made at its first save."""
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
+
+    @property
+    def uploader(self) -> remote.Uploader | None:
+        """This rank's upload process into the bucket (None: a local save_folder)."""
+        return None if self.mirror is None else self.mirror.uploader
 
     def check_folder(self) -> None:
         """Before training (a collective): the folder exists or can be created and takes a write on
@@ -222,22 +224,7 @@ class CheckpointWriter:
                 self.saved_at.update(resumed.saved_at)
                 self.record_changes += 1
         if self.where.remote is not None and self.writes and config.autoresume:
-            self._left_in_bucket(resumed)
-
-    def _left_in_bucket(self, resumed: Loaded | None) -> None:
-        """A restarted job: the bucket's rotation starts from the checkpoints earlier attempts left
-        there under this rank's names (more than the resumed checkpoint's history may name)."""
-        assert self.where.remote is not None
-        try:
-            names = self.where.remote.names()
-        except Exception as e:  # rotation then deletes only this attempt's checkpoints
-            warnings.warn(f"could not list {self.where.remote.uri} ({remote.error_line(e)}): checkpoints an earlier "
-                          f"attempt left there are not rotated", stacklevel=2)
-            return
-        ours = None  # a fresh start: what earlier attempts left is stale
-        if resumed is not None and not resumed.weights_only:
-            ours = resumed.history[-1] if resumed.history else ""  # "": a name that tells no time
-        self._rotation.earlier(*bucket_rotation.left_earlier(names, self.config.save_filename, self.where.place, ours))
+            self.mirror.left_earlier(resumed)  # type: ignore[union-attr]
 
     @property
     def writes(self) -> bool:
@@ -267,20 +254,16 @@ class CheckpointWriter:
                 f"another save_folder")
 
     def due(self, before: Timestamp, after: Timestamp, event: object, state: State, *, epoch_end: bool) -> bool:
-        """Whether a checkpoint is due between ``before`` and ``after``, at the end of a batch or
-        (``epoch_end``) of an epoch. A ``save_interval`` function decides itself, from ``state`` and
-        ``event`` (the Trainer's Event of that moment)."""
-        interval = self.config.save_interval
-        if callable(interval):
-            return bool(interval(state, event))
-        assert isinstance(interval, Time)  # CheckpointConfig parsed it
-        unit = interval.unit
-        if unit is TimeUnit.DURATION:
-            assert self.max_duration is not None  # __init__ refuses a 'dur' interval without it
-            unit = self.max_duration.unit
-        if (unit is TimeUnit.EPOCH) != epoch_end:
-            return False
-        return is_interval_due(before, after, interval, self.max_duration)
+        """Whether a checkpoint is due (see :meth:`SaveSchedule.due`)."""
+        return self.schedule.due(before, after, event, state, epoch_end=epoch_end)
+
+    @property
+    def max_duration(self) -> Time | None:
+        return self.schedule.max_duration
+
+    @max_duration.setter
+    def max_duration(self, value: Time | None) -> None:  # a fit(duration=...) moves 'dur' intervals
+        self.schedule.max_duration = value
 
     def save(self, state: State, rank_entry: dict[str, Any], layout: Layout, *,
              wait: bool = False) -> Path | None:
@@ -310,11 +293,8 @@ class CheckpointWriter:
         history = [n for n in self.history if n != name] + [name]
         self.saved_at[name] = payload.plain_timestamp(state.timestamp)
         self.record_changes += 1
-        if self.uploader is not None:
-            self._saves += 1
-            self._uploaded[self._saves] = name
-            if self.writes:
-                self._rotation.saved(name)
+        if self.mirror is not None:
+            self.mirror.saved(name)
         if is_folder(layout):
             self._save_folder(state, ranks, history, layout, model, optimizers, path, pid, wait=wait)
         elif self.writes:
@@ -331,10 +311,10 @@ class CheckpointWriter:
         failure = self._join()  # the previous save's publish updates the history
         clash = self.writes and (path.exists() or path.is_symlink()) and not (self.config.save_overwrite or self._may_replace_own)
         gathered = _agreement.gather_small_objects((_to_wire(rank_entry), clash, os.getpid(), failure,
-                                                     self._upload_state()))
+                                                     None if self.mirror is None else self.mirror.state()))
         self._raise_failure(next(((r, g[3]) for r, g in enumerate(gathered) if g[3] is not None), None))
-        if self.uploader is not None:  # the bucket's pointer moves to what every rank has uploaded
-            self._after_uploads([g[4] for g in gathered])
+        if self.mirror is not None:  # the bucket's pointer moves to what every rank has uploaded
+            self.mirror.after_uploads([g[4] for g in gathered])
         if self.layout == LOCAL:  # only now is the previous save published on every rank
             self._prune()
         if any(g[1] for g in gathered):
@@ -445,8 +425,8 @@ class CheckpointWriter:
                       history: list[str], layout: FolderLayout) -> None:
         try:
             written = layout.write_parts(temp, parts, self._writer_group)
-            if self.uploader is not None and meta is None:
-                self._upload_folder_part(temp, path)
+            if self.mirror is not None and meta is None:
+                self.mirror.upload_folder_part(temp, path)
             if self.uploader is not None and self._writer_group is not None:
                 torch.distributed.barrier(group=self._writer_group)  # rank 0 renames the folder after every rank linked its files
                 if meta is None and not _sees_rank_zero(temp, written):
@@ -455,8 +435,8 @@ class CheckpointWriter:
             if meta is not None:  # rank 0, once every rank's part is written
                 layout.seal(temp, meta)
                 files.save_durably(meta, temp / SHARDED_META)
-                if self.uploader is not None:
-                    self._upload_folder_part(temp, path)
+                if self.mirror is not None:
+                    self.mirror.upload_folder_part(temp, path)
                 self._publish(temp, None, path, history)
         except BaseException as e:  # raised on every rank by the next save or wait
             self._failure = e
@@ -478,9 +458,8 @@ class CheckpointWriter:
             files.publish(temp if temp is not None else files.write_temp(staged, path), path)
             if self.where.latest is not None and self.config.save_num_checkpoints_to_keep != 0:  # 0: pruned next
                 files.point_latest(self.where.latest, path)
-            if self.uploader is not None and self.layout not in FOLDER_LAYOUTS:
-                name = str(path.relative_to(self.where.local))
-                self.uploader.upload(name, [(path, name)])
+            if self.mirror is not None and self.layout not in FOLDER_LAYOUTS:
+                self.mirror.upload_file(str(path.relative_to(self.where.local)), path)
             self.history = history
             self.record_changes += 1
             if self.layout != LOCAL:
@@ -512,65 +491,8 @@ class CheckpointWriter:
         self._raise_failure(_agreement.first_error(failure, device=self.device))
         if self.layout == LOCAL:
             self._prune()
-        if self.uploader is not None:
-            self._finish_uploads()
-
-    def _upload_state(self) -> tuple[list[int], str | None] | None:
-        """The saves whose parts this rank has uploaded, and its first upload failure, for the
-        agreement (None: it uploads nothing)."""
-        if self.uploader is None or not (self.writes or self.layout in FOLDER_LAYOUTS):
-            return None
-        done, failure = self.uploader.state()
-        names = set(done)
-        return [save for save, name in self._uploaded.items() if name in names], failure
-
-    def _upload_folder_part(self, temp: Path, path: Path) -> None:
-        """Hand this rank's files of a folder checkpoint to the uploader (rank 0: the files no
-        other rank writes, lockstep.pt among them)."""
-        assert self.uploader is not None
-        name, rank = str(path.relative_to(self.where.local)), dist.get_global_rank()
-        mine = [(p, os.path.join(name, str(p.relative_to(temp)))) for p in sorted(temp.rglob("*"))
-                if p.is_file() and remote.owner_of(p.name) == rank]
-        self.uploader.upload(name, mine)
-
-    def _after_uploads(self, states: list[tuple[list[int], str | None] | None]) -> None:
-        """Every rank, with every rank's upload state: fail on a lost upload; else move the bucket's
-        latest pointer to the newest checkpoint every rank has uploaded, then rotate the bucket."""
-        assert self.uploader is not None and self.where.remote is not None
-        failed = next(((r, s[1]) for r, s in enumerate(states) if s is not None and s[1] is not None), None)
-        if failed is not None:
-            progress.echo(failed[0])  # every rank raises it: the launcher names the rank it came from
-            where = "" if dist.get_world_size() == 1 else f" on rank {failed[0]}"
-            raise RuntimeError(f"uploading checkpoints to {self.where.remote.uri} failed{where}: {failed[1]}")
-        done = [None if s is None else s[0] for s in states]
-        save = remote.complete(list(self._uploaded), done)
-        if save is None:
-            return
-        settled = [(s, self._uploaded.pop(s)) for s in sorted(self._uploaded) if s <= save]
-        if not self.writes:
-            return
-        # each earlier save, complete or not (dropped from some rank's queue), with its name
-        old = self._rotation.settle([(name, remote.complete([s], done) is not None) for s, name in settled])
-        newest = settled[-1][1]
-        pointer = None
-        if self.where.latest is not None:
-            pointer = self.where.remote.key_of(str(self.where.latest.relative_to(self.where.local))) + remote.POINTER_SUFFIX
-        self.uploader.publish(newest, self.where.remote.key_of(newest), pointer, old)
-
-    def _finish_uploads(self) -> None:
-        """At the end of ``fit`` (and after SIGTERM's save): wait for every upload, then publish
-        the newest checkpoint in the bucket; raise on every rank if any upload failed."""
-        assert self.uploader is not None
-        self.uploader.drain()
-        self._after_uploads(_agreement.gather_small_objects(self._upload_state()))
-        self.uploader.drain()
-        _, failure = self.uploader.state()
-        first = _agreement.first_error(failure, device=self.device)
-        if first is not None:
-            assert self.where.remote is not None
-            progress.echo(first[0])
-            where = "" if dist.get_world_size() == 1 else f" on rank {first[0]}"
-            raise RuntimeError(f"uploading checkpoints to {self.where.remote.uri} failed{where}: {first[1]}")
+        if self.mirror is not None:
+            self.mirror.finish()
 
     def _prune(self) -> None:
         """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only
