@@ -53,8 +53,3 @@ class SaveFolder:
     def filename_glob(self) -> str:
         """A glob, relative to :attr:`local`, of every checkpoint name :attr:`filename` makes."""
         return templates.glob_of(self.filename, self.place)
-
-    @property
-    def shown(self) -> str:
-        """The folder as the user knows it: the bucket's URI, or the local path."""
-        return str(self.local) if self.remote is None else self.remote.uri
