@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, Dataset
 
 import lockstep
@@ -333,6 +334,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a GPT on the Python standard library with lockstep.")
     p.add_argument("--parallel", choices=("ddp", "fsdp", "zero2"), default="fsdp",
                    help="DDP, FSDP FULL_SHARD (default) or DeepSpeed ZeRO-2")
+    p.add_argument("--tp", type=int, default=1, metavar="K",
+                   help="with --parallel fsdp: split each Block's MLP over groups of K ranks (tensor "
+                        "parallelism); each group trains on K ranks' share of the batch")
+    p.add_argument("--hsdp", type=int, default=None, metavar="R",
+                   help="with --parallel fsdp: R replicas, each sharded over world/R ranks (HSDP)")
     p.add_argument("--precision", choices=("fp32", "amp_bf16"), default="fp32")
     p.add_argument("--activation_checkpointing", action="store_true", help="recompute each Block in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each Block (inductor)")
@@ -361,6 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save_folder", default=None)
     p.add_argument("--save_interval", default="0.5dur")
     p.add_argument("--autoresume", action="store_true")
+    p.add_argument("--load_path", default=None, help="start from this checkpoint's weights and state")
     p.add_argument("--run_name", default=None)
     p.add_argument("--run_folder", default=None, help="logs, metrics.jsonl, loss_curve.png, tensorboard/")
     p.add_argument("--seed", type=int, default=0)
@@ -386,7 +393,8 @@ def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
     codec, train_stream, val_stream, val_bytes = build_data(args)
     train_set = PackedTokens(train_stream, args.block_size)
     val_set = PackedTokens(val_stream, args.block_size)
-    train_loader = TokenLoader(train_set, batch_size=args.batch_size, drop_last=True,
+    # under tensor parallelism a group of --tp ranks trains on one batch: it takes the group's share
+    train_loader = TokenLoader(train_set, batch_size=args.batch_size * args.tp, drop_last=True,
                                sampler=dist.get_sampler(train_set, shuffle=True, seed=args.seed, drop_last=True))
     val_loader = DataLoader(val_set, batch_size=64, sampler=dist.get_sampler(val_set, shuffle=False))
 
@@ -403,6 +411,14 @@ def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
         parallel["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "state_dict_type": args.checkpoint_layout,
                                    "backward_prefetch": "BACKWARD_PRE",
                                    "activation_checkpointing": args.activation_checkpointing}
+        if args.hsdp is not None:
+            parallel["fsdp_config"]["data_parallel_replicate_degree"] = args.hsdp
+        if args.tp > 1:  # Megatron's MLP split: the first Linear by output columns, the second by input rows
+            plan = {"blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel()}
+            parallel["parallelism_config"] = {"fsdp": parallel.pop("fsdp_config"),
+                                              "tp": {"tensor_parallel_degree": args.tp, "layer_plan": plan}}
+    elif args.tp > 1 or args.hsdp is not None:
+        sys.exit("train_gpt.py: --tp and --hsdp shard the model with FSDP: use them with --parallel fsdp")
     elif args.parallel == "zero2":
         parallel["deepspeed_config"] = {"zero_optimization": {"stage": 2}}
     loggers = []
@@ -419,7 +435,7 @@ def build_trainer(args: argparse.Namespace) -> tuple[lockstep.Trainer, GPT]:
         device="cpu" if not torch.cuda.is_available() else None, precision=args.precision,
         device_train_microbatch_size=args.microbatch_size, seed=args.seed, run_name=args.run_name,
         run_folder=args.run_folder, save_folder=args.save_folder, save_interval=args.save_interval,
-        autoresume=args.autoresume, compile_config={} if args.compile else None, **parallel)
+        autoresume=args.autoresume, load_path=args.load_path, compile_config={} if args.compile else None, **parallel)
     return trainer, model
 
 

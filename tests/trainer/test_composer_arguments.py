@@ -217,7 +217,11 @@ def test_composers_parallelism_config_classes_stand_for_their_dicts() -> None:
             FSDPConfig(**{mesh: [2]})
     with pytest.raises(TypeError, match="FSDPConfig has no field 'nope'"):
         FSDPConfig(nope=1)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        settings(ParallelismConfig(fsdp=config, tp=TPConfig(tensor_parallel_degree=2)), None)
+    from lockstep.trainer.setup import tp_from_parallelism_config
+    with pytest.raises(ValueError, match="needs a layer_plan"):
+        tp_from_parallelism_config(ParallelismConfig(fsdp=config, tp=TPConfig(tensor_parallel_degree=2)))
+    assert tp_from_parallelism_config(ParallelismConfig(fsdp=config, tp=TPConfig())) is None  # degree 1: none
+    assert settings(None, FSDPConfig(data_parallel_shard_degree=2, data_parallel_replicate_degree=2)) == \
+        {"data_parallel_shard_degree": 2, "data_parallel_replicate_degree": 2}
     with pytest.raises(ValueError, match="limit_all_gathers"):  # a Composer setting lockstep does not act on
         parse_config(settings(None, FSDPConfig(limit_all_gathers=False)))

@@ -212,7 +212,9 @@ def test_python_log_level() -> None:
 def _parallelism(_: int) -> tuple[str, str, str]:
     trainer = _trainer(max_duration="1ba", parallelism_config={"fsdp": {"sharding_strategy": "SHARD_GRAD_OP"}})
     both = error_of(_trainer, max_duration="1ba", parallelism_config={"fsdp": {}}, fsdp_config={})
-    tp = error_of(_trainer, max_duration="1ba", parallelism_config={"tp": {}})
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    tp = error_of(_trainer, max_duration="1ba", parallelism_config={
+        "tp": {"tensor_parallel_degree": 2, "layer_plan": {"fc1": ColwiseParallel()}}})
     weights = error_of(_trainer, max_duration="1ba", parallelism_config={"fsdp": {"state_dict_type": "sharded"}},
                        save_folder=tempfile.mkdtemp(), save_weights_only=True)
     auto = error_of(_trainer, max_duration="1ba", parallelism_config={"fsdp": {}}, device_train_microbatch_size="auto")
@@ -223,7 +225,7 @@ def test_parallelism_config_is_where_composer_0_32_keeps_the_fsdp_settings() -> 
     name, both, tp, weights = run_distributed(_parallelism, world_size=2, args=(0,))[0]
     assert "FSDP" in name
     assert both.startswith("give the FSDP settings once")
-    assert "tensor parallelism ('tp') is not supported" in tp
+    assert tp.startswith("tensor parallelism shards the rest of the model with FSDP: add parallelism_config['fsdp']")
     assert weights.startswith("save_weights_only=True writes one file of full weights, but this run saves 'sharded'")
     assert "device_train_microbatch_size='auto' works under DDP and in one process" in weights
 

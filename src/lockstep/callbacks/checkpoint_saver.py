@@ -92,9 +92,9 @@ class CheckpointSaver(Callback):
     def _record(self, state: Any) -> None:
         """Take the saver's record (the Trainer saves just before BATCH_CHECKPOINT and
         EPOCH_CHECKPOINT, and at the end of fit)."""
-        if self._saver is None or self._saver.record_changes == self._seen:  # most batches: nothing new
+        if self._saver is None or self._saver.saves.changes == self._seen:  # most batches: nothing new
             return
-        self._seen = self._saver.record_changes
+        self._seen = self._saver.saves.changes
         had = self.all_saved_checkpoints_to_timestamp
         self.all_saved_checkpoints_to_timestamp = {
             name: had.get(name) or Timestamp.from_state_dict(saved)

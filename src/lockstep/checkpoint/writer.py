@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import _agreement, dist, idle, progress
-from lockstep.checkpoint import (bucket_claim, files, integrity, leftovers, ownership, payload, remote,
-                                 staging, templates, writable)
+from lockstep.checkpoint import files, integrity, leftovers, payload, remote, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
+from lockstep.checkpoint.folder_claim import FolderClaim
 from lockstep.checkpoint.mirror import BucketMirror
 from lockstep.checkpoint.save_folder import SaveFolder
+from lockstep.checkpoint.save_record import SaveRecord
 from lockstep.checkpoint.schedule import SaveSchedule
 from lockstep.checkpoint.layout import (
     FOLDER_LAYOUTS, LOCAL, SHARDED_META, SINGLE, Layout, FolderLayout, is_folder)
@@ -74,13 +75,6 @@ class CheckpointWriter:
         self.device = torch.device(device)
         """Where this run's collectives reduce tensors (NCCL reduces only CUDA tensors)."""
         self.run_name = run_name
-        self._rank = dist.get_global_rank()
-        self._claimed = False
-        """Whether this rank holds a claim on the folder (see :mod:`lockstep.checkpoint.ownership`)."""
-        self._leased = False
-        """Whether rank 0 holds the bucket's lease on a bucket's folder (see :mod:`~lockstep.checkpoint.bucket_claim`)."""
-        self._claim_agreed = False
-        """Whether every rank agreed that the run holds the folder (the same on every rank)."""
         self.where = SaveFolder.of(config.save_folder, config.save_filename,  # type: ignore[arg-type]
                                    config.save_latest_filename, run_name=run_name, layout=layout)
         """The save folder: its names, its local (or staging) folder, its bucket."""
@@ -88,12 +82,11 @@ class CheckpointWriter:
             self.where, uploads=self.writes or layout in FOLDER_LAYOUTS, publishes=self.writes,
             keep=config.save_num_checkpoints_to_keep, device=self.device)
         """The bucket's copy of the folder, when save_folder is a bucket's (the local folder stages it)."""
-        self.history: list[str] = []
-        """Names (relative to the folder) of this run's checkpoints, oldest first; kept across resumes."""
-        self.saved_at: dict[str, Any] = {}
-        """The timestamp state each checkpoint of :attr:`history` was saved at."""
-        self.record_changes = 0
-        """Counts the changes of :meth:`record` (a save, its publish, a rotation, a resume)."""
+        self.folder_claim = FolderClaim(self.where, run_name, writes=self.writes, device=self.device,
+                                        patterns=self._patterns, uploader=lambda: self.uploader)
+        """The run's hold on the folder, from :meth:`check_folder` to the end of ``fit``."""
+        self.saves = SaveRecord(config.save_num_checkpoints_to_keep, layout)
+        """This run's checkpoints in the folder, kept across resumes."""
         self.last_saved_batch: int | None = None
         self._swept = False
         self._pool: ThreadPoolExecutor | None = None
@@ -119,32 +112,7 @@ class CheckpointWriter:
         error = writable.check_folder(self.where.local) if self.writes or self.layout in FOLDER_LAYOUTS else None
         if error is None and self.where.remote is not None:  # wrong credentials, no bucket, no server: now
             error = self.where.remote.problem()
-        self.claim(error)
-
-    def claim(self, error: str | None = None) -> None:
-        """Claim the folder for this run until :meth:`release` (a collective; see
-        :mod:`lockstep.checkpoint.ownership`, and for a bucket's folder, claimed by rank 0 across
-        machines, :mod:`~lockstep.checkpoint.bucket_claim`): a ValueError on every rank if any rank
-        may not write there (``error``: why, found by the caller) or another live job owns it."""
-        if self._claim_agreed:
-            return
-        if error is None and self.writes:
-            error = ownership.claim(self.where.local, self.run_name, self._rank, self._patterns())
-            self._claimed = error is None
-        if error is None and self.where.remote is not None and self._rank == 0:
-            error = bucket_claim.claim(self.where.remote, self.run_name, self._patterns(), self._lease_lost)
-            self._leased = error is None
-        try:
-            _agreement.raise_first_error(error, ValueError, device=self.device)
-        except ValueError:
-            self.release()
-            raise
-        if self.where.remote is not None:  # every rank's writes to the bucket stop once the lease is another job's
-            guard = _agreement.gather_small_objects(
-                bucket_claim.guard(self.where.remote, self.run_name) if self._rank == 0 else None)[0]
-            if self.uploader is not None:
-                self.uploader.guard = guard
-        self._claim_agreed = True
+        self.folder_claim.take(error)
 
     def _patterns(self) -> list[str]:
         """Globs of the names this rank writes in the folder, for :mod:`ownership`."""
@@ -153,34 +121,10 @@ class CheckpointWriter:
             names.append(self.where.latest.name)
         return names
 
-    @property
-    def claimed(self) -> bool:
-        """Whether the run holds the folder now (every rank agreed: see :meth:`claim`)."""
-        return self._claim_agreed
-
-    def release(self) -> None:
-        """Give up this rank's claim on the folder (the end of ``fit``, ``close``); safe to call again.
-        The bucket's lease goes once the writes queued under it have ended."""
-        self._claim_agreed = False
-        if self._claimed:
-            self._claimed = False
-            ownership.release(self.where.local, self.run_name, self._rank)
-        if self._leased:
-            assert self.where.remote is not None
-            if self.uploader is not None:  # its queued writes are guarded by the lease: they end first
-                self.uploader.drain()
-            self._leased = False
-            bucket_claim.release(self.where.remote, self.run_name, self._lease_lost)
-
-    def _lease_lost(self, message: str) -> None:
-        """Another job took the bucket's folder over: this job fails at its next save (or the end of ``fit``)."""
-        if self.uploader is not None:
-            self.uploader.fail(message)
-
     def close(self) -> None:
         """Release the folder and end the upload process, once it has done what it was given
         (``Trainer.close``; no save follows)."""
-        self.release()
+        self.folder_claim.release()
         if self.uploader is not None:
             self.uploader.close()
 
@@ -220,9 +164,7 @@ class CheckpointWriter:
         if resumed is not None and not resumed.weights_only:
             self.last_saved_batch = resumed.batch
             if config.autoresume:
-                self.history = resumed.history
-                self.saved_at.update(resumed.saved_at)
-                self.record_changes += 1
+                self.saves.resumed(resumed.history, resumed.saved_at)
         if self.where.remote is not None and self.writes and config.autoresume:
             self.mirror.left_earlier(resumed)  # type: ignore[union-attr]
 
@@ -290,9 +232,7 @@ class CheckpointWriter:
         if self.writes and not self._swept:  # temporary files of a writer that died mid-save
             files.remove_stale_temps(self.where.local)
             self._swept = True
-        history = [n for n in self.history if n != name] + [name]
-        self.saved_at[name] = payload.plain_timestamp(state.timestamp)
-        self.record_changes += 1
+        history = self.saves.saving(name, payload.plain_timestamp(state.timestamp))
         if self.mirror is not None:
             self.mirror.saved(name)
         if is_folder(layout):
@@ -328,28 +268,19 @@ class CheckpointWriter:
         """Rank 0's lockstep.pt of a folder layout: everything but the model and optimizer tensors."""
         if dist.get_global_rank() != 0:
             return None
-        return payload.build(state, ranks, self._record(history), layout, {}, rests,
+        return payload.build(state, ranks, self.saves.kept(history), layout, {}, rests,
                              metrics=self.config.save_metrics)
-
-    def _record(self, history: list[str]) -> list[tuple[str, Any]]:
-        """The record a checkpoint holds of the checkpoints the folder holds with it (see payload):
-        those rotation keeps once it is published (per-rank files keep one more until every rank
-        has published, which the loader may step back to)."""
-        keep = self.config.save_num_checkpoints_to_keep
-        if keep != -1 and self.layout != LOCAL:
-            history = history[len(history) - keep:]
-        return [(name, self.saved_at.get(name)) for name in history]
 
     def record(self) -> list[tuple[str, Any]]:
         """``(name, timestamp state)`` of each checkpoint this run saved that the folder still
         holds, oldest first (a rank that publishes no files lists all it took part in)."""
-        return self._record(self.history) if self.writes else list(self.saved_at.items())
+        return self.saves.entries(self.writes)
 
     def _save_file(self, state: State, ranks: list[dict[str, Any]], history: list[str], layout: Layout,
                    model: dict[str, Any], optimizers: list[Any], path: Path, *, wait: bool) -> None:
         """A writer's one file: staged and written by the thread, or written here when it does not fit."""
         content = model if self.config.save_weights_only else payload.build(
-            state, ranks, self._record(history), layout, model, optimizers, rank=dist.get_global_rank(),
+            state, ranks, self.saves.kept(history), layout, model, optimizers, rank=dist.get_global_rank(),
             metrics=self.config.save_metrics)
         if self.config.save_ignore_keys is not None:
             try:
@@ -460,8 +391,7 @@ class CheckpointWriter:
                 files.point_latest(self.where.latest, path)
             if self.mirror is not None and self.layout not in FOLDER_LAYOUTS:
                 self.mirror.upload_file(str(path.relative_to(self.where.local)), path)
-            self.history = history
-            self.record_changes += 1
+            self.saves.published(history)
             if self.layout != LOCAL:
                 self._prune()
         except BaseException as e:  # raised on every rank by the next save or wait
@@ -498,12 +428,9 @@ class CheckpointWriter:
         """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only
         once every rank has published the newest, so that after a crash between two ranks'
         publishes the ranks ahead still hold the step the others are at (the loader goes back to it)."""
-        keep = self.config.save_num_checkpoints_to_keep
-        if keep == -1:
-            return
-        while len(self.history) > keep:
-            files.remove(self.where.local / self.history.pop(0))
-            self.record_changes += 1
+        while (oldest := self.saves.oldest_beyond_keep()) is not None:
+            files.remove(self.where.local / oldest)
+            self.saves.forget_oldest()
 
 
 def _sees_rank_zero(temp: Path, written: Collection[str]) -> bool:

@@ -41,7 +41,11 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, norm_t
     as ``torch.nn.utils.clip_grad_norm_`` does in one process; returns the norm before clipping."""
     params = [p for p in params if p.grad is not None]
     norm = total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    on_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:  # one scaling per mesh: under tensor parallelism the parameters lie on two
+        on_mesh.setdefault(id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None, []).append(p)
+    for group in on_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
 
 

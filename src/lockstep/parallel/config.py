@@ -12,6 +12,7 @@ from lockstep.parallel.compile import check_compile_config
 from lockstep.parallel.ddp import DDPSyncStrategy, DDPStrategy, resolve_sync_strategy
 from lockstep.parallel.fsdp_config import FSDPConfig, parse_config
 from lockstep.parallel.strategy import Strategy
+from lockstep.parallel.tensor_parallel import TensorParallel
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,6 +25,8 @@ class ParallelConfig:
     """DDP's own flag, for models whose forward leaves some parameters unused."""
     fsdp_config: FSDPConfig | Mapping[str, Any] | None = None
     """Shard the model with FSDP (see :mod:`lockstep.parallel.fsdp_sharding`)."""
+    tp_config: TensorParallel | None = None
+    """Split layers over groups of ranks (see :mod:`lockstep.parallel.tensor_parallel`); needs FSDP."""
     deepspeed_config: Mapping[str, Any] | None = None
     """Train through a DeepSpeed engine (see :mod:`lockstep.parallel.deepspeed`)."""
     compile_config: Mapping[str, Any] | None = None
@@ -32,6 +35,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.fsdp_config is not None and self.deepspeed_config is not None:
             raise ValueError("fsdp_config and deepspeed_config were both given: pick one way to shard the model")
+        if self.tp_config is not None and self.deepspeed_config is not None:
+            raise ValueError("tensor parallelism (parallelism_config['tp']) does not work with deepspeed_config: "
+                             "shard the model with parallelism_config={'fsdp': {...}, 'tp': {...}} instead")
+        if self.tp_config is not None and self.fsdp_config is None:
+            raise ValueError("tensor parallelism shards the rest of the model with FSDP: add "
+                             "parallelism_config['fsdp'] (an empty {} takes FSDP's defaults)")
         self.compile_config = check_compile_config(self.compile_config)
         if self.compile_config is not None and self.deepspeed_config is not None:
             raise ValueError("compile_config is not supported with deepspeed_config: DeepSpeed wraps the model in "
@@ -47,7 +56,7 @@ def build_strategy(config: ParallelConfig, *, device: torch.device, precision: s
     and imports DeepSpeed, before any process group exists."""
     if config.fsdp_config is not None:
         from lockstep.parallel.fsdp import FSDPStrategy
-        return FSDPStrategy(device, precision, config.fsdp_config)  # type: ignore[arg-type]
+        return FSDPStrategy(device, precision, config.fsdp_config, config.tp_config)  # type: ignore[arg-type]
     if config.deepspeed_config is not None:
         from lockstep import dist
         from lockstep.parallel import deepspeed as ds

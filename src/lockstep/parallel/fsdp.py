@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lockstep import dist
 from lockstep.parallel.fsdp_sharding import FSDPSetup, prepare_fsdp
 from lockstep.parallel.fsdp_config import FSDPConfig
+from lockstep.parallel.mesh import DataParallel, MeshShape, resolve_shape
+from lockstep.parallel.tensor_parallel import TensorParallel
 from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
@@ -24,17 +27,27 @@ class FSDPStrategy(Strategy):
     gathers_in_forward = True
     needs_process_group = True
 
-    def __init__(self, device: torch.device, precision: str, config: FSDPConfig) -> None:
+    def __init__(self, device: torch.device, precision: str, config: FSDPConfig,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__(device, precision)
-        self.config = config
+        self.config, self.tp = config, tp
+        self.shape = _mesh_shape(config, tp)
+        """The job's mesh (Composer's degrees, tensor parallelism); None: the sharding strategy's own."""
         self.fsdp = FSDPSetup()
         """The units and checkpointed modules :func:`prepare_fsdp` made."""
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         model.to(self.device)
-        self.fsdp = prepare_fsdp(model, self.config, self.precision, self.device, optimizers)
+        self.fsdp = prepare_fsdp(model, self.config, self.precision, self.device, optimizers, self.shape, self.tp)
         self.model = self.module = model
         self.optimizers = optimizers
+
+    def data_parallel(self) -> DataParallel:
+        if self.tp is None:
+            return super().data_parallel()
+        # the ranks of a tensor-parallel group are consecutive, and train on one batch
+        return DataParallel(dist.get_global_rank() // self.tp.degree, dist.get_world_size() // self.tp.degree,
+                            self.tp.degree)
 
     def _compile_targets(self) -> list[nn.Module]:
         below_root = [u.module for u in self.fsdp.units if u.module is not self.model]
@@ -50,4 +63,16 @@ class FSDPStrategy(Strategy):
         return kinds[self.config.state_dict_type](self.model, self.optimizers, self.fsdp.buffer_dtypes)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "units": self.fsdp.units, "checkpointed": self.fsdp.checkpointed}
+        return {**super().describe(), "units": self.fsdp.units, "checkpointed": self.fsdp.checkpointed,
+                "mesh": None if self.shape is None else self.shape.describe()}
+
+
+def _mesh_shape(config: FSDPConfig, tp: TensorParallel | None) -> MeshShape | None:
+    """The mesh the degrees ask for, checked against the world size before any process group exists."""
+    if not config.explicit_mesh and tp is None:
+        return None
+    if config.sharding_strategy == "HYBRID_SHARD" and config.data_parallel_replicate_degree is None:
+        raise ValueError("sharding_strategy HYBRID_SHARD with tensor parallelism needs "
+                         "fsdp_config['data_parallel_replicate_degree'] (how many replicas)")
+    return resolve_shape(dist.get_world_size(), shard=config.data_parallel_shard_degree,
+                         replicate=config.data_parallel_replicate_degree, tensor=1 if tp is None else tp.degree)

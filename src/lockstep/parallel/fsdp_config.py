@@ -65,6 +65,10 @@ class FSDPConfig:
     state_dict_type: str = "full"
     """full: rank 0 writes one file; local: each rank writes its shards ({rank} in save_filename);
     sharded: a torch.distributed.checkpoint folder that loads at any world size."""
+    data_parallel_shard_degree: int = -1
+    """How many ranks each parameter is sharded over (-1: the ranks the other degrees leave)."""
+    data_parallel_replicate_degree: int | None = None
+    """How many replicas of the sharded model train side by side (HSDP); None: one."""
 
     def __post_init__(self) -> None:
         _check_choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
@@ -76,6 +80,14 @@ class FSDPConfig:
         check_mixed_precision(self.mixed_precision, "fsdp_config['mixed_precision']")
         _check_choice("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCHES)
         _check_choice("state_dict_type", self.state_dict_type, STATE_DICT_TYPES)
+        if self.explicit_mesh and self.sharding_strategy == "NO_SHARD":
+            raise ValueError("fsdp_config sets data_parallel_shard_degree or data_parallel_replicate_degree, "
+                             "which shard the model, but sharding_strategy is NO_SHARD: drop one of them")
+
+    @property
+    def explicit_mesh(self) -> bool:
+        """Whether the config gives the data-parallel degrees (Composer's mesh) rather than a strategy's."""
+        return self.data_parallel_shard_degree != -1 or self.data_parallel_replicate_degree is not None
 
 
 def parse_config(config: Mapping[str, Any]) -> FSDPConfig:

@@ -31,6 +31,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from lockstep import dist
 from lockstep.parallel.fsdp_config import (
     FSDPConfig, Precision, check_mixed_precision, check_process_group, resolve_precision)
+from lockstep.parallel.mesh import TENSOR, MeshShape, build_mesh, data_parallel_mesh
+from lockstep.parallel.tensor_parallel import TensorParallel, check_plan
+from lockstep.parallel.tensor_parallel import apply as apply_tensor_parallel
 
 MODULE_KEYS = ("process_group", "sharding_strategy", "mixed_precision", "cpu_offload")
 """The settings a wrap rule may give one module (a dict from ``_fsdp_wrap`` or ``fsdp_wrap_fn``)."""
@@ -63,6 +66,8 @@ class FSDPSetup:
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     """State dict name -> original dtype of each buffer kept in a lower buffer dtype: full and
     sharded checkpoints hold those buffers in their original dtype, as FSDP1's did."""
+    mesh: DeviceMesh | None = None
+    """The job's mesh when the config gives Composer's degrees or tensor parallelism."""
 
     def describe(self) -> list[str]:
         lines = []
@@ -80,21 +85,30 @@ def _short(p: Precision) -> str:
 
 
 def prepare_fsdp(model: nn.Module, config: FSDPConfig, precision: str, device: torch.device,
-                 optimizers: list[torch.optim.Optimizer]) -> FSDPSetup:
-    """Shard ``model`` in place per ``config`` and repoint ``optimizers`` at the sharded parameters."""
+                 optimizers: list[torch.optim.Optimizer], shape: MeshShape | None = None,
+                 tp: TensorParallel | None = None) -> FSDPSetup:
+    """Shard ``model`` in place per ``config`` and repoint ``optimizers`` at the sharded parameters.
+    With ``shape`` (Composer's degrees) every unit is sharded over that mesh's data-parallel
+    dimensions, after ``tp`` split its layers over the tensor-parallel one."""
     for i, optimizer in enumerate(optimizers):
         if optimizer.state:
             raise ValueError(f"optimizers[{i}] already holds state (it has taken a step): FSDP shards the "
                              f"parameters, so build the optimizer fresh and pass it to the Trainer")
+    if tp is not None:
+        check_plan(model, tp.plan)
     world_size, local_world_size = dist.get_world_size(), dist.get_local_world_size()
     wraps = _wrap_decisions(model, config.min_params)
     for settings in wraps.values():
-        _check_module_settings(settings, world_size, local_world_size)
+        _check_module_settings(settings, world_size, local_world_size, explicit_mesh=shape is not None)
     owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
     setup = FSDPSetup()
+    meshes = _Meshes(device.type, world_size, local_world_size)
+    if shape is not None:
+        setup.mesh = meshes.use(shape)
+        if tp is not None:
+            apply_tensor_parallel(model, setup.mesh[TENSOR], tp.plan)
     if config.activation_checkpointing or config.activation_cpu_offload:
         setup.checkpointed = _apply_activation_checkpointing(model, wraps, config)
-    meshes = _Meshes(device.type, world_size, local_world_size)
     default_precision = resolve_precision(config.mixed_precision, precision)
     for name, module in _post_order(model):
         settings = wraps.get(id(_unwrapped(module)))
@@ -157,11 +171,16 @@ def _rule(module: nn.Module, attribute: str, owner: nn.Module | None, fn_name: s
     raise TypeError(f"{where} returned {value!r}: return True, False or a dict of settings")
 
 
-def _check_module_settings(settings: Mapping[str, Any], world_size: int, local_world_size: int) -> None:
+def _check_module_settings(settings: Mapping[str, Any], world_size: int, local_world_size: int, *,
+                           explicit_mesh: bool) -> None:
     unknown = sorted(set(settings) - set(MODULE_KEYS), key=str)
     if unknown:
         raise ValueError(f"per-module FSDP settings have unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"valid keys: {', '.join(MODULE_KEYS)}")
+    if explicit_mesh and ("process_group" in settings or settings.get("sharding_strategy") == "NO_SHARD"):
+        raise ValueError(f"a per-module {'process_group' if 'process_group' in settings else 'NO_SHARD'} "
+                         f"cannot be combined with the data-parallel degrees or tensor parallelism, which shard "
+                         f"every module over one mesh: drop it from the wrap rule")
     if "sharding_strategy" in settings:
         FSDPConfig(sharding_strategy=settings["sharding_strategy"])  # validates the value
     if "mixed_precision" in settings:
@@ -229,8 +248,17 @@ class _Meshes:
     def __init__(self, device_type: str, world_size: int, local_world_size: int) -> None:
         self.device_type, self.world_size, self.local_world_size = device_type, world_size, local_world_size
         self._cache: dict[tuple[Any, ...], DeviceMesh] = {}
+        self._data_parallel: DeviceMesh | None = None
+
+    def use(self, shape: MeshShape) -> DeviceMesh:
+        """Build the job's mesh of ``shape``; every unit is then sharded over its data-parallel dimensions."""
+        mesh = build_mesh(self.device_type, shape)
+        self._data_parallel = data_parallel_mesh(mesh, shape)
+        return mesh
 
     def get(self, strategy: str, group: tuple[str, int] | None) -> DeviceMesh:
+        if self._data_parallel is not None:
+            return self._data_parallel
         key = (strategy == "NO_SHARD", strategy == "HYBRID_SHARD", group)
         if key not in self._cache:
             self._cache[key] = self._make(*key)

@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 from lockstep import batch as batches
+from lockstep import dist
 from lockstep.parallel import clipping
+from lockstep.parallel.mesh import DataParallel
 from lockstep.parallel.precision import NULL_CONTEXT, autocast, make_grad_scaler
 
 if TYPE_CHECKING:
@@ -60,6 +62,11 @@ class Strategy:
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def data_parallel(self) -> DataParallel:
+        """How the data is split among the ranks: every rank trains on its own share, unless
+        tensor parallelism makes a group of ranks train on one."""
+        return DataParallel(dist.get_global_rank(), dist.get_world_size())
 
     def compile(self, config: dict[str, Any]) -> None:
         """``torch.compile`` the prepared model in place (see :mod:`lockstep.parallel.compile`)."""

@@ -151,13 +151,13 @@ def save_to_folder(saves: FitSaves | None, saver: CheckpointWriter | None, *, fi
     if saves is None or saver is None:
         raise ValueError("save_checkpoint_to_save_folder() writes into save_folder: give save_folder=... to "
                          "Trainer(...)")
-    held = saver.claimed  # during fit, and from Trainer(...) to the first fit: kept
-    saver.claim()
+    held = saver.folder_claim.held  # during fit, and from Trainer(...) to the first fit: kept
+    saver.folder_claim.take()
     try:
         saves.finish()
     finally:
         if not held and not fitting:
-            saver.release()
+            saver.folder_claim.release()
 
 
 def save_named(name: str, state: State, layout: Layout, position: DataPosition, *,
@@ -178,7 +178,7 @@ def save_named(name: str, state: State, layout: Layout, position: DataPosition, 
         path = saver.save(state, rank_entry(position, state.timestamp.batch_in_epoch.value == 0), layout, wait=True)
         saver.wait()
     finally:
-        saver.release()
+        saver.folder_claim.release()
     return None if path is None else str(path)
 
 

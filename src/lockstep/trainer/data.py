@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from lockstep import _agreement, dist
 from lockstep import rng
+from lockstep.parallel.mesh import data_parallel
 
 
 class _IgnoreSigterm:
@@ -63,6 +64,28 @@ def check_distributed_sampler(loader: Any, name: str) -> None:
             f"{name} has a map-style dataset but its sampler is {type(_sampler(loader)).__name__}, "
             f"so every rank would train on the same data: build it with "
             f"DataLoader(dataset, batch_size=..., sampler=lockstep.dist.get_sampler(dataset, shuffle=True))")
+
+
+def split_over_data_parallel(loader: Any, name: str) -> None:
+    """Under tensor parallelism the ranks of a group train on one share of the data: a
+    DistributedSampler made for every rank (``dist.get_sampler``'s default) is split over the
+    data-parallel ranks instead, so that the global batch is the same as without it."""
+    split, sampler = data_parallel(), _sampler(loader)
+    if split.copies == 1 or not isinstance(sampler, DistributedSampler):
+        return
+    if (sampler.num_replicas, sampler.rank) == (split.size, split.rank):
+        return
+    if (sampler.num_replicas, sampler.rank) != (dist.get_world_size(), dist.get_global_rank()):
+        raise ValueError(f"{name}'s DistributedSampler gives rank {sampler.rank} of {sampler.num_replicas} its "
+                         f"share, but under tensor parallelism this rank trains on share {split.rank} of "
+                         f"{split.size}: build it with lockstep.dist.get_sampler(dataset)")
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    sampler.num_replicas, sampler.rank = split.size, split.rank
+    if sampler.drop_last and size % split.size:  # as DistributedSampler itself counts
+        sampler.num_samples = (size - split.size) // split.size + (1 if (size - split.size) % split.size else 0)
+    else:
+        sampler.num_samples = -(-size // split.size)
+    sampler.total_size = sampler.num_samples * split.size
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
@@ -225,7 +248,7 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, 
 def _counted(it: Iterator[Any], length: int, done: int, count: Any, track: DataPosition | None,
              state_of: Any, resume: DataPosition | None,
              sum_tokens: bool) -> Iterator[tuple[Any, int, SupportsInt, bool]]:
-    world_size = dist.get_world_size()
+    world_size = data_parallel().size
     if resume is not None and resume.rng_after is not None:
         rng.restore(resume.rng_after)
     for index in range(done, length):
@@ -241,7 +264,7 @@ def _counted(it: Iterator[Any], length: int, done: int, count: Any, track: DataP
 
 def _read_ahead(it: Iterator[Any], count: Any, sync: bool, device: torch.device, track: DataPosition | None,
                 state_of: Any, resume: DataPosition | None) -> Iterator[tuple[Any, int, int, bool]]:
-    world_size = dist.get_world_size()
+    world_size = data_parallel().size
 
     def fetch() -> Any:
         if track is not None:
@@ -288,12 +311,16 @@ class TokenSum:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            self._tensor //= data_parallel().copies  # each share's count, once per tensor-parallel rank
         return int(self._tensor[0])
 
 
 def _agree(values: list[int], device: torch.device) -> list[int]:
+    """Samples, tokens (each share counted once) and how many ranks ended, over every rank."""
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
-    return [int(v) for v in dist.all_reduce(t, "SUM").tolist()]
+    samples, tokens, ended = (int(v) for v in dist.all_reduce(t, "SUM").tolist())
+    copies = data_parallel().copies
+    return [samples // copies, tokens // copies, ended]
 
 
 def real_eval_samples(loader: Any) -> int | None:

@@ -46,6 +46,7 @@ def build_evaluators(eval_dataloader: Any, model: Model, device: torch.device, e
     for evaluator in evaluators:
         data.check_distributed_sampler(evaluator.dataloader.dataloader, f"eval_dataloader {evaluator.label!r}")
         data.shielded(evaluator.dataloader.dataloader)
+        data.split_over_data_parallel(evaluator.dataloader.dataloader, f"eval_dataloader {evaluator.label!r}")
         if evaluator.eval_interval is None:
             evaluator.eval_interval = eval_interval
         if evaluator.subset_num_batches is None:

@@ -248,25 +248,42 @@ def set_python_log_level(level: str | None) -> None:
 
 
 def fsdp_from_parallelism_config(parallelism_config: Any, fsdp_config: Any) -> dict | None:
-    """Composer 0.32's ``parallelism_config={'fsdp': {...}}`` (or a ``ParallelismConfig``) and
-    ``fsdp_config`` (a dict or an ``FSDPConfig``): the FSDP settings as a dict, checked."""
-    from lockstep.utils.parallelism import ParallelismConfig, as_fsdp_dict
+    """Composer 0.32's ``parallelism_config={'fsdp': {...}, 'tp': {...}}`` (or a ``ParallelismConfig``)
+    and ``fsdp_config`` (a dict or an ``FSDPConfig``): the FSDP settings as a dict, checked."""
+    from lockstep.utils.parallelism import as_fsdp_dict
+
+    parts = _parallelism_parts(parallelism_config)
+    if parts is None:
+        return as_fsdp_dict(fsdp_config)
+    if fsdp_config is not None and parts.get("fsdp") is not None:
+        raise ValueError("give the FSDP settings once: in parallelism_config={'fsdp': ...} or in fsdp_config")
+    return as_fsdp_dict(parts.get("fsdp", fsdp_config))
+
+
+def tp_from_parallelism_config(parallelism_config: Any) -> Any:
+    """``parallelism_config['tp']`` checked (see :mod:`lockstep.parallel.tensor_parallel`); None: none."""
+    from lockstep.parallel import tensor_parallel
+
+    parts = _parallelism_parts(parallelism_config)
+    return None if parts is None else tensor_parallel.parse(parts.get("tp"))
+
+
+def _parallelism_parts(parallelism_config: Any) -> dict | None:
+    from lockstep.utils.parallelism import ParallelismConfig
 
     if isinstance(parallelism_config, ParallelismConfig):
         parallelism_config = {k: v for k, v in (("fsdp", parallelism_config.fsdp), ("tp", parallelism_config.tp))
                               if v is not None}
     if parallelism_config is None:
-        return as_fsdp_dict(fsdp_config)
+        return None
     if not isinstance(parallelism_config, dict):
-        raise TypeError(f"parallelism_config must be a dict such as {{'fsdp': {{...}}}}, got "
+        raise TypeError(f"parallelism_config must be a dict such as {{'fsdp': {{...}}, 'tp': {{...}}}}, got "
                         f"{type(parallelism_config).__name__}")
-    unknown = set(parallelism_config) - {"fsdp"}
+    unknown = sorted(set(parallelism_config) - {"fsdp", "tp"}, key=str)
     if unknown:
-        raise ValueError(f"parallelism_config has {sorted(unknown)}: lockstep shards data-parallel only "
-                         f"('fsdp'); tensor parallelism ('tp') is not supported")
-    if fsdp_config is not None and parallelism_config.get("fsdp") is not None:
-        raise ValueError("give the FSDP settings once: in parallelism_config={'fsdp': ...} or in fsdp_config")
-    return as_fsdp_dict(parallelism_config.get("fsdp", fsdp_config))
+        raise ValueError(f"parallelism_config has unknown key(s) {', '.join(map(repr, unknown))}: its keys are "
+                         f"'fsdp' and 'tp'")
+    return parallelism_config
 
 
 def auto_microbatching(loop: Any, parallel: Any) -> Any:

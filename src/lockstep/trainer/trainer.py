@@ -27,6 +27,7 @@ from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.parallel.config import ParallelConfig, build_strategy
+from lockstep.parallel.mesh import data_parallel, set_data_parallel
 from lockstep.parallel.precision import make_grad_scaler
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
@@ -130,7 +131,8 @@ class Trainer:
             local one, else the bucket's), if there is one.
         fsdp_config: Shard the model with FSDP: a dict of FSDP settings (sharding strategy, mixed
             precision, wrapping, activation checkpointing, ``state_dict_type``, ...).
-        parallelism_config: Composer 0.32's ``{'fsdp': {...}}``, the same as ``fsdp_config``.
+        parallelism_config: Composer 0.32's ``{'fsdp': {...}, 'tp': {...}}``: FSDP settings (as
+            ``fsdp_config``) and tensor parallelism (``tensor_parallel_degree``, ``layer_plan``).
         deepspeed_config: Train with DeepSpeed ZeRO (stages 0-3): DeepSpeed's config dict.
         compile_config: Compile the model with ``torch.compile`` and these arguments (``{}``:
             the defaults).
@@ -248,6 +250,7 @@ class Trainer:
         self.parallel = ParallelConfig(
             ddp_sync_strategy=ddp_sync_strategy, find_unused_parameters=find_unused_parameters,
             fsdp_config=setup.fsdp_from_parallelism_config(parallelism_config, fsdp_config),
+            tp_config=setup.tp_from_parallelism_config(parallelism_config),
             deepspeed_config=deepspeed_config, compile_config=compile_config)
         callbacks = checkpointing.with_saver_callback(callbacks, self.checkpoints)
         run_name = setup.run_name_from_environment(run_name)
@@ -376,6 +379,7 @@ class Trainer:
         s = self.state
         s.train_dataloader = self.train_dataloader
         if self.train_dataloader is not None:
+            data.split_over_data_parallel(self.train_dataloader, "train_dataloader")
             limit = self.loop.train_subset_num_batches
             s.set_dataloader(self.train_dataloader, self.options.train_dataloader_label, -1 if limit is None else limit)
 
@@ -396,8 +400,10 @@ class Trainer:
         """Join the process group, seed, and prepare the model on every rank (collectives)."""
         loop = self.loop
         dist.initialize_dist(loop.device, dist_timeout, single_process_group=self.strategy.needs_process_group)
-        if loop.seed is not None:
-            rng.seed_everything(loop.seed + dist.get_global_rank())
+        split = self.strategy.data_parallel()
+        set_data_parallel(split)
+        if loop.seed is not None:  # the ranks of a tensor-parallel group draw the same numbers
+            rng.seed_everything(loop.seed + split.rank)
         self.strategy.setup(model, optimizers)
         if self.parallel.compile_config is not None:
             self.strategy.compile(self.parallel.compile_config)
@@ -438,16 +444,22 @@ class Trainer:
         ``step_schedulers_every_batch`` with ``schedulers``); under FSDP or DeepSpeed the precision,
         and under DeepSpeed the microbatch size, stay the Trainer's.
         """
-        given = fit_arguments.FitArguments(**{k: v for k, v in locals().items() if k != "self"})
         if self._closed:
             raise RuntimeError("fit() after close(): build a new Trainer")
         with errors.configuration_checks():  # fit's arguments are checked as the Trainer's are
+            given = fit_arguments.FitArguments(
+                train_dataloader=train_dataloader, train_dataloader_label=train_dataloader_label,
+                duration=duration, reset_time=reset_time, train_subset_num_batches=train_subset_num_batches,
+                spin_dataloaders=spin_dataloaders, eval_dataloader=eval_dataloader, eval_interval=eval_interval,
+                eval_subset_num_batches=eval_subset_num_batches, schedulers=schedulers,
+                scale_schedule_ratio=scale_schedule_ratio, step_schedulers_every_batch=step_schedulers_every_batch,
+                device_train_microbatch_size=device_train_microbatch_size, precision=precision)
             self._apply_fit_arguments(given)
         for saver in self._savers:  # held since Trainer(...); a later fit() claims the folder again
-            saver.claim()
+            saver.folder_claim.take()
         self._fitting = True
         self.fit_count += 1
-        self._world_size = dist.get_world_size()  # read once: _train_batch needs it every step
+        self._world_size = data_parallel().size  # read once: _train_batch needs it every step
         with setup.kept_out_of_gc():
             try:
                 self._fit()
@@ -458,7 +470,7 @@ class Trainer:
                 self._fitting = False
                 progress.stop_heartbeat()  # what the script does next may wait on other ranks
                 for saver in self._savers:  # every save is durable by now
-                    saver.release()
+                    saver.folder_claim.release()
 
     def _apply_fit_arguments(self, given: fit_arguments.FitArguments) -> None:
         """Change the run as ``fit``'s arguments ask, before its loop starts (on every rank). Every
@@ -729,6 +741,7 @@ class Trainer:
         s = self.state
         self._train_spec = self._microbatches.spec = spec
         self.train_dataloader = data.shielded(loader)
+        data.split_over_data_parallel(loader, "train_dataloader")
         s.batches_per_epoch = setup.epoch_length(loader, self.loop.train_subset_num_batches)
         if self.loop.fixed_microbatch_size is None:  # Composer reports the whole batch
             s.device_train_microbatch_size = getattr(loader, "batch_size", None)

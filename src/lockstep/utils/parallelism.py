@@ -5,7 +5,7 @@ wherever it takes the dicts: ``fsdp_config=FSDPConfig(...)`` or
 An ``FSDPConfig`` stands for the dict of the fields set away from Composer's defaults, which
 lockstep then checks as it checks ``fsdp_config`` (docs/trainer-arguments.md lists the keys it
 acts on): a Composer setting lockstep lacks fails at ``Trainer(...)`` with the keys it has.
-Tensor parallelism (``TPConfig``) is not in lockstep yet: a config holding one is refused there.
+``TPConfig`` stands for ``parallelism_config['tp']`` (see :mod:`lockstep.parallel.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ class FSDP2Config:
 
 @dataclass
 class TPConfig:
-    """Composer's tensor-parallel settings; lockstep does not run tensor parallelism yet."""
+    """Composer's tensor-parallel settings: how many ranks split each layer of the plan, and how."""
 
-    layer_plan: Any = None
+    device_mesh: Any = None
     tensor_parallel_degree: int = 1
+    layer_plan: Any = None
 
 
 @dataclass
