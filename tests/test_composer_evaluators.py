@@ -92,6 +92,17 @@ def test_the_last_evaluation_reaches_the_run_folders_metrics(tmp_path: Path) -> 
     assert [r["batch"] for r in records if r["kind"] == "eval"] == [2, 3]
 
 
+def test_an_evaluation_before_fit_is_the_first_record_of_the_run_folders_metrics(tmp_path: Path) -> None:
+    model = MLP()
+    trainer = Trainer(model=model, train_dataloader=loader(7), max_duration="2ba", optimizers=sgd(model),
+                      eval_dataloader=loader(7), eval_interval="2ba", run_folder=str(tmp_path), progress_bar=False)
+    before = trainer.eval()["eval"]
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["batch"]) for r in records] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+    assert records[0]["loss"] == pytest.approx(before["loss"])
+
+
 def test_eval_microbatches_give_the_whole_batchs_metrics() -> None:
     model = MLP()
     whole = Trainer(model=model, eval_dataloader=loader(8), progress_bar=False).eval()["eval"]

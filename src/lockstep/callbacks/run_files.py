@@ -231,7 +231,10 @@ class MetricsJSONL(Buffered):
         self._file: Any = None
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        if dist.get_global_rank() == 0:
+        self._open()
+
+    def _open(self) -> None:
+        if self._file is None and dist.get_global_rank() == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a")
 
@@ -252,6 +255,7 @@ class MetricsJSONL(Buffered):
             self._add((state.run_name, state.timestamp, state.lr), state.loss_tensor)
 
     def eval_end(self, state: State, logger: Logger) -> None:
+        self._open()  # an evaluation before fit (the step-0 one of the examples) is a record too
         if self._file is not None:
             self.flush()
             label, results = evaluated(state)
@@ -323,8 +327,10 @@ class LossCurve(Callback):
         ax.plot(*zip(*self._train), label="train loss", linewidth=1)
         for label in dict.fromkeys(label for _, label, _ in self._eval):
             losses = [(b, m["loss"]) for b, name, m in self._eval if name == label and "loss" in m]
-            if losses:
-                ax.plot(*zip(*losses), "o-", label=f"{label} loss")
+            if losses:  # a few measured points: markers with their values, no line implying a trend between them
+                ax.plot(*zip(*losses), "o", label=f"{label} loss")
+                for batch, loss in losses:
+                    ax.annotate(f"{loss:.3g}", (batch, loss), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel("batch")
         ax.set_ylabel("loss")
         ax.set_title(f"{state.run_name}")
