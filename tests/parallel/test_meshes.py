@@ -35,34 +35,6 @@ def full_params(trainer) -> dict[str, torch.Tensor]:
             for k, v in trainer.state.model.state_dict().items()}
 
 
-def _train_each(names: list[str], folder: str) -> dict:
-    gpt = _gpt()
-    out = {}
-    for name in names:
-        trainer = gpt.main([*TINY, *MESHES[name], "--run_folder", f"{folder}/{name}"])
-        out[name] = full_params(trainer)
-        out[f"{name} mesh"] = trainer.strategy.describe().get("mesh")
-        out[f"{name} samples"] = trainer.state.timestamp.sample.value
-    return out
-
-
-@pytest.mark.timeout(400)
-def test_hsdp_and_tensor_parallel_train_to_ddps_parameters(tmp_path: Path) -> None:
-    results = run_distributed(_train_each, world_size=4, args=(list(MESHES), str(tmp_path)), timeout=380)
-    rank0 = results[0]
-    assert rank0["hsdp mesh"] == "data_parallel_replicate 2 x data_parallel_shard 2"
-    assert rank0["tp mesh"] == "data_parallel_shard 2 x tensor_parallel 2"
-    assert rank0["ddp samples"] == rank0["tp samples"] == rank0["hsdp samples"] == 20 * 4 * 4
-    for name in ("hsdp", "tp"):
-        assert rank0[name].keys() == rank0["ddp"].keys()
-        for key, value in rank0["ddp"].items():
-            torch.testing.assert_close(rank0[name][key], value, rtol=0, atol=1e-5, msg=f"{name}: {key}")
-    for rank in results[1:]:  # every rank holds the same full parameters
-        for key, value in rank0["tp"].items():
-            assert torch.equal(rank["tp"][key], value)
-
-
-
 def _crash_at(batch: int):
     from lockstep import Callback
 
@@ -76,46 +48,75 @@ def _crash_at(batch: int):
     return Crash()
 
 
-def _resume(name: str, folder: str) -> dict:
-    """The mesh's run crashes at batch 13 and autoresumes from batch 10's sharded checkpoint."""
+def _every_mesh(folder: str) -> dict:
+    """Each mesh's uninterrupted run; HSDP's and TP's run again, crashing at batch 13 and
+    autoresuming from batch 10's sharded checkpoint; each of those checkpoints loaded into the
+    other meshes of 4 ranks (FSDP 4 x 1 included)."""
     gpt = _gpt()
-    common = [*TINY, *MESHES[name], "--checkpoint_layout", "sharded"]
-    reference = full_params(gpt.main([*common, "--run_folder", f"{folder}/ref"]))
-    run = [*common, "--save_folder", f"{folder}/ckpt", "--save_interval", "10ba", "--autoresume", "--run_name", name]
-    trainer, _ = gpt.build_trainer(gpt.parse_args(run))
-    trainer.callbacks.append(_crash_at(13))
-    try:
-        trainer.fit()
-    except RuntimeError:
-        trainer.close()
-    resumed = gpt.main(run)
-    return {"reference": reference, "resumed": full_params(resumed), "batches": resumed.state.timestamp.batch.value}
+    out: dict = {}
+    for name in MESHES:
+        trainer = gpt.main([*TINY, *MESHES[name], "--run_folder", f"{folder}/{name}"])
+        out[name] = full_params(trainer)
+        out[f"{name} mesh"] = trainer.strategy.describe().get("mesh")
+        out[f"{name} samples"] = trainer.state.timestamp.sample.value
+    for name in ("hsdp", "tp"):
+        run = [*TINY, *MESHES[name], "--save_folder", f"{folder}/{name}-ckpt", "--save_interval", "10ba",
+               "--autoresume", "--run_name", name]
+        trainer, _ = gpt.build_trainer(gpt.parse_args(run))
+        trainer.callbacks.append(_crash_at(13))
+        try:
+            trainer.fit()
+        except RuntimeError:
+            trainer.close()
+        resumed = gpt.main(run)
+        out[f"{name} resumed"] = full_params(resumed)
+        out[f"{name} resumed batches"] = resumed.state.timestamp.batch.value
+        for other, mesh in {"4 x 1": ["--parallel", "fsdp"], **MESHES}.items():
+            if other not in (name, "ddp"):
+                out[f"{name} checkpoint on {other}"] = _load(f"{folder}/{name}-ckpt/{CHECKPOINT}", mesh)
+    return out
+
+
+CHECKPOINT = "ep0-ba10-rank0.pt"
 
 
 def _load(checkpoint: str, mesh: list[str]) -> dict[str, torch.Tensor]:
     gpt = _gpt()
     trainer, _ = gpt.build_trainer(gpt.parse_args([*TINY, *mesh, "--load_path", checkpoint]))
-    return full_params(trainer)
+    params = full_params(trainer)
+    trainer.close()
+    return params
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["tp", "hsdp"])
-def test_a_mesh_resumes_bitwise_and_its_checkpoint_loads_on_other_meshes(name: str, tmp_path: Path) -> None:
+def _load_each(folder: str) -> dict:
+    return {name: _load(f"{folder}/{name}-ckpt/{CHECKPOINT}", ["--parallel", "fsdp"]) for name in ("hsdp", "tp")}
+
+
+@pytest.mark.timeout(600)
+def test_hsdp_and_tensor_parallel_match_ddp_resume_bitwise_and_load_on_other_meshes(tmp_path: Path) -> None:
     from lockstep.checkpoint.export import export_state_dict
 
-    results = run_distributed(_resume, world_size=4, args=(name, str(tmp_path)), timeout=380)
-    for rank in results:
-        assert rank["batches"] == 20
-        assert rank["reference"].keys() == rank["resumed"].keys()
-        for key, value in rank["reference"].items():
-            assert torch.equal(value, rank["resumed"][key]), key
-    checkpoint = str(tmp_path / "ckpt" / "ep0-ba10-rank0.pt")
-    saved = export_state_dict(checkpoint)  # the full weights of batch 10
-    four = run_distributed(_load, world_size=4, args=(checkpoint, ["--parallel", "fsdp"]), timeout=200)[0]
-    one = run_distributed(_load, world_size=1, args=(checkpoint, ["--parallel", "fsdp"]), timeout=200)[0]
-    other = "hsdp" if name == "tp" else "tp"
-    across = run_distributed(_load, world_size=4, args=(checkpoint, MESHES[other]), timeout=200)[0]
-    assert saved.keys() == four.keys() == one.keys() == across.keys()
-    for key, value in saved.items():
-        for where, loaded in (("4 x 1", four), ("1 rank", one), (other, across)):
-            assert torch.equal(loaded[key], value), f"{where}: {key}"
+    results = run_distributed(_every_mesh, world_size=4, args=(str(tmp_path),), timeout=560)
+    rank0 = results[0]
+    assert rank0["hsdp mesh"] == "data_parallel_replicate 2 x data_parallel_shard 2"
+    assert rank0["tp mesh"] == "data_parallel_shard 2 x tensor_parallel 2"
+    assert rank0["ddp samples"] == rank0["tp samples"] == rank0["hsdp samples"] == 20 * 4 * 4
+    for name in ("hsdp", "tp"):  # the same training as DDP's
+        assert rank0[name].keys() == rank0["ddp"].keys()
+        for key, value in rank0["ddp"].items():
+            torch.testing.assert_close(rank0[name][key], value, rtol=0, atol=1e-5, msg=f"{name}: {key}")
+    for rank in results:  # bitwise after a crash, on every rank
+        for name in ("hsdp", "tp"):
+            assert rank[f"{name} resumed batches"] == 20
+            for key, value in rank0[name].items():
+                assert torch.equal(rank[f"{name} resumed"][key], value), f"{name} resumed: {key}"
+    one_rank = run_distributed(_load_each, world_size=1, args=(str(tmp_path),), timeout=200)[0]
+    for name in ("hsdp", "tp"):  # batch 10's full weights, wherever the checkpoint is loaded
+        saved = export_state_dict(tmp_path / f"{name}-ckpt" / CHECKPOINT)
+        loaded = {other: rank0[f"{name} checkpoint on {other}"]
+                  for other in ("4 x 1", "hsdp", "tp") if other != name}
+        loaded["1 rank"] = one_rank[name]
+        for where, params in loaded.items():
+            assert params.keys() == saved.keys(), where
+            for key, value in saved.items():
+                assert torch.equal(params[key], value), f"{name} checkpoint on {where}: {key}"

@@ -72,7 +72,7 @@ def _mesh_shape(config: FSDPConfig, tp: TensorParallel | None) -> MeshShape | No
     if not config.explicit_mesh and tp is None:
         return None
     if config.sharding_strategy == "HYBRID_SHARD" and config.data_parallel_replicate_degree is None:
-        raise ValueError("sharding_strategy HYBRID_SHARD with tensor parallelism needs "
-                         "fsdp_config['data_parallel_replicate_degree'] (how many replicas)")
+        raise ValueError("sharding_strategy HYBRID_SHARD on a mesh of degrees (data_parallel_shard_degree, "
+                         "tensor parallelism) needs fsdp_config['data_parallel_replicate_degree']: how many replicas")
     return resolve_shape(dist.get_world_size(), shard=config.data_parallel_shard_degree,
                          replicate=config.data_parallel_replicate_degree, tensor=1 if tp is None else tp.degree)
