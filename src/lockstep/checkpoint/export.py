@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,7 +86,9 @@ def _from_sharded(folder: Path) -> dict[str, torch.Tensor]:
                for key, meta in reader.read_metadata().state_dict_metadata.items()
                if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     nested = {"model": weights}
-    dcp.load(nested, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # one process is what no_dist asks for; DCP warns about it all the same
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(nested, storage_reader=reader, no_dist=True)
     return nested["model"]
 
 
