@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from lockstep.launcher.output import ConsolePump, Pump, RankLogs, kept_streams, start_pumps
 from lockstep.launcher.plan import LaunchPlan, RankSpec, Stream
-from lockstep.launcher.report import TAIL_LINES
+from lockstep.launcher.report import TRACEBACK_LINES
 from lockstep.launcher.watchdog import Watchdog
 
 __all__ = ["Rank", "Waiter", "no_terminal_stops", "spawn"]
@@ -46,7 +46,7 @@ class Rank:
 
     def kept(self) -> dict[Stream, list[str]]:
         """The last lines of its console streams that passed through the launcher."""
-        return {p.stream: p.last_lines(TAIL_LINES) for p in self.pumps if isinstance(p, ConsolePump)}
+        return {p.stream: p.last_lines(TRACEBACK_LINES) for p in self.pumps if isinstance(p, ConsolePump)}
 
     @property
     def pgid(self) -> int:

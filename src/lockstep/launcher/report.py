@@ -12,6 +12,8 @@ from lockstep.launcher.output import console_streams, tail
 from lockstep.launcher.plan import RankSpec, Stream
 
 TAIL_LINES = 30
+TRACEBACK_LINES = 200
+"""A failed rank's output is shown from its last traceback when that starts this close to its end."""
 
 
 def say(message: str) -> None:
@@ -79,7 +81,7 @@ def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, 
         also = f" (and in {spec.stderr_path})" if spec.stderr_path else ""
         say(f"rank {spec.rank}'s output is on the console above{also}")
     elif error is not None and error[1]:
-        _show(f"traceback of rank {spec.rank} (from {spec.error_file}):", error[1].splitlines(True))
+        _show(f"traceback of rank {spec.rank} (from {spec.error_file}):", shown_part(error[1].splitlines(True)))
         say(f"rank {spec.rank}'s full output: {spec.stderr_path}"
             + (f" and {spec.stdout_path}" if spec.stdout_path not in (None, spec.stderr_path) else ""))
     else:
@@ -91,13 +93,30 @@ def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, 
 
 
 def _output_tail(spec: RankSpec) -> tuple[Path | None, list[str]]:
-    """The last lines of the rank's stderr file, else of its stdout file, and which file."""
+    """What to show of the rank's stderr file, else of its stdout file (see :func:`shown_part`),
+    and which file."""
     shown = spec.stderr_path
-    lines = tail(shown, TAIL_LINES) if shown else []
+    lines = tail(shown, TRACEBACK_LINES) if shown else []
     if not lines and spec.stdout_path is not None:
         shown = spec.stdout_path
-        lines = tail(shown, TAIL_LINES)
-    return shown, lines
+        lines = tail(shown, TRACEBACK_LINES)
+    return shown, shown_part(lines)
+
+
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+def shown_part(lines: list[str]) -> list[str]:
+    """The part of a failed rank's last :data:`TRACEBACK_LINES` lines of output to show: its last
+    traceback whole (with the ones chained to it) when it starts among them, else the last
+    :data:`TAIL_LINES` lines."""
+    starts = [i for i, line in enumerate(lines) if line.lstrip(" |").startswith("Traceback (most recent call last)")]
+    if not starts:
+        return lines[-TAIL_LINES:]
+    first = starts.pop()
+    while starts and any(line.lstrip(" |").startswith(_CHAINED) for line in lines[max(first - 3, 0):first]):
+        first = starts.pop()
+    return lines[first:]
 
 
 def _show_tail(spec: RankSpec) -> None:
@@ -109,7 +128,6 @@ def _show_tail(spec: RankSpec) -> None:
 
 
 def _show(title: str, lines: list[str]) -> None:
-    lines = lines[-TAIL_LINES:]
     say(title)
     sys.stderr.write("".join("  | " + line.rstrip("\n") + "\n" for line in lines))
     sys.stderr.flush()
@@ -120,12 +138,12 @@ def failure_tail(spec: RankSpec, kept: dict[Stream, list[str]] | None = None) ->
     (from its log files, or ``kept``: what the launcher kept of its console streams)."""
     error = read_error_file(spec.error_file)
     if error is not None and error[1]:
-        return error[1].splitlines()[-TAIL_LINES:]
+        return shown_part(error[1].splitlines()[-TRACEBACK_LINES:])
     kept = kept or {}
     for stream, path in ((Stream.STDERR, spec.stderr_path), (Stream.STDOUT, spec.stdout_path)):
-        lines = kept.get(stream) or (tail(path, TAIL_LINES) if path is not None else [])
+        lines = kept.get(stream) or (tail(path, TRACEBACK_LINES) if path is not None else [])
         if lines:
-            return [line.rstrip("\n") for line in lines[-TAIL_LINES:]]
+            return [line.rstrip("\n") for line in shown_part(lines)]
     files = [str(p) for p in dict.fromkeys((spec.stderr_path, spec.stdout_path)) if p is not None]
     if files:
         return [f"(it wrote nothing to {' or '.join(files)})"]
