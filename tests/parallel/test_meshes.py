@@ -17,8 +17,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = ["--layers", "2", "--heads", "2", "--dim", "32", "--block_size", "32", "--batch_size", "4",
         "--train_bytes", "40000", "--eval_bytes", "2000", "--max_duration", "20ba", "--eval_interval", "1dur",
         "--warmup", "4ba", "--sample_bytes", "0", "--seed", "3"]
-MESHES = {"ddp": ["--parallel", "ddp"], "hsdp": ["--parallel", "fsdp", "--hsdp", "2"],
-          "tp": ["--parallel", "fsdp", "--tp", "2"]}
+# The meshes split each rank's (or tensor-parallel pair's) batch into microbatches of 2: the same
+# update as DDP's whole batches
+MESHES = {"ddp": ["--parallel", "ddp"], "hsdp": ["--parallel", "fsdp", "--hsdp", "2", "--microbatch_size", "2"],
+          "tp": ["--parallel", "fsdp", "--tp", "2", "--microbatch_size", "2"]}
 
 
 def _gpt():
