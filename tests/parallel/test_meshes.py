@@ -1,6 +1,6 @@
 """Composer's meshes on 4 CPU ranks: HSDP (replicate 2 x shard 2) and FSDP + tensor parallelism
 (shard 2 x tensor 2) train the GPT example to DDP's parameters, resume bitwise, and their
-checkpoints load on other meshes."""
+checkpoints load on other meshes; tensor-parallel blocks compile."""
 
 from __future__ import annotations
 
@@ -122,3 +122,22 @@ def test_hsdp_and_tensor_parallel_match_ddp_resume_bitwise_and_load_on_other_mes
             assert params.keys() == saved.keys(), where
             for key, value in saved.items():
                 assert torch.equal(params[key], value), f"{name} checkpoint on {where}: {key}"
+
+
+def _compiled(folder: str) -> dict:
+    from torch._dynamo.utils import counters
+
+    gpt = _gpt()
+    short = [a if a != "20ba" else "4ba" for a in TINY]
+    out = {name: full_params(gpt.main([*short, *MESHES["tp"], *extra, "--run_folder", f"{folder}/{name}"]))
+           for name, extra in (("eager", []), ("compiled", ["--compile"]))}
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_tensor_parallel_blocks_compile_and_train_as_eager_ones(tmp_path: Path) -> None:
+    rank0 = run_distributed(_compiled, world_size=4, args=(str(tmp_path),), timeout=380)[0]
+    assert rank0.pop("graphs") > 0
+    for key, value in rank0["eager"].items():
+        torch.testing.assert_close(rank0["compiled"][key], value, rtol=0, atol=1e-5, msg=key)
