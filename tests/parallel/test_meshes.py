@@ -141,3 +141,34 @@ def test_tensor_parallel_blocks_compile_and_train_as_eager_ones(tmp_path: Path) 
     assert rank0.pop("graphs") > 0
     for key, value in rank0["eager"].items():
         torch.testing.assert_close(rank0["compiled"][key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def _iterable_split_by_global_rank(_: int) -> tuple[str, str]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lockstep import Trainer, dist
+    from tests.trainer.common import MLP, error_of, loader, sgd
+
+    class ByRank(IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(dist.get_global_rank())
+            for _ in range(8):
+                yield torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)
+
+    def fit(train_dataloader) -> None:
+        model = MLP()
+        tp = {"tensor_parallel_degree": 2, "layer_plan": {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}}
+        Trainer(model=model, train_dataloader=train_dataloader, optimizers=sgd(model), max_duration="2ba",
+                parallelism_config={"fsdp": {}, "tp": tp}, progress_bar=False).fit()
+
+    return error_of(fit, DataLoader(ByRank(), batch_size=2)), error_of(fit, loader(4))
+
+
+@pytest.mark.timeout(200)
+def test_a_group_whose_ranks_get_different_batches_is_refused_at_its_first_step() -> None:
+    results = run_distributed(_iterable_split_by_global_rank, world_size=4, args=(0,), timeout=180)
+    for by_rank, by_sampler in results:
+        assert by_rank.startswith("under tensor parallelism the ranks of a group train on one batch, but ranks "
+                                  "0-1 got different ones"), by_rank
+        assert by_sampler == "no error"

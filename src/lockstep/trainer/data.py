@@ -3,6 +3,7 @@ padding, and workers that outlive a SIGTERM to the whole job."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import signal
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Any, SupportsInt
 
 import torch
 import torch.distributed as torch_dist
+import torch.utils._pytree as pytree
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from lockstep import _agreement, dist
@@ -86,6 +88,29 @@ def split_over_data_parallel(loader: Any, name: str) -> None:
     else:
         sampler.num_samples = -(-size // split.size)
     sampler.total_size = sampler.num_samples * split.size
+
+
+def check_groups_share_batches(batch: Any) -> None:
+    """Under tensor parallelism, once per ``fit`` (a collective): the ranks of each group got the
+    same batch, else a ValueError on every rank; a loader that splits its data by global rank (an
+    ``IterableDataset``, a custom sampler) would otherwise train each group on mismatched halves."""
+    split = data_parallel()
+    if split.copies == 1:
+        return
+    digest = hashlib.sha256()
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            digest.update(leaf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(leaf).encode())
+    digests = _agreement.gather_small_objects(digest.hexdigest())
+    for first in range(0, len(digests), split.copies):
+        group = range(first, first + split.copies)
+        if len({digests[r] for r in group}) > 1:
+            raise ValueError(f"under tensor parallelism the ranks of a group train on one batch, but ranks "
+                             f"{group[0]}-{group[-1]} got different ones: build the train dataloader on a map-style "
+                             f"dataset with lockstep.dist.get_sampler(dataset), or have each rank of a group "
+                             f"yield the same batches")
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

@@ -296,7 +296,7 @@ class Trainer:
             self.state, self.strategy, self._run_event, self.loop, setup.auto_microbatching(self.loop, self.parallel),
             count=(lambda micro: self._num_tokens(micro)) if on_tokens else None)
         self._microbatches.spec = self._train_spec
-        self._logging, self._closed, self._fitting = False, False, False
+        self._logging, self._closed, self._fitting, self._check_groups = False, False, False, False
         self.fit_count = 0
         """How many times ``fit`` ran (a second one that would train nothing is refused, as in Composer)."""
         self._events.index()
@@ -460,6 +460,7 @@ class Trainer:
         self._fitting = True
         self.fit_count += 1
         self._world_size = data_parallel().size  # read once: _train_batch needs it every step
+        self._check_groups = data_parallel().copies > 1  # at the first step of this fit
         with setup.kept_out_of_gc():
             try:
                 self._fit()
@@ -631,6 +632,9 @@ class Trainer:
         s, strategy, run = self.state, self.strategy, self._run_event
         if loud:
             run(Event.BEFORE_TRAIN_BATCH)
+        if self._check_groups:
+            self._check_groups = False
+            data.check_groups_share_batches(s.batch)
         prepared = strategy.prepare_batch(s.batch)
         # gradients are averaged over ranks; each sample (or token) weighs the same
         share = self._world_size / (global_samples if self._microbatches.count is None else
