@@ -37,7 +37,7 @@ import lockstep
 from lockstep import dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from fsdp_cost import timed_rounds  # noqa: E402  (benchmarks/ is this script's folder)
+from fsdp_cost import PlainFSDP, timed_rounds  # noqa: E402  (benchmarks/ is this script's folder)
 from train_gpt import GPT  # noqa: E402
 
 PLAN = {"blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel()}
@@ -82,10 +82,10 @@ def _trainer(args: argparse.Namespace, mesh: str, duration: str, batches: int) -
                             device="cpu", progress_bar=False, log_to_console=False, **parallel)
 
 
-class PlainLoop:
+class PlainLoop(PlainFSDP):
     """``parallelize_module`` (with tensor parallelism), ``fully_shard`` of each Block and of the
-    model over the same mesh, AdamW, the same data; ``fit()`` trains up to ``state.max_duration``
-    batches, as the Trainer does."""
+    model over the same mesh, AdamW, the same data; ``fit()`` (fsdp_cost's loop) trains up to
+    ``state.max_duration`` batches, as the Trainer does."""
 
     def __init__(self, args: argparse.Namespace, mesh: str, duration: str, batches: int) -> None:
         shape, names, tp = MESHES[mesh]
@@ -102,14 +102,6 @@ class PlainLoop:
         self.batches = iter(_loader(args, tp, batches, rank // tp, world // tp))
         self.state = argparse.Namespace(max_duration=lockstep.Time.from_input(duration))
         self.done = 0
-
-    def fit(self) -> None:
-        while self.done < self.state.max_duration.value:
-            batch = next(self.batches)
-            self.model.loss(self.model(batch), batch).backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.done += 1
 
 
 def main() -> None:
