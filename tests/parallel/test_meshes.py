@@ -162,13 +162,21 @@ def _iterable_split_by_global_rank(_: int) -> tuple[str, str]:
         Trainer(model=model, train_dataloader=train_dataloader, optimizers=sgd(model), max_duration="2ba",
                 parallelism_config={"fsdp": {}, "tp": tp}, progress_bar=False).fit()
 
-    return error_of(fit, DataLoader(ByRank(), batch_size=2)), error_of(fit, loader(4))
+    shared = loader(4)
+    by_sampler = error_of(fit, shared)
+    split = shared.sampler.num_replicas, shared.sampler.rank
+    model = MLP()  # a later Trainer without tensor parallelism gets the sampler back as it was made
+    Trainer(model=model, train_dataloader=shared, optimizers=sgd(model), max_duration="1ba", progress_bar=False)
+    return error_of(fit, DataLoader(ByRank(), batch_size=2)), by_sampler, split, \
+        (shared.sampler.num_replicas, shared.sampler.rank, len(shared))
 
 
 @pytest.mark.timeout(200)
 def test_a_group_whose_ranks_get_different_batches_is_refused_at_its_first_step() -> None:
     results = run_distributed(_iterable_split_by_global_rank, world_size=4, args=(0,), timeout=180)
-    for by_rank, by_sampler in results:
+    for rank, (by_rank, by_sampler, split, after) in enumerate(results):
         assert by_rank.startswith("under tensor parallelism the ranks of a group train on one batch, but ranks "
                                   "0-1 got different ones"), by_rank
         assert by_sampler == "no error"
+        assert split == (2, rank // 2)  # 2 shares: one per tensor-parallel pair
+        assert after == (4, rank, 2)  # 28 samples over 4 ranks, batches of 4

@@ -73,21 +73,37 @@ def split_over_data_parallel(loader: Any, name: str) -> None:
     DistributedSampler made for every rank (``dist.get_sampler``'s default) is split over the
     data-parallel ranks instead, so that the global batch is the same as without it."""
     split, sampler = data_parallel(), _sampler(loader)
-    if split.copies == 1 or not isinstance(sampler, DistributedSampler):
+    if not isinstance(sampler, DistributedSampler):
+        return
+    made_for = getattr(sampler, _MADE_FOR, None)  # a loader an earlier Trainer split: as it was made
+    if split.copies == 1:
+        if made_for is not None:
+            _resplit(sampler, *made_for)
+            delattr(sampler, _MADE_FOR)
         return
     if (sampler.num_replicas, sampler.rank) == (split.size, split.rank):
         return
-    if (sampler.num_replicas, sampler.rank) != (dist.get_world_size(), dist.get_global_rank()):
-        raise ValueError(f"{name}'s DistributedSampler gives rank {sampler.rank} of {sampler.num_replicas} its "
+    made_for = made_for or (sampler.num_replicas, sampler.rank)
+    if made_for != (dist.get_world_size(), dist.get_global_rank()):
+        raise ValueError(f"{name}'s DistributedSampler gives rank {made_for[1]} of {made_for[0]} its "
                          f"share, but under tensor parallelism this rank trains on share {split.rank} of "
                          f"{split.size}: build it with lockstep.dist.get_sampler(dataset)")
+    setattr(sampler, _MADE_FOR, made_for)
+    _resplit(sampler, split.size, split.rank)
+
+
+_MADE_FOR = "_lockstep_made_for"
+"""The (num_replicas, rank) a sampler had before :func:`split_over_data_parallel` changed it."""
+
+
+def _resplit(sampler: DistributedSampler, num_replicas: int, rank: int) -> None:
     size = len(sampler.dataset)  # type: ignore[arg-type]
-    sampler.num_replicas, sampler.rank = split.size, split.rank
-    if sampler.drop_last and size % split.size:  # as DistributedSampler itself counts
-        sampler.num_samples = (size - split.size) // split.size + (1 if (size - split.size) % split.size else 0)
+    sampler.num_replicas, sampler.rank = num_replicas, rank
+    if sampler.drop_last and size % num_replicas:  # as DistributedSampler itself counts
+        sampler.num_samples = (size - num_replicas) // num_replicas + (1 if (size - num_replicas) % num_replicas else 0)
     else:
-        sampler.num_samples = -(-size // split.size)
-    sampler.total_size = sampler.num_samples * split.size
+        sampler.num_samples = -(-size // num_replicas)
+    sampler.total_size = sampler.num_samples * num_replicas
 
 
 def check_groups_share_batches(batch: Any) -> None:
