@@ -109,19 +109,11 @@ def prepare_fsdp(model: nn.Module, config: FSDPConfig, precision: str, device: t
             apply_tensor_parallel(model, setup.mesh[TENSOR], tp.plan)
     if config.activation_checkpointing or config.activation_cpu_offload:
         setup.checkpointed = _apply_activation_checkpointing(model, wraps, config)
-    default_precision = resolve_precision(config.mixed_precision, precision)
     for name, module in _post_order(model):
         settings = wraps.get(id(_unwrapped(module)))
         if settings is None and module is not model:
             continue
-        settings = settings or {}
-        strategy = settings.get("sharding_strategy", config.sharding_strategy)
-        mp = settings.get("mixed_precision")
-        unit_precision = default_precision if mp is None else resolve_precision(mp, precision)
-        group = check_process_group(settings["process_group"], world_size, local_world_size) \
-            if "process_group" in settings else None
-        unit = Unit(name, module, type(_unwrapped(module)).__name__, sum(p.numel() for p in module.parameters()),
-                    strategy, unit_precision, settings.get("cpu_offload", config.cpu_offload), group)
+        unit = _unit(name, module, settings or {}, config, precision, meshes)
         _shard(unit, meshes, device, root=module is model)
         setup.units.append(unit)
     _cast_buffers(model, setup)
@@ -130,6 +122,18 @@ def prepare_fsdp(model: nn.Module, config: FSDPConfig, precision: str, device: t
     if config.verbose and dist.get_global_rank() == 0:
         print("\n".join(setup.describe()), flush=True)
     return setup
+
+
+def _unit(name: str, module: nn.Module, settings: Mapping[str, Any], config: FSDPConfig, precision: str,
+          meshes: _Meshes) -> Unit:
+    """What ``module`` is sharded with: its own settings, else the config's."""
+    mp = settings.get("mixed_precision")
+    group = check_process_group(settings["process_group"], meshes.world_size, meshes.local_world_size) \
+        if "process_group" in settings else None
+    return Unit(name, module, type(_unwrapped(module)).__name__, sum(p.numel() for p in module.parameters()),
+                settings.get("sharding_strategy", config.sharding_strategy),
+                resolve_precision(config.mixed_precision if mp is None else mp, precision),
+                settings.get("cpu_offload", config.cpu_offload), group)
 
 
 # -- which modules --------------------------------------------------------------------------------

@@ -455,12 +455,7 @@ class Trainer:
                 scale_schedule_ratio=scale_schedule_ratio, step_schedulers_every_batch=step_schedulers_every_batch,
                 device_train_microbatch_size=device_train_microbatch_size, precision=precision)
             self._apply_fit_arguments(given)
-        for saver in self._savers:  # held since Trainer(...); a later fit() claims the folder again
-            saver.folder_claim.take()
-        self._fitting = True
-        self.fit_count += 1
-        self._world_size = data_parallel().size  # read once: _train_batch needs it every step
-        self._check_groups = data_parallel().copies > 1  # at the first step of this fit
+        self._start_fit()
         with setup.kept_out_of_gc():
             try:
                 self._fit()
@@ -472,6 +467,17 @@ class Trainer:
                 progress.stop_heartbeat()  # what the script does next may wait on other ranks
                 for saver in self._savers:  # every save is durable by now
                     saver.folder_claim.release()
+
+    def _start_fit(self) -> None:
+        """Claim the save folders again (held since Trainer(...) until the first fit ends) and read
+        once what every step of this fit needs."""
+        for saver in self._savers:
+            saver.folder_claim.take()
+        self._fitting = True
+        self.fit_count += 1
+        split = data_parallel()
+        self._data_parallel_size = split.size
+        self._check_groups = split.copies > 1  # at the first step of this fit
 
     def _apply_fit_arguments(self, given: fit_arguments.FitArguments) -> None:
         """Change the run as ``fit``'s arguments ask, before its loop starts (on every rank). Every
@@ -637,7 +643,7 @@ class Trainer:
             data.check_groups_share_batches(s.batch)
         prepared = strategy.prepare_batch(s.batch)
         # gradients are averaged over ranks; each sample (or token) weighs the same
-        share = self._world_size / (global_samples if self._microbatches.count is None else
+        share = self._data_parallel_size / (global_samples if self._microbatches.count is None else
                                     setup.tokens_of(global_tokens))
         loss = self._microbatches.forward_backward(prepared, share, loud)
         s.batch, s.outputs = batch, None
