@@ -152,8 +152,10 @@ def test_tee_of_stdout_only_and_the_local_ranks_filter(tmp_path: Path, write_scr
     assert (tmp_path / "run" / "rank0.stdout.log").read_text().startswith("out 0\n")
 
 
+# Rank 1 breaks attempt 0 only once rank 0 has printed (the marker file), so that a loaded
+# machine cannot end rank 0 before its lines are out under one launcher and not the other.
 ATTEMPTS = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record
@@ -161,7 +163,13 @@ ATTEMPTS = textwrap.dedent("""
         attempt, local = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), os.environ["LOCAL_RANK"]
         print(f"out {local} attempt {attempt} run {os.environ['TORCHELASTIC_RUN_ID']}", flush=True)
         print(f"err {local} attempt {attempt}", file=sys.stderr, flush=True)
+        if local == "0" and attempt == 0:
+            open("rank0-printed", "w").close()
         if local == "1" and attempt == 0:
+            deadline = time.monotonic() + 60
+            while not os.path.exists("rank0-printed") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.remove("rank0-printed")
             raise ValueError("rank broke on purpose")
 
     main()
