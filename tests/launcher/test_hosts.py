@@ -36,8 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 PORT = 29400  # every host has its own ports: no clash with other tests
 GRACE = 3
 
-# Every rank all-reduces until the test writes "cut" beside it (just before it cuts a link), then
-# waits until the link is down. Rank SPILL_RANK then writes SPILL_BYTES to stdout, which pass
+# Every rank all-reduces until the test writes "cut" beside it; the ranks agree on the step at
+# which they saw it (a rank that looked a moment earlier than the other must not wait in an
+# all-reduce that its peer never joins), say so in "left<rank>", and wait for "down", which the
+# test writes once the link is cut. Rank SPILL_RANK then writes SPILL_BYTES to stdout, which pass
 # through its launcher (waiting for the store meanwhile), and says so in "spilled". Then every rank
 # all-reduces once more, which blocks for good across the partition.
 _JOB = textwrap.dedent("""
@@ -54,14 +56,17 @@ _JOB = textwrap.dedent("""
     for step in range(int(os.environ.get("STEPS", "1000000"))):
         if step == 2:
             open(os.path.join(here, f"training{rank}"), "w").close()
-        if os.path.exists(os.path.join(here, "cut")):
+        seen = torch.tensor([float(os.path.exists(os.path.join(here, "cut")))])
+        dist.all_reduce(seen)
+        if seen.item():
             break
-        dist.all_reduce(x)
         time.sleep(0.02)
     else:
         print(f"rank {rank} done", flush=True)
         sys.exit(0)
-    time.sleep(1.0)  # the link is down by now
+    open(os.path.join(here, f"left{rank}"), "w").close()
+    while not os.path.exists(os.path.join(here, "down")):
+        time.sleep(0.05)
     if rank == int(os.environ.get("SPILL_RANK", "-1")):
         time.sleep(0.5)
         sys.stdout.write("x" * int(os.environ["SPILL_BYTES"]) + "\\n")
@@ -142,9 +147,11 @@ def _cut_mid_run(hosts: Hosts, tmp: Path, nodes: list[Node], host: int) -> float
     """Wait until both ranks train, tell them, cut ``host``'s link; when it was cut."""
     _wait_for([tmp / "training0", tmp / "training1"], nodes)
     (tmp / "cut").touch()
-    time.sleep(0.3)  # the ranks leave their loop of all-reduces (one more follows, after the cut)
+    _wait_for([tmp / "left0", tmp / "left1"], nodes)  # out of their loop of all-reduces
     hosts.cut(host)
-    return time.monotonic()
+    cut_at = time.monotonic()
+    (tmp / "down").touch()
+    return cut_at
 
 
 def _wait_both(nodes: list[Node], timeout: float) -> list[int]:

@@ -297,6 +297,40 @@ def test_a_signal_while_a_launcher_waits_for_the_store_is_the_cause_the_others_r
         assert "stopped answering" not in err, err
 
 
+def test_node_0_signalled_before_the_other_nodes_joined_stops_at_once(tmp_path: Path) -> None:
+    """Node 0 is signalled while it waits for node 1, which never comes. Before it closes the
+    store it waits for the nodes that joined to read the verdict, and none did: it read their
+    keys, which no one set, and each read waited out the store's 10 s call deadline."""
+    import datetime
+
+    from lockstep.launcher.store import tcp_store
+
+    script = tmp_path / "job.py"
+    script.write_text("print('ran')\n")
+    port = free_port()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "-n", "1", "--world_size", "2", "--node_rank", "0",
+         "--master_addr", "127.0.0.1", "--master_port", str(port), "--run_directory", str(tmp_path / "run"),
+         str(script)], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        store = tcp_store()("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
+        deadline = time.monotonic() + 60
+        while store.add("lockstep/attempt0/joined", 0) < 1:
+            assert time.monotonic() < deadline and node.poll() is None
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        node.send_signal(signal.SIGTERM)
+        _, said = node.communicate(timeout=30)
+        took = time.monotonic() - signalled
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.communicate()
+    assert node.returncode == 128 + signal.SIGTERM, said
+    assert took < 6, (took, said)  # the grace period is 3 s, and no rank runs yet
+
+
 def _failure(cause: str, when: float, rank: int = 0) -> Failure:
     return Failure(0, "h", rank, 1, when, cause=cause)
 

@@ -267,9 +267,24 @@ class JobChannel:
                 lost.append(Failure(n, "?", -1, LOST_EXIT_CODE, self._last_alive[n], cause=LOST))
         return lost
 
+    def _joined_counts(self) -> tuple[list[int], list[int]]:
+        """As :meth:`_counts`, where a node may not have joined this attempt (the job stopped
+        during the rendezvous): such a node counts as done, having nothing to wait for, and no
+        key of it is read (a read of a key that no one set waits for the call's whole deadline)."""
+        every = [self._key(f"alive{n}") for n in range(self.nnodes)]
+        if self._call("check", every):
+            return self._counts()
+        joined = [n for n in range(self.nnodes) if self._call("check", [every[n]])]
+        keys = [self._key(f"{name}{n}") for name in ("alive", "stage") for n in joined]
+        values = [int(v) for v in self._call("multi_get", keys)] if keys else []
+        alive, stage = [DONE] * self.nnodes, [_LEFT] * self.nnodes
+        for i, n in enumerate(joined):
+            alive[n], stage[n] = values[i], values[len(joined) + i]
+        return alive, stage
+
     def others_gone(self) -> bool:
         """Whether every other node left, finished or is lost: node 0 may close the store."""
-        counts = self._counts()
+        counts = self._joined_counts()
         lost = {f.node for f in self.lost_nodes(counts)}
         alive, stage = counts
         return all(n == self.node or stage[n] == _LEFT or alive[n] >= DONE or n in lost for n in range(self.nnodes))

@@ -60,6 +60,7 @@ from lockstep.launcher.stopping import (
     forward,
     pass_on,
     signalled_code,
+    stopping_at_once,
     teardown,
 )
 from lockstep.launcher.tree import Reaper, become_subreaper, marked, new_mark
@@ -167,7 +168,9 @@ class Supervisor:
 
     def _host_store(self, listener: socket.socket) -> Any:
         """The store this launcher hosts on ``listener``, started within a deadline (the exit code if not)."""
-        tcp_store()  # torch loads here, on the main thread, and not on the deadline's time
+        code = self._load_torch()  # on the main thread, and not on the deadline's time
+        if code is not None:
+            return code
         try:
             return start_within(lambda: host_store(self.plan.world_size, listener), self._meanwhile)
         except Stopped as e:
@@ -177,10 +180,25 @@ class Supervisor:
                 f"store looks up the names of the addresses it connects to: check this host's name server")
             return LOST_EXIT_CODE
 
+    def _load_torch(self) -> int | None:
+        """Load torch for the launcher's store clients, a stopping signal ending the launcher at
+        once meanwhile (the exit code then, else None)."""
+        try:
+            with stopping_at_once():
+                tcp_store()
+        except Stopped as e:
+            if not self._signals_seen:
+                self._signals_seen.append(e.signum)
+            say(f"received {signal.Signals(e.signum).name} while loading torch")
+            return 128 + e.signum
+        return None
+
     def _join_job(self, port: int, launcher_store: Any, wake_r: int) -> JobChannel | int:
         """Connect this node's launcher to the others through the store (the exit code if not)."""
         if not self.plan.hosts_store:
             code = self._await_store(port, wake_r)
+            if code is None:
+                code = self._load_torch()
             if code is not None:
                 return code
         channel = JobChannel.connect(self._store_host, port, self.plan.node_rank,
