@@ -21,8 +21,9 @@ LAYERS: dict[str, int] = {
     "lockstep": 0, "lockstep.time": 0, "lockstep.batch": 0, "lockstep.checks": 0, "lockstep.progress": 0,
     "lockstep.idle": 0, "lockstep.rng": 0, "lockstep.optional": 0, "lockstep.objectstore": 0,
     "lockstep.errors": 0,
-    # 1: processes: the launcher on one side, the ranks' collectives on the other
-    "lockstep.launcher": 1, "lockstep.dist": 1, "lockstep._agreement": 1,
+    # 1: processes: the launcher on one side, the ranks' collectives (and the elastic job's split of
+    # the global batch over them) on the other
+    "lockstep.launcher": 1, "lockstep.dist": 1, "lockstep._agreement": 1, "lockstep.elastic": 1,
     # 2: the loop's vocabulary: state, model, events, callbacks, algorithms, devices, Composer's
     # utilities, models, metrics and losses
     "lockstep.state": 2, "lockstep.model": 2, "lockstep.core": 2, "lockstep.devices": 2, "lockstep.utils": 2,

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lockstep import elastic
 from lockstep.checkpoint import composer, ignore, stateful
 from lockstep.core.state_dict import integrations
 from lockstep.checkpoint.files import CheckpointError
@@ -235,9 +236,12 @@ def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None
 
 
 def check_world_size(payload: dict[str, Any], path: Path, world_size: int) -> None:
-    """Only a sharded (DCP) checkpoint reshards to another world size."""
+    """Only a sharded (DCP) checkpoint reshards to another world size; in an elastic job
+    (``LOCKSTEP_FULL_WORLD_SIZE``), whose data follows the global batch whatever the world size,
+    a DDP one, in which every rank holds the whole state, loads at any world size too."""
     saved = payload["lockstep"].get("world_size")
-    if saved != world_size and layout_of(payload["lockstep"]) != SHARDED:
+    layout = layout_of(payload["lockstep"])
+    if saved != world_size and layout != SHARDED and not (layout == SINGLE and elastic.full_world_size()):
         raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
                               f"{world_size}: an exact resume needs the same world size; pass "
                               f"load_weights_only=True to start a new run from its weights")

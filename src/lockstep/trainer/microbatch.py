@@ -109,6 +109,9 @@ class Microbatches:
         self.count = count
         """What a microbatch's loss is weighted by (``accumulate_train_batch_on_tokens``: its
         tokens); None: its samples."""
+        self.cap: int | None = None
+        """The most samples a microbatch holds when no size or count was asked for (an elastic
+        job's share of a global batch may be larger than the loader's batch size)."""
         self.spec: DataSpec | None = None
         """The training data's DataSpec: its ``split_batch``, ``get_num_samples_in_batch`` and
         ``microbatch_transforms``, where given, replace the model's rules."""
@@ -171,6 +174,8 @@ class Microbatches:
             return list(split(batch, loop.device_train_microbatch_size))
         if loop.grad_accum is not None:
             return list(split(batch, math.ceil(self._num_samples(batch) / loop.grad_accum)))
+        if self.cap is not None and self._num_samples(batch) > self.cap:
+            return list(split(batch, self.cap))
         return [batch]
 
     def _num_samples(self, batch: Any) -> int:

@@ -13,7 +13,7 @@ from typing import IO, Any, SupportsInt
 
 import torch
 
-from lockstep import dist, errors, progress, rng
+from lockstep import dist, elastic, errors, progress, rng
 from lockstep.core.algorithm import Algorithm
 from lockstep.core.callback import Callback
 from lockstep.core.data_spec import DataSpec, ensure_data_spec
@@ -27,7 +27,7 @@ from lockstep.model import Model
 from lockstep.optim.stepper import ScheduledLR, compile_schedulers
 from lockstep.algorithms.gradient_clipping import for_deepspeed
 from lockstep.parallel.config import ParallelConfig, build_strategy
-from lockstep.parallel.mesh import data_parallel, set_data_parallel
+from lockstep.parallel.mesh import DataParallel, data_parallel, set_data_parallel
 from lockstep.parallel.precision import make_grad_scaler
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
@@ -478,6 +478,29 @@ class Trainer:
         split = data_parallel()
         self._data_parallel_size = split.size
         self._check_groups = split.copies > 1  # at the first step of this fit
+        self._share_global_batch(split)
+
+    def _share_global_batch(self, split: DataParallel) -> None:
+        """In an elastic job (``LOCKSTEP_FULL_WORLD_SIZE``) where fewer ranks train than the full
+        world, train on this rank's share of each global batch of the full world, in microbatches
+        of at most the loader's batch size (DESIGN.md section 14)."""
+        full = elastic.full_world_size()
+        if full is None or self.train_dataloader is None:
+            return
+        if split.copies > 1:
+            raise ValueError(f"{elastic.FULL_WORLD_ENV} with tensor parallelism: lockstep does not split a global "
+                             f"batch over tensor-parallel groups yet; unset it or train without tensor parallelism")
+        shared = elastic.share_loader(self.train_dataloader, "train_dataloader", full, split.size, split.rank)
+        if shared is self.train_dataloader:
+            return
+        if self.parallel.deepspeed_config is not None:  # its engine fixes the microbatches per step
+            raise ValueError(f"{elastic.FULL_WORLD_ENV}={full} with {split.size} ranks under DeepSpeed: its engine "
+                             f"cannot take a larger share of the global batch per rank; train under DDP or FSDP")
+        self.train_dataloader = shared
+        if self._train_spec is not None:
+            self._train_spec.dataloader = shared
+        self._microbatches.cap = shared.batch_sampler.per_rank_batch
+        self._follow_loader(self._train_spec)
 
     def _apply_fit_arguments(self, given: fit_arguments.FitArguments) -> None:
         """Change the run as ``fit``'s arguments ask, before its loop starts (on every rank). Every

@@ -1,0 +1,65 @@
+"""A training loader made to yield this rank's share of each global batch of the full world."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+from lockstep.elastic.global_batches import GlobalBatchSampler
+
+FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
+"""The ranks a global batch is made for (the launcher sets it in an elastic job); fewer may train on it."""
+
+
+def full_world_size() -> int | None:
+    """``LOCKSTEP_FULL_WORLD_SIZE``, checked; None when unset."""
+    value = os.environ.get(FULL_WORLD_ENV)
+    if value is None or value == "":
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"{FULL_WORLD_ENV}={value!r} is not a number of ranks: set it to an integer >= 1, or unset it")
+    return size
+
+
+def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int) -> Any:
+    """``loader``, or a DataLoader over the same data and with the same settings, that gives rank
+    ``rank`` of ``world`` its share of each global batch of ``full_world`` ranks (the loader's
+    ``batch_size`` samples per full-world rank, drawn as its DistributedSampler draws them).
+    A loader made by this function is re-split in place; with the full world there, and a loader
+    never split, the loader is returned as it is: its batches are the global batch's shares."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(batch_sampler, GlobalBatchSampler):
+        if world > batch_sampler.full_world:
+            raise ValueError(f"{world} ranks train, more than the full world of {batch_sampler.full_world} that "
+                             f"{name}'s global batch is made for ({FULL_WORLD_ENV})")
+        batch_sampler.world, batch_sampler.rank = world, rank
+        return loader
+    if world == full_world:
+        return loader
+    sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else None
+    if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
+            or not isinstance(sampler, DistributedSampler) or loader.batch_size is None):
+        raise ValueError(
+            f"{name} cannot be split into shares of the global batch of {full_world} ranks ({FULL_WORLD_ENV}) "
+            f"over the {world} that train: build it as DataLoader(dataset, batch_size=..., "
+            f"sampler=lockstep.dist.get_sampler(dataset, shuffle=...)) over a map-style dataset")
+    if world > full_world:
+        raise ValueError(f"{world} ranks train, more than the full world of {full_world} ({FULL_WORLD_ENV}): "
+                         f"raise {FULL_WORLD_ENV} to at least {world}, or unset it")
+    shares = GlobalBatchSampler(loader.dataset, full_world=full_world, per_rank_batch=loader.batch_size,  # type: ignore[arg-type]
+                                world=world, rank=rank, shuffle=sampler.shuffle, seed=sampler.seed,
+                                drop_last=sampler.drop_last, drop_last_batch=loader.drop_last)
+    shares.set_epoch(sampler.epoch)
+    workers = loader.num_workers
+    return DataLoader(loader.dataset, batch_sampler=shares, num_workers=workers, collate_fn=loader.collate_fn,
+                      pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                      prefetch_factor=loader.prefetch_factor if workers else None,
+                      persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+                      in_order=loader.in_order)
