@@ -28,7 +28,7 @@ import re
 import string
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -383,10 +383,28 @@ def _check_src(src: int, caller: str) -> None:
 # ----------------------------------------------------------------------------- collectives
 
 
+_waiter: Callable[[Any], None] | None = None
+"""How this module's tensor collectives wait, when not inside torch (an elastic job's membership)."""
+
+
+def set_collective_waiter(waiter: Callable[[Any], None] | None) -> None:
+    """Have :func:`barrier`, :func:`all_reduce`, :func:`broadcast` and :func:`all_gather` issue
+    their collective asynchronously and hand its work object to ``waiter`` (None: wait in torch)."""
+    global _waiter
+    _waiter = waiter
+
+
+def _run(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    if _waiter is None:
+        collective(*args, **kwargs)
+    else:
+        _waiter(collective(*args, **kwargs, async_op=True))
+
+
 def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
     """Wait until every rank (of ``group``, if given) reaches this call (no-op at world size 1)."""
     if _group_ready("barrier", group):
-        torch_dist.barrier(group=group)
+        _run(torch_dist.barrier, group=group)
 
 
 def _reduce_op_name(tensor: torch.Tensor, reduce_operation: str) -> str:
@@ -430,7 +448,7 @@ def all_reduce(
         return tensor
     # gloo has no AVG reduction: sum, then divide by the group's size.
     torch_op = torch_dist.ReduceOp.SUM if op_name == "AVG" else getattr(torch_dist.ReduceOp, op_name)
-    torch_dist.all_reduce(tensor, op=torch_op, group=group)
+    _run(torch_dist.all_reduce, tensor, op=torch_op, group=group)
     if op_name == "AVG":
         tensor.div_(torch_dist.get_world_size(group))
     return tensor
@@ -443,7 +461,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: torch_dist.ProcessGroup | N
     """
     _check_src(src, "broadcast")
     if _group_ready("broadcast", group):
-        torch_dist.broadcast(tensor, src=src, group=group)
+        _run(torch_dist.broadcast, tensor, src=src, group=group)
     return tensor
 
 
@@ -470,7 +488,7 @@ def all_gather(tensor: torch.Tensor, group: torch_dist.ProcessGroup | None = Non
         return [tensor]
     tensor = tensor.contiguous()
     gathered = [torch.empty_like(tensor) for _ in range(torch_dist.get_world_size(group))]
-    torch_dist.all_gather(gathered, tensor, group=group)
+    _run(torch_dist.all_gather, gathered, tensor, group=group)
     return gathered
 
 

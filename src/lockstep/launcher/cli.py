@@ -88,17 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Run training_script as a command, without python.")
     p.add_argument("--run_directory", default=None,
                    help="Folder for run artifacts and rank logs. Default: runs/<timestamp>.")
-    p.add_argument("--max_restarts", type=_non_negative_int, default=None,
-                   help="When a rank fails, stop every rank and restart them all (on several nodes, "
-                        "every node's together) up to this many times (env LOCKSTEP_MAX_RESTARTS). "
-                        "Default: 0.")
-    p.add_argument("--grace_period", type=_grace_seconds, default=5.0,
-                   help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
-    p.add_argument("--stall_timeout", type=_stall_seconds, default=None,
-                   help="End the job (exit code 124) when a rank that reports progress (the Trainer "
-                        "does, each batch; a script with lockstep.dist.heartbeat()) has made none for "
-                        "this many seconds, after printing every rank's stack and which ranks stopped "
-                        "first (env LOCKSTEP_STALL_TIMEOUT). Default: 0, off.")
+    _add_failure_arguments(p)
     p.add_argument("-t", "--tee", type=torchrun.stream_value, default=Stream.NONE,
                    help="Also show every rank's stdout (1), stderr (2) or both (3) on the console, "
                         "each line prefixed [default<local rank>]: as under torchrun (env "
@@ -111,6 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
     torchrun.add_arguments(p, mode, {"node_rank": _non_negative_int, "master_port": _port,
                                      "max_restarts": _non_negative_int, "grace_period": _grace_seconds})
     return p
+
+
+def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
+    """What the launcher does when a rank fails, is lost, or stalls."""
+    p.add_argument("--max_restarts", type=_non_negative_int, default=None,
+                   help="When a rank fails, stop every rank and restart them all (on several nodes, "
+                        "every node's together) up to this many times (env LOCKSTEP_MAX_RESTARTS). "
+                        "Default: 0.")
+    p.add_argument("--min_ranks", type=_positive_int, default=None,
+                   help="Elastic training on one node: when a rank is lost (exits with an error or is "
+                        "killed) and at least this many ranks live, they go on at the smaller world size "
+                        "from the step in flight, training the same global batches (a Trainer under DDP). "
+                        "Default: off, a lost rank stops the job.")
+    p.add_argument("--grace_period", type=_grace_seconds, default=5.0,
+                   help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
+    p.add_argument("--stall_timeout", type=_stall_seconds, default=None,
+                   help="End the job (exit code 124) when a rank that reports progress (the Trainer "
+                        "does, each batch; a script with lockstep.dist.heartbeat()) has made none for "
+                        "this many seconds, after printing every rank's stack and which ranks stopped "
+                        "first (env LOCKSTEP_STALL_TIMEOUT). Default: 0, off.")
 
 
 def _add_multinode_arguments(p: argparse.ArgumentParser) -> None:
@@ -374,12 +384,26 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         run_id=run_id, nnodes=nnodes, role=getattr(args, "role", "default"),
         line_prefix=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_LINE_PREFIX,
         torchrun_logs=torchrun_logs and torchrun_logs / f"{run_id or run_directory.name}_{_token()}",
-        stall_timeout=_stall_timeout(args, env), notes=tuple(notes),
+        stall_timeout=_stall_timeout(args, env), notes=tuple(notes), min_ranks=args.min_ranks or 0,
         advice=_flags_after_the_script(parser, args.training_script, args.training_script_args),
     )
+    _check_min_ranks(plan)
     limits.check_open_files(plan)  # first: the paths' check goes through every rank
     inputs.check_paths(plan)
     return plan
+
+
+def _check_min_ranks(plan: LaunchPlan) -> None:
+    if not plan.min_ranks:
+        return
+    if plan.min_ranks > plan.world_size:
+        raise LaunchError(f"--min_ranks {plan.min_ranks} is more than the job's {plan.world_size} ranks: give at "
+                          f"most {plan.world_size}")
+    if plan.is_multinode:
+        raise LaunchError("--min_ranks keeps a job going on one node only, for now: launch one node, or drop "
+                          "--min_ranks")
+    if plan.mode is Mode.COMMAND:
+        raise LaunchError("--min_ranks needs ranks that run lockstep's Trainer (or lockstep.elastic): drop -c")
 
 
 _SCRIPTS_OWN = {"-h", "--help", "-v", "--verbose", "--version", "-m", "--module"}

@@ -45,6 +45,15 @@ class Mode(str, Enum):
     COMMAND = "command"
 
 
+ELASTIC_ENV = "LOCKSTEP_ELASTIC"
+FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
+
+
+def elastic_prefix(attempt: int) -> str:
+    """The store keys of an elastic attempt's membership (lockstep.elastic.membership)."""
+    return f"lockstep/elastic/attempt{attempt}/"
+
+
 @dataclass(frozen=True, slots=True)
 class RankSpec:
     """One process this node will start."""
@@ -117,6 +126,8 @@ class LaunchPlan:
     advice: tuple[str, ...] = ()
     """Likely mistakes in the command line that are not errors (a launcher flag after the script);
     always printed."""
+    min_ranks: int = 0
+    """Elastic on one node: the ranks that must live for the job to go on after one is lost; 0: off."""
     python: str = field(default=sys.executable)
 
     @property
@@ -227,6 +238,9 @@ class LaunchPlan:
             LOCKSTEP_RUN_DIRECTORY=str(self.run_directory),
             PYTHONUNBUFFERED="1",
         )
+        if self.min_ranks:  # the names lockstep.elastic reads
+            env[ELASTIC_ENV] = elastic_prefix(restart_count)
+            env.setdefault(FULL_WORLD_ENV, str(self.world_size))
         if self.verbose:  # configuration errors with their tracebacks (lockstep.errors)
             env["LOCKSTEP_VERBOSE"] = "1"
         # As torchrun's agent: a failed NCCL collective raises instead of hanging until the timeout.

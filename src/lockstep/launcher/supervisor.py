@@ -27,6 +27,7 @@ from typing import Any
 
 from lockstep.launcher import resolver
 from lockstep.launcher.interface import interface_env
+from lockstep.launcher.membership import Members
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
@@ -118,6 +119,9 @@ class Supervisor:
         self._signal_recorded = False
         """Whether this launcher recorded (or began to record) a stopping signal for the other nodes."""
         """Where this launcher reaches the job's store: the master's address, or its own on the master."""
+        self._launcher_store: Any = None
+        self._members: Members | None = None
+        """An elastic attempt's membership (--min_ranks)."""
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -130,16 +134,13 @@ class Supervisor:
         self._reaper = Reaper(lambda: {watchdog.pid, *(r.proc.pid for r in self._ranks)})
         with caught_signals() as wake_r, no_terminal_stops(), self._reaper:
             self._wake_r = wake_r
-            launcher_store = None
             shm = Path("/dev/shm")
             self._control_dir = Path(tempfile.mkdtemp(
                 prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
             try:
-                # On several nodes the store must outlive ranks and restarts: this launcher hosts it.
-                if listener and (self.plan.mode is Mode.COMMAND or self.plan.is_multinode):
-                    launcher_store = self._host_store(listener)
-                    if isinstance(launcher_store, int):
-                        return launcher_store
+                launcher_store = self._launchers_store(listener)
+                if isinstance(launcher_store, int):
+                    return launcher_store
                 if self.plan.is_multinode:
                     self._interface, line = interface_env(self.plan.master_addr, os.environ,
                                                           lambda: self._stopping(wake_r))
@@ -165,6 +166,16 @@ class Supervisor:
                 watchdog.close()
                 if listener:
                     listener.close()
+
+    def _launchers_store(self, listener: socket.socket | None) -> Any:
+        """The store this launcher hosts (the exit code if it did not start), or None where rank 0
+        hosts it. On several nodes the store must outlive ranks and restarts, and in an elastic
+        job any rank, rank 0 too: this launcher hosts it."""
+        plan = self.plan
+        if not listener or not (plan.mode is Mode.COMMAND or plan.is_multinode or plan.min_ranks):
+            return None
+        self._launcher_store = self._host_store(listener)
+        return self._launcher_store
 
     def _host_store(self, listener: socket.socket) -> Any:
         """The store this launcher hosts on ``listener``, started within a deadline (the exit code if not)."""
@@ -236,6 +247,9 @@ class Supervisor:
                 attempt, rank_port = begun
             ranks = self._spawn_all(rank_port, attempt, listener.fileno() if listener else None, watchdog)
             self._ranks = ranks
+            if self.plan.min_ranks:
+                self._members = Members(self._launcher_store, attempt, [r.spec.rank for r in ranks],
+                                        self.plan.min_ranks)
             outcome = self._monitor(ranks, wake_r, channel)
             if outcome is None and channel is not None:
                 outcome = self._finish_job(ranks, wake_r, channel)
@@ -547,6 +561,9 @@ class Supervisor:
         is a symptom: while that rank of this node is still on its way out, it is waited for, up
         to ``_ECHO_WAIT_S``, to be named instead; one on another node wins the agreement there."""
         for r in exited:
+            if r.returncode != 0 and self._members is not None and not self._signals_seen:
+                if self._members.lose(r.spec.rank, r.returncode):
+                    continue
             if r.returncode != 0:
                 origin = self._board.echo_of(r.spec.rank) if self._board is not None else None
                 local = {o.spec.rank: o for o in self._ranks}.get(origin) if origin is not None else None

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lockstep import dist
+from lockstep import dist, elastic
 from lockstep.checks import check_choice
 from lockstep.parallel import ddp_buckets
 from lockstep.parallel.precision import NULL_CONTEXT
@@ -57,9 +57,20 @@ class DDPStrategy(Strategy):
         """The layout of DDP's rebuilt gradient buckets, once known: a checkpoint records it, and
         DDP starts with it on resume (:mod:`lockstep.parallel.ddp_buckets`)."""
         self._await_rebuild = False
+        self.elastic = False
+        """Whether the gradients are all-reduced by hand after the last microbatch, DDP left out
+        (an elastic job)."""
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if dist.get_world_size() == 1 or not any(p.requires_grad for p in model.parameters()):
+            return model
+        if elastic.current() is not None:
+            # DDP's reducer waits for its all-reduces inside torch, where no change of the job's
+            # ranks can end the wait: the gradients are all-reduced as under forced_sync instead,
+            # through lockstep.dist, whose waits a change ends (lockstep.elastic.membership).
+            self.elastic = True
+            for tensor in [*model.parameters(), *model.buffers()]:  # as DDP starts: rank 0's values
+                dist.broadcast(tensor.data, 0)
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP rebuilds its buckets after the first synchronized backward; never when it finds
@@ -108,6 +119,8 @@ class DDPStrategy(Strategy):
 
     def sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
         # plain context objects, not generators: this runs for every microbatch
+        if self.elastic:
+            return _ThenSync(NULL_CONTEXT, self.model) if is_last_microbatch else NULL_CONTEXT
         if not isinstance(self.module, DistributedDataParallel):
             return NULL_CONTEXT
         strategy = self.sync_strategy

@@ -32,7 +32,7 @@ from lockstep.parallel.precision import make_grad_scaler
 from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
 from lockstep.trainer import (
-    checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, setup, train_metrics)
+    checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, rejoin, setup, train_metrics)
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
@@ -297,6 +297,8 @@ class Trainer:
             count=(lambda micro: self._num_tokens(micro)) if on_tokens else None)
         self._microbatches.spec = self._train_spec
         self._logging, self._closed, self._fitting, self._check_groups = False, False, False, False
+        self._unended: tuple | None = None
+        """The batch whose optimizer step ran and whose timestamp has not moved yet: (samples, tokens, is_last)."""
         self.fit_count = 0
         """How many times ``fit`` ran (a second one that would train nothing is refused, as in Composer)."""
         self._events.index()
@@ -400,6 +402,11 @@ class Trainer:
         """Join the process group, seed, and prepare the model on every rank (collectives)."""
         loop = self.loop
         dist.initialize_dist(loop.device, dist_timeout, single_process_group=self.strategy.needs_process_group)
+        if elastic.join(dist_timeout) is not None and (self.parallel.fsdp_config is not None
+                                                        or self.parallel.deepspeed_config is not None):
+            raise ValueError("the launcher's --min_ranks (an elastic job) goes on after a lost rank under DDP only, "
+                             "for now: a lost FSDP or DeepSpeed shard would need a copy; drop --min_ranks, or "
+                             "train without fsdp_config/deepspeed_config")
         split = self.strategy.data_parallel()
         set_data_parallel(split)
         if loop.seed is not None:  # the ranks of a tensor-parallel group draw the same numbers
@@ -553,22 +560,16 @@ class Trainer:
         self._set_train_dataloader()
         self._run_event(Event.FIT_START)
         with StopSignal() if self.saver else contextlib.nullcontext() as stop:
+            started_epoch = None  # the epoch whose EPOCH_START ran (an elastic job may start it over)
             while not is_reached(s.timestamp, s.max_duration):
                 data.set_epoch(self.train_dataloader, s.timestamp.epoch.value)
-                if s.timestamp.batch_in_epoch.value == 0:  # as in Composer, not when resuming mid-epoch
+                # as in Composer, not when resuming mid-epoch
+                if s.timestamp.batch_in_epoch.value == 0 and started_epoch != s.timestamp.epoch.value:
+                    started_epoch = s.timestamp.epoch.value
                     if s.timestamp.epoch.value == 0:  # the run is one iteration
                         self._run_event(Event.ITERATION_START)
                     self._run_event(Event.EPOCH_START)
-                batches = data.epoch_batches(
-                    self.train_dataloader, self._count, self._step_sync, s.device.torch_device, sum_tokens=self._sum_tokens,
-                    track=self._position if self.saver else None, resume=resume,
-                    limit=self.loop.train_subset_num_batches, transform=self._batch_transforms)
-                try:
-                    if not self._train_epoch(batches, stop) and resume is None:
-                        raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
-                finally:
-                    batches.close()  # puts back a sampler the resume skipped through
-                resume = None
+                resume = self._epoch(resume, stop)
             for saves in self._every_save:
                 saves.finish()
         if self.evaluators and s.timestamp.batch.value > started_at:
@@ -577,6 +578,72 @@ class Trainer:
             self._evaluate([e for e in self.evaluators
                             if evaluation.is_due_at_fit_end(e.eval_interval, s, self._evaluated_at.get(e.label))])
         self._run_event(Event.FIT_END)
+
+    def _epoch(self, resume: data.DataPosition | None, stop: StopSignal | None) -> data.DataPosition | None:
+        """Train the rest of the epoch from ``resume``; None, or where the epoch goes on after the
+        job's ranks changed (an elastic job)."""
+        s = self.state
+        batches = data.epoch_batches(
+            self.train_dataloader, self._count, self._step_sync, s.device.torch_device, sum_tokens=self._sum_tokens,
+            track=self._position if self.saver else None, resume=resume,
+            limit=self.loop.train_subset_num_batches, transform=self._batch_transforms)
+        try:
+            if not self._train_epoch(batches, stop) and resume is None:
+                raise ValueError("train_dataloader yielded no batches: check the dataset and batch_size")
+        except (elastic.MembershipChanged, RuntimeError) as error:
+            if not self._after_a_change(error):
+                raise
+            return self._rejoin(stop)  # the step in flight again, on the ranks left
+        finally:
+            batches.close()  # puts back a sampler the resume skipped through
+        return None
+
+    def _after_change(self, unended: tuple | None, stop: StopSignal | None) -> None:
+        """On the new process group: the data split over its ranks, and the end of the batch the
+        ranks took the optimizer step of, if they did (its timestamp, BATCH_END, ...)."""
+        self._unended = unended  # this rank's now, until its end moves the timestamp
+        split = self.strategy.data_parallel()
+        set_data_parallel(split)
+        self._data_parallel_size = split.size
+        self._share_global_batch(split)
+        self._set_train_dataloader()
+        if unended is not None:
+            samples, tokens, is_last = unended
+            self._end_batch(samples, tokens, is_last, stop, self._events.step_heard or bool(self.algorithms))
+
+    @staticmethod
+    def _after_a_change(error: BaseException) -> bool:
+        """Whether ``error`` ended the step because the job's ranks changed (an elastic job)."""
+        membership = elastic.current()
+        return membership is not None and (isinstance(error, elastic.MembershipChanged) or membership.follows(error))
+
+    def _rejoin(self, stop: StopSignal | None) -> data.DataPosition | None:
+        """After the job's ranks changed (an elastic job): a process group of the ranks left, every
+        rank at the step the furthest reached (ending together a batch whose optimizer step was
+        taken), the global batch split over them; where the epoch's data starts again (its global
+        batches already trained are read and dropped)."""
+        membership = elastic.current()
+        assert membership is not None
+        s, started = self.state, time.monotonic()
+        while True:
+            try:
+                rank, world = membership.reform()
+                for optimizer in s.optimizers:  # the abandoned step's partial gradients
+                    optimizer.zero_grad(set_to_none=True)
+                behind, unended = rejoin.catch_up(s, self._unended)
+                self._after_change(unended, stop)
+                break
+            except (elastic.MembershipChanged, RuntimeError) as error:
+                if not self._after_a_change(error):
+                    raise
+                # another rank was lost meanwhile: the newest generation
+        if rank == 0:
+            print(f"lockstep: the job goes on with {world} ranks (generation {membership.generation}) at batch "
+                  f"{s.timestamp.batch.value}, {time.monotonic() - started:.2f} s after the change"
+                  f"{f'; {behind} rank(s) took the step of the furthest' if behind else ''}",
+                  file=sys.stderr, flush=True)
+        done = s.timestamp.batch_in_epoch.value
+        return data.DataPosition(skip=done) if done else None
 
     def _train_epoch(self, batches: Iterator[tuple[Any, int, SupportsInt, bool]], stop: StopSignal | None) -> bool:
         """Train on ``batches`` until the epoch or the run ends; whether there was a batch."""
@@ -598,6 +665,7 @@ class Trainer:
                 run(Event.AFTER_DATALOADER)
                 run(Event.BATCH_START)
             s.loss_tensor = self._train_batch(s.batch, samples, tokens, loud)
+            self._unended = (samples, tokens, is_last)  # until the timestamp moves (an elastic job's rejoin)
             self._end_batch(samples, tokens, is_last, stop, loud)
             if is_last or is_reached(s.timestamp, s.max_duration):
                 return trained
@@ -616,6 +684,7 @@ class Trainer:
         trained = train_metrics.compute(s) if s.train_metrics else None
         s.previous_timestamp = before
         s.timestamp = after = before.to_next_batch(samples, tokens, now - self._clock)
+        self._unended = None
         self._clock = now
         progress.heartbeat(after.batch.value)
         if not tokens and s.max_duration.unit is TimeUnit.TOKEN:  # type: ignore[union-attr]

@@ -1,0 +1,91 @@
+"""A rank killed at a random moment: what it costs an elastic job (``--min_ranks``) and a job that
+restarts every rank from its newest checkpoint (``--max_restarts 1``, a save every 2 batches).
+
+    .venv/bin/python benchmarks/elastic_recovery.py --trials 20
+
+Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended), and runs both
+jobs (tests/elastic/elastic_job.py, 0.1 s of sleep after each batch so that the moment falls
+anywhere in a step), SIGKILLing that rank at that moment in each. From the batch-end times every
+rank records it reports, per job, the seconds from the kill to the first finish of the next batch
+(past the newest any rank had finished; under restarts, the first batch finished after the kill),
+and the batches trained again (the newest batch finished before the kill, less the one the job
+went on from). A second rank lost after the kill fails the trial. It prints each trial and the medians; every run must end with exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "tests" / "elastic" / "elastic_job.py"
+JOBS = {"elastic": ["--min_ranks", "3"], "restart": ["--max_restarts", "1"]}
+
+
+def ends(out: Path) -> list[tuple[int, float]]:
+    found = []
+    for log in out.glob("ends*"):
+        for line in log.read_text().splitlines():
+            batch, when = line.split()
+            found.append((int(batch), float(when)))
+    return found
+
+
+def trial(kind: str, rank: int, delay: float, tmp: Path) -> tuple[float, int]:
+    out = tmp / kind
+    out.mkdir()
+    extra = ["--save", str(out / "saves")] if kind == "restart" else []
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "4", *JOBS[kind], "--run_directory",
+                             str(out / "run"), str(JOB), str(out), "--sleep", "0.1", *extra], cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    while not (out / "ends0").exists():
+        if proc.poll() is not None:
+            raise RuntimeError(proc.communicate()[1])
+        time.sleep(0.01)
+    time.sleep(delay)
+    killed = time.time()
+    os.kill(int((out / f"pid{rank}").read_text()), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(err)
+    recorded = ends(out)
+    before = max(b for b, t in recorded if t < killed)
+    # the first batch past the newest one any rank had finished, and the first finish of it
+    batch = min(b for b, t in recorded if t > killed and (b > before or kind == "restart"))
+    when = min(t for b, t in recorded if b == batch and t > killed)
+    if "SIGABRT" in err or err.count(" left (") > 1:
+        raise RuntimeError(f"a rank was lost after the kill:\n{err}")
+    return when - killed, before - (batch - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trials", type=int, default=20)
+    args = parser.parse_args()
+    results: dict[str, list[tuple[float, int]]] = {kind: [] for kind in JOBS}
+    for n in range(args.trials):
+        rank, delay = random.randrange(4), random.uniform(0.0, 0.6)
+        with tempfile.TemporaryDirectory() as tmp:
+            row = {kind: trial(kind, rank, delay, Path(tmp)) for kind in JOBS}
+        for kind, value in row.items():
+            results[kind].append(value)
+        print(f"trial {n + 1}: rank {rank} at {delay:.2f} s: " + ", ".join(
+            f"{kind} {s:.2f} s to the next step, {lost} batch(es) again" for kind, (s, lost) in row.items()),
+            flush=True)
+    for kind, values in results.items():
+        print(f"{kind}: median {statistics.median(v[0] for v in values):.2f} s from the kill to the next finished "
+              f"step (max {max(v[0] for v in values):.2f}), median {statistics.median(v[1] for v in values)} "
+              f"batch(es) trained again (max {max(v[1] for v in values)})")
+
+
+if __name__ == "__main__":
+    main()

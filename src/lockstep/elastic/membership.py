@@ -1,0 +1,176 @@
+"""The ranks' side of an elastic job's membership: which ranks train now, and a new process group
+among them after one was lost.
+
+The launcher hosts the job's store and, when a rank is lost while at least ``--min_ranks`` live,
+publishes the next generation of the membership under ``LOCKSTEP_ELASTIC`` (a store key prefix):
+``<prefix>generation`` counts the generations, ``<prefix>members<g>`` lists generation g's ranks
+by the rank each had at launch. A thread of each rank watches the count. While the membership
+holds, the collectives of :mod:`lockstep.dist` are waited for by polling them, so that a change
+ends the wait at once with :class:`MembershipChanged` (a wait inside gloo would block for as long
+as its timeout on a peer that another survivor stopped talking to). :meth:`Membership.reform`
+then replaces the default process group by one of the new generation's ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as torch_dist
+
+from lockstep import dist
+
+ELASTIC_ENV = "LOCKSTEP_ELASTIC"
+"""The store key prefix of this attempt's membership; set by the launcher in an elastic job."""
+_POLL_S = 0.05
+_CHANGE_WAIT_S = 60.0
+"""How long a rank whose collective failed waits for the launcher to publish the change."""
+
+
+class MembershipChanged(RuntimeError):
+    """The ranks that train changed while this rank waited in a collective; the step in flight
+    is abandoned (:meth:`Membership.reform` makes the new process group)."""
+
+
+def members_key(prefix: str, generation: int) -> str:
+    return f"{prefix}members{generation}"
+
+
+def generation_key(prefix: str) -> str:
+    return f"{prefix}generation"
+
+
+def joined_key(prefix: str) -> str:
+    return f"{prefix}joined"
+
+
+class Membership:
+    """This rank's view of the membership: ``generation`` is the one its process group was made
+    for; a watcher thread reads the newest one from the launcher's store."""
+
+    def __init__(self, prefix: str, launch_rank: int, timeout: float = 300.0) -> None:
+        self.prefix, self.launch_rank, self.timeout = prefix, launch_rank, timeout
+        self.generation = 0
+        self.ranks: list[int] = list(range(dist.get_world_size()))
+        """The ranks at launch of those that train now, in their new rank order."""
+        self._newest = 0
+        self._store = self._client()
+        self._store.add(joined_key(prefix), 1)  # the launcher shrinks only a job whose every rank follows
+        self._done = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="lockstep-membership", daemon=True)
+        self._watcher.start()
+        # A daemon thread that is inside a store call when the interpreter finalizes is unwound
+        # through C++ frames that cannot be (std::terminate, SIGABRT): it stops before that.
+        atexit.register(self.stop_watching)
+
+    @staticmethod
+    def _client() -> Any:
+        return torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                                   timedelta(seconds=60))
+
+    def _watch(self) -> None:
+        store = self._client()  # a store client is not shared between threads
+        key = generation_key(self.prefix)
+        while not self._done.is_set():
+            try:
+                self._newest = max(self._newest, int(store.add(key, 0)))
+            except Exception:  # noqa: BLE001 - the launcher went away: the job is ending
+                return
+            self._done.wait(_POLL_S)
+
+    def stop_watching(self) -> None:
+        """End the watcher thread (at exit)."""
+        self._done.set()
+        self._watcher.join(timeout=5)
+
+    def changed(self) -> bool:
+        return self._newest > self.generation
+
+    def wait(self, work: Any) -> None:
+        """Wait for a collective's ``work``, polling it: :class:`MembershipChanged` as soon as the
+        membership changes, or when the collective failed (a peer died) and the launcher
+        publishes the change within a minute (else the collective's own error)."""
+        pause = 0.0002
+        while not work.is_completed():
+            if self.changed():
+                raise MembershipChanged(f"the job's ranks changed (generation {self._newest})")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        try:
+            work.wait()
+        except RuntimeError as error:
+            if self.follows(error):
+                raise MembershipChanged(f"a collective failed as the job's ranks changed: {error}") from None
+            raise
+
+    def follows(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a collective (one that torch waited for itself, such as a
+        metric's gather), came from a change of the job's ranks: a connection to a peer that
+        broke, and the launcher publishing a change within a minute."""
+        text = str(error)
+        if not (isinstance(error, torch_dist.DistError) or "gloo" in text or "Connection" in text):
+            return False
+        deadline = time.monotonic() + _CHANGE_WAIT_S
+        while not self.changed() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return self.changed()
+
+    def reform(self) -> tuple[int, int]:
+        """A process group of the newest generation's ranks in place of the default one; this
+        rank's new rank and the new world size. The old group is left to its threads (one may
+        still wait on a peer that is gone): destroying it could wait for them."""
+        generation = int(self._store.add(generation_key(self.prefix), 0))
+        ranks = json.loads(self._store.get(members_key(self.prefix, generation)))
+        if self.launch_rank not in ranks:
+            raise RuntimeError(f"rank {self.launch_rank} (at launch) is not in generation {generation} of the "
+                               f"job's ranks {ranks}: the launcher counted it as lost")
+        rank, world = ranks.index(self.launch_rank), len(ranks)
+        _abandon_default_group()
+        store = torch_dist.PrefixStore(f"{self.prefix}g{generation}/", self._client())
+        torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                      timeout=timedelta(seconds=self.timeout))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        self.generation, self.ranks = generation, ranks
+        return rank, world
+
+
+def _abandon_default_group() -> None:
+    """Take the default group out of torch's registry without shutting it down, and never free
+    it: gloo's shutdown, as its destructor, joins the group's worker threads, and one of them may
+    wait on a peer that is gone, or that left the group too, for the whole timeout. Each change of
+    the job's ranks leaks one group, its threads and its sockets, until the process ends."""
+    group = torch_dist.group.WORLD
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed, so never destroyed
+    shutdown = torch_dist.ProcessGroup.__dict__["shutdown"]  # the descriptor itself, to put back as it was
+    torch_dist.ProcessGroup.shutdown = lambda self: None  # type: ignore[method-assign]
+    try:
+        torch_dist.destroy_process_group()
+    finally:
+        setattr(torch_dist.ProcessGroup, "shutdown", shutdown)
+
+
+_membership: Membership | None = None
+
+
+def join(timeout: float = 300.0) -> Membership | None:
+    """This rank's membership in an elastic job (made once, after the process group); None when
+    the job is not elastic. From then on :mod:`lockstep.dist`'s collectives wait through it."""
+    global _membership
+    prefix = os.environ.get(ELASTIC_ENV)
+    if not prefix or not torch_dist.is_initialized():
+        return None
+    if _membership is None:
+        _membership = Membership(prefix, int(os.environ["RANK"]), timeout)
+        dist.set_collective_waiter(_membership.wait)
+    return _membership
+
+
+def current() -> Membership | None:
+    """This rank's membership, once :func:`join` made it; None outside an elastic job."""
+    return _membership

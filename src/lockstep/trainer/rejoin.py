@@ -1,0 +1,47 @@
+"""After an elastic job's ranks changed: every rank at the step the furthest one reached.
+
+A rank whose gradient all-reduce completed just as a peer was lost took the optimizer step; the
+others, whose all-reduce failed, did not; and a rank may have taken the step but failed in a
+collective of the batch's end (a metric's gather) before its timestamp moved. The lowest rank of
+those that got furthest sends its weights, optimizer, schedules and timestamp, and the batch it
+has yet to end, to the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep import dist
+from lockstep.state import State
+from lockstep.time import Timestamp
+
+
+def catch_up(state: State, unended: tuple | None) -> tuple[int, tuple | None]:
+    """Bring every rank to the furthest rank's step (a collective of the new process group): how
+    many ranks were behind, and the batch whose optimizer step was taken but whose end (the
+    timestamp's move, BATCH_END) was not, if the furthest rank has one (``unended`` is this
+    rank's: ``(samples, tokens, is_last)``)."""
+    progress = 2 * state.timestamp.batch.value + (unended is not None)
+    reached = [int(t) for t in dist.all_gather(torch.tensor([progress], dtype=torch.int64))]
+    furthest = max(reached)
+    behind = sum(r < furthest for r in reached)
+    if not behind:
+        return 0, unended
+    source = reached.index(furthest)
+    payload: list = [None]
+    if dist.get_global_rank() == source:
+        payload = [{"model": state.model.state_dict(), "optimizers": [o.state_dict() for o in state.optimizers],
+                    "schedulers": [s.state_dict() for s in state.schedulers],
+                    "timestamp": state.timestamp.state_dict(),
+                    "unended": None if unended is None else (unended[0], int(unended[1]), unended[2])}]
+    dist.broadcast_object_list(payload, src=source)
+    if dist.get_global_rank() != source:
+        sent = payload[0]
+        state.model.load_state_dict(sent["model"])
+        for optimizer, saved in zip(state.optimizers, sent["optimizers"]):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(state.schedulers, sent["schedulers"]):
+            scheduler.load_state_dict(saved)
+        state.timestamp = Timestamp.from_state_dict(sent["timestamp"])
+        unended = sent["unended"]
+    return behind, unended

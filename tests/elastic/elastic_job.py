@@ -1,0 +1,75 @@
+"""The job of the elastic tests, run under the launcher: DDP over 44 indexed samples, 3 per rank,
+2 epochs (8 global batches of a 4-rank world).
+
+``python elastic_job.py OUT [R:B ...] [--sleep S] [--save FOLDER] [--fsdp]``: the rank launched as R
+SIGKILLs itself after batch B; every rank sleeps S seconds after each batch; with ``--save``, it
+saves every 2 batches to FOLDER and autoresumes from it (a run under --max_restarts); ``--fsdp``
+trains under FSDP. Each rank
+writes its pid to OUT/pid<launch rank>, appends for each batch it reads a JSON line ``[generation,
+batch, samples]`` to OUT/samples<launch rank> and for each batch it ends ``batch wall-time`` to
+OUT/ends<launch rank>; the last rank 0 saves the parameters to OUT/params.pt."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lockstep import Callback, Trainer, dist, elastic  # noqa: E402
+from tests.elastic.test_global_batch import PER_RANK_BATCH, _Indexed  # noqa: E402
+from tests.trainer.common import MLP, full_params  # noqa: E402
+
+
+class Record(Callback):
+    def __init__(self, out: Path, kills: dict[int, int], sleep: float) -> None:
+        self.rank = int(os.environ["RANK"])
+        self.out, self.kill_after, self.sleep = out, kills.get(self.rank), sleep
+        (out / f"pid{self.rank}").write_text(str(os.getpid()))
+
+    def after_dataloader(self, state, logger) -> None:
+        membership = elastic.current()
+        line = [membership.generation if membership else 0, int(state.timestamp.batch), state.batch[2].tolist()]
+        with open(self.out / f"samples{self.rank}", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def batch_end(self, state, logger) -> None:
+        with open(self.out / f"ends{self.rank}", "a") as f:
+            f.write(f"{int(state.timestamp.batch)} {time.time()}\n")
+        if int(state.timestamp.batch) == self.kill_after and int(os.environ["LOCKSTEP_RESTART_COUNT"]) == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.sleep)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("kills", nargs="*")
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--fsdp", action="store_true")
+    args = parser.parse_args()
+    kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
+    model, data = MLP(), _Indexed()
+    saving = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
+        if args.save else {}
+    trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",
+                      train_dataloader=DataLoader(data, batch_size=PER_RANK_BATCH,
+                                                  sampler=dist.get_sampler(data, shuffle=True)),
+                      seed=7, progress_bar=False, callbacks=[Record(args.out, kills, args.sleep)],
+                      fsdp_config={} if args.fsdp else None, **saving)
+    trainer.fit()
+    if dist.get_global_rank() == 0:
+        torch.save(full_params(model), args.out / "params.pt")
+
+
+if __name__ == "__main__":
+    main()
