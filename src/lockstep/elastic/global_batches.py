@@ -17,6 +17,21 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data import Sampler
 
+from lockstep.launcher.elastic_names import FULL_WORLD_ENV
+
+
+def per_rank_samples(size: int, world: int, drop_last: bool) -> int:
+    """The samples a ``DistributedSampler`` gives each of ``world`` ranks out of ``size``: padded
+    up to equal shares, or cut down to them (``drop_last``)."""
+    return math.ceil((size - world) / world) if drop_last and size % world else math.ceil(size / world)
+
+
+def check_world(world: int, full_world: int) -> None:
+    """At most the full world's ranks share its global batch."""
+    if not 1 <= world <= full_world:
+        raise ValueError(f"{world} ranks train, more than the full world of {full_world} that the global batch is "
+                         f"made for: raise {FULL_WORLD_ENV} to at least {world}, or unset it")
+
 
 def index_order(size: int, full_world: int, *, shuffle: bool, seed: int, epoch: int, drop_last: bool) -> list[int]:
     """The index list a ``DistributedSampler`` over ``size`` samples for ``full_world`` ranks
@@ -25,11 +40,7 @@ def index_order(size: int, full_world: int, *, shuffle: bool, seed: int, epoch: 
     cut to one (``drop_last``)."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle \
         else list(range(size))
-    if drop_last and size % full_world:
-        per_rank = math.ceil((size - full_world) / full_world)
-    else:
-        per_rank = math.ceil(size / full_world)
-    total = per_rank * full_world
+    total = per_rank_samples(size, full_world, drop_last) * full_world
     if total <= len(order):
         return order[:total]
     padding = total - len(order)
@@ -56,26 +67,24 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __init__(self, dataset: Sized, *, full_world: int, per_rank_batch: int, world: int, rank: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, drop_last_batch: bool = False) -> None:
-        if not 1 <= world <= full_world:
-            raise ValueError(f"{world} ranks cannot share the global batch of a full world of {full_world}: "
-                             f"at most {full_world} may train on it")
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not one of {world} ranks")
         self.dataset, self.full_world, self.per_rank_batch = dataset, full_world, per_rank_batch
-        self.world, self.rank = world, rank
         self.shuffle, self.seed, self.drop_last, self.drop_last_batch = shuffle, seed, drop_last, drop_last_batch
         self.epoch = 0
+        self.split(world, rank)
+
+    def split(self, world: int, rank: int) -> None:
+        """Give rank ``rank`` of ``world`` its shares from now on."""
+        check_world(world, self.full_world)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not one of {world} ranks")
+        self.world, self.rank = world, rank
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _per_rank_samples(self) -> int:
-        size, world = len(self.dataset), self.full_world
-        return math.ceil((size - world) / world) if self.drop_last and size % world else math.ceil(size / world)
-
     def __len__(self) -> int:
         """Global batches per epoch: what ``len()`` of a full-world rank's ``DataLoader`` gives."""
-        samples = self._per_rank_samples()
+        samples = per_rank_samples(len(self.dataset), self.full_world, self.drop_last)
         return samples // self.per_rank_batch if self.drop_last_batch else math.ceil(samples / self.per_rank_batch)
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -8,9 +8,8 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from lockstep.elastic.global_batches import GlobalBatchSampler
+from lockstep.launcher.elastic_names import FULL_WORLD_ENV
 
-FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
-"""The ranks a global batch is made for (the launcher sets it in an elastic job); fewer may train on it."""
 
 
 def full_world_size() -> int | None:
@@ -35,10 +34,7 @@ def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int)
     never split, the loader is returned as it is: its batches are the global batch's shares."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, GlobalBatchSampler):
-        if world > batch_sampler.full_world:
-            raise ValueError(f"{world} ranks train, more than the full world of {batch_sampler.full_world} that "
-                             f"{name}'s global batch is made for ({FULL_WORLD_ENV})")
-        batch_sampler.world, batch_sampler.rank = world, rank
+        batch_sampler.split(world, rank)
         return loader
     if world == full_world:
         return loader
@@ -49,9 +45,6 @@ def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int)
             f"{name} cannot be split into shares of the global batch of {full_world} ranks ({FULL_WORLD_ENV}) "
             f"over the {world} that train: build it as DataLoader(dataset, batch_size=..., "
             f"sampler=lockstep.dist.get_sampler(dataset, shuffle=...)) over a map-style dataset")
-    if world > full_world:
-        raise ValueError(f"{world} ranks train, more than the full world of {full_world} ({FULL_WORLD_ENV}): "
-                         f"raise {FULL_WORLD_ENV} to at least {world}, or unset it")
     shares = GlobalBatchSampler(loader.dataset, full_world=full_world, per_rank_batch=loader.batch_size,  # type: ignore[arg-type]
                                 world=world, rank=rank, shuffle=sampler.shuffle, seed=sampler.seed,
                                 drop_last=sampler.drop_last, drop_last_batch=loader.drop_last)

@@ -25,9 +25,8 @@ from typing import Any
 import torch.distributed as torch_dist
 
 from lockstep import dist
+from lockstep.launcher.elastic_names import ELASTIC_ENV, generation_key, joined_key, members_key
 
-ELASTIC_ENV = "LOCKSTEP_ELASTIC"
-"""The store key prefix of this attempt's membership; set by the launcher in an elastic job."""
 _POLL_S = 0.05
 _CHANGE_WAIT_S = 60.0
 """How long a rank whose collective failed waits for the launcher to publish the change."""
@@ -38,18 +37,6 @@ class MembershipChanged(RuntimeError):
     is abandoned (:meth:`Membership.reform` makes the new process group)."""
 
 
-def members_key(prefix: str, generation: int) -> str:
-    return f"{prefix}members{generation}"
-
-
-def generation_key(prefix: str) -> str:
-    return f"{prefix}generation"
-
-
-def joined_key(prefix: str) -> str:
-    return f"{prefix}joined"
-
-
 class Membership:
     """This rank's view of the membership: ``generation`` is the one its process group was made
     for; a watcher thread reads the newest one from the launcher's store."""
@@ -57,8 +44,6 @@ class Membership:
     def __init__(self, prefix: str, launch_rank: int, timeout: float = 300.0) -> None:
         self.prefix, self.launch_rank, self.timeout = prefix, launch_rank, timeout
         self.generation = 0
-        self.ranks: list[int] = list(range(dist.get_world_size()))
-        """The ranks at launch of those that train now, in their new rank order."""
         self._newest = 0
         self._store = self._client()
         self._store.add(joined_key(prefix), 1)  # the launcher shrinks only a job whose every rank follows
@@ -136,7 +121,7 @@ class Membership:
         torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                       timeout=timedelta(seconds=self.timeout))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-        self.generation, self.ranks = generation, ranks
+        self.generation = generation
         return rank, world
 
 

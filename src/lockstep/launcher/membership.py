@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from lockstep.launcher.plan import elastic_prefix
+from lockstep.launcher.elastic_names import elastic_prefix, generation_key, joined_key, members_key
 from lockstep.launcher.report import describe_exit, say
 
 
@@ -32,7 +32,7 @@ class Members:
         if rank not in self.ranks:
             return True  # a rank of an earlier generation that the launcher already let go
         remaining = [r for r in self.ranks if r != rank]
-        if int(self._store.add(f"{self._prefix}joined", 0)) < self._full:
+        if int(self._store.add(joined_key(self._prefix), 0)) < self._full:
             say(f"rank {rank} was lost ({describe_exit(code)}) and not every rank follows a change of the job's "
                 f"ranks (lockstep's Trainer does, under --min_ranks): the job stops")
             return False
@@ -42,8 +42,8 @@ class Members:
             return False
         started = time.monotonic()
         self.generation += 1
-        self._store.set(f"{self._prefix}members{self.generation}", json.dumps(remaining))
-        self._store.add(f"{self._prefix}generation", 1)
+        self._store.set(members_key(self._prefix, self.generation), json.dumps(remaining))
+        self._store.add(generation_key(self._prefix), 1)
         self.ranks = remaining
         say(f"rank {rank} left ({describe_exit(code)}): {len(remaining)} of {self._full} ranks go on at world "
             f"size {len(remaining)} (generation {self.generation}, published in "

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum, IntFlag
 from pathlib import Path
 
+from lockstep.launcher.elastic_names import ELASTIC_ENV, FULL_WORLD_ENV, elastic_prefix
+
 FORMAT_FIELDS = ("rank", "local_rank", "world_size", "node_rank", "local_world_size")
 DEFAULT_STDOUT = "rank{rank}.stdout.log"
 DEFAULT_STDERR = "rank{rank}.stderr.log"
@@ -43,15 +45,6 @@ class Mode(str, Enum):
     SCRIPT = "script"
     MODULE = "module"
     COMMAND = "command"
-
-
-ELASTIC_ENV = "LOCKSTEP_ELASTIC"
-FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
-
-
-def elastic_prefix(attempt: int) -> str:
-    """The store keys of an elastic attempt's membership (lockstep.elastic.membership)."""
-    return f"lockstep/elastic/attempt{attempt}/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +231,7 @@ class LaunchPlan:
             LOCKSTEP_RUN_DIRECTORY=str(self.run_directory),
             PYTHONUNBUFFERED="1",
         )
-        if self.min_ranks:  # the names lockstep.elastic reads
+        if self.min_ranks:
             env[ELASTIC_ENV] = elastic_prefix(restart_count)
             env.setdefault(FULL_WORLD_ENV, str(self.world_size))
         if self.verbose:  # configuration errors with their tracebacks (lockstep.errors)

@@ -17,6 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from lockstep import _agreement, dist
 from lockstep import rng
+from lockstep.elastic.global_batches import per_rank_samples
 from lockstep.parallel.mesh import data_parallel
 
 
@@ -97,12 +98,8 @@ _MADE_FOR = "_lockstep_made_for"
 
 
 def _resplit(sampler: DistributedSampler, num_replicas: int, rank: int) -> None:
-    size = len(sampler.dataset)  # type: ignore[arg-type]
     sampler.num_replicas, sampler.rank = num_replicas, rank
-    if sampler.drop_last and size % num_replicas:  # as DistributedSampler itself counts
-        sampler.num_samples = (size - num_replicas) // num_replicas + (1 if (size - num_replicas) % num_replicas else 0)
-    else:
-        sampler.num_samples = -(-size // num_replicas)
+    sampler.num_samples = per_rank_samples(len(sampler.dataset), num_replicas, sampler.drop_last)  # type: ignore[arg-type]
     sampler.total_size = sampler.num_samples * num_replicas
 
 

@@ -1,0 +1,29 @@
+"""The names an elastic job's launcher and its ranks share (``--min_ranks``): environment
+variables and the store keys of the membership. Torch-free, so that the launcher starts fast."""
+
+from __future__ import annotations
+
+ELASTIC_ENV = "LOCKSTEP_ELASTIC"
+"""The store key prefix of an attempt's membership; set in every rank of an elastic job."""
+FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
+"""The ranks a global batch is made for (the launcher sets it in an elastic job); fewer may train on it."""
+
+
+def elastic_prefix(attempt: int) -> str:
+    """The store keys of an elastic attempt's membership."""
+    return f"lockstep/elastic/attempt{attempt}/"
+
+
+def members_key(prefix: str, generation: int) -> str:
+    """Generation ``generation``'s ranks (numbered as at launch, in their new order), as JSON."""
+    return f"{prefix}members{generation}"
+
+
+def generation_key(prefix: str) -> str:
+    """The count of generations: the newest one."""
+    return f"{prefix}generation"
+
+
+def joined_key(prefix: str) -> str:
+    """The count of ranks that follow a change of the membership."""
+    return f"{prefix}joined"
