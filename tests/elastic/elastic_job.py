@@ -7,7 +7,7 @@ saves every 2 batches to FOLDER and autoresumes from it (a run under --max_resta
 trains under FSDP. Each rank
 writes its pid to OUT/pid<launch rank>, appends for each batch it reads a JSON line ``[generation,
 batch, samples]`` to OUT/samples<launch rank> and for each batch it ends ``batch wall-time`` to
-OUT/ends<launch rank>; the last rank 0 saves the parameters to OUT/params.pt."""
+OUT/ends<launch rank>, and each change of the ranks it is told of to OUT/changes<launch rank>; the last rank 0 saves the parameters to OUT/params.pt."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ class Record(Callback):
         line = [membership.generation if membership else 0, int(state.timestamp.batch), state.batch[2].tolist()]
         with open(self.out / f"samples{self.rank}", "a") as f:
             f.write(json.dumps(line) + "\n")
+
+    def ranks_changed(self, state, logger, change) -> None:
+        with open(self.out / f"changes{self.rank}", "a") as f:
+            f.write(json.dumps({**change.record(), "now": int(state.timestamp.batch)}) + "\n")
 
     def batch_end(self, state, logger) -> None:
         with open(self.out / f"ends{self.rank}", "a") as f:

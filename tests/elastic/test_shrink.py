@@ -67,10 +67,31 @@ def _assert_as_uninterrupted(out: Path, reference: tuple[dict[str, torch.Tensor]
 
 def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_as_four_would(
         tmp_path: Path, reference) -> None:
-    err = finish(launch(tmp_path / "out", "0:2", "3:5"))
+    out = tmp_path / "out"
+    err = finish(launch(out, "0:2", "3:5"))
     assert "rank 0 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
     assert "rank 3 left (signal SIGKILL): 2 of 4 ranks go on at world size 2 (generation 2" in err, err
-    _assert_as_uninterrupted(tmp_path / "out", reference)
+    _assert_as_uninterrupted(out, reference)
+    # each change told to every rank left (callbacks), on the console and in the run folder's metrics
+    expected = [(1, 3, 4, [0], 2), (2, 2, 3, [3], 5)]  # generation, world, was, left, at batch
+    for rank in (1, 2):
+        told = [json.loads(line) for line in (out / f"changes{rank}").read_text().splitlines()]
+        assert [(c["generation"], c["world_size"], c["previous_world_size"], c["left"], c["batch"]) for c in told] \
+            == expected, told
+        assert all(c["kind"] == "ranks" and c["joined"] == [] and c["now"] == c["batch"] and c["seconds"] < 30
+                   for c in told), told
+    assert not (out / "changes0").exists() and (out / "changes3").read_text().count("\n") == 1
+    said = (out / "run" / "rank1.stderr.log").read_text()  # rank 1 leads the node once rank 0 is gone
+    assert "rank 0 (at launch) left: the job goes on at world size 3 (was 4; generation 1) from batch 2" in said, said
+    assert "rank 3 (at launch) left: the job goes on at world size 2 (was 3; generation 2) from batch 5" in said, said
+    logged = (out / "run" / "trainer-rank2.log").read_text()  # each rank's own log, under its launch rank
+    assert "rank 3 (at launch) left: the job goes on at world size 2 (was 3; generation 2) from batch 5" in logged
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    changes = [r for r in records if r["kind"] == "ranks"]
+    assert [(c["generation"], c["left"], c["batch"]) for c in changes] == [(1, [0], 2), (2, [3], 5)], changes
+    # every batch once: rank 0 writes each record at once in an elastic job, and the new rank 0
+    # (launched as 1) writes the file from the change on
+    assert [r["batch"] for r in records if r["kind"] == "train"] == list(range(1, 9)), records
 
 
 def test_a_rank_killed_from_outside_at_a_random_moment_costs_no_sample_and_no_exactness(

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import operator
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,11 +17,13 @@ import torch
 from lockstep import dist
 from lockstep.core.callback import Callback
 from lockstep.core.eval_metrics import value_of
+from lockstep.launcher.elastic_names import ELASTIC_ENV
 from lockstep.time import TIMESTAMP_FIELDS, Timestamp, fraction_done
 from lockstep.state import State
 
 if TYPE_CHECKING:
     from lockstep.core.log import Logger
+    from lockstep.elastic.change import RanksChanged
 
 
 class ProgressBar(Callback):
@@ -73,6 +76,10 @@ class ProgressBar(Callback):
         loss = "" if state.loss is None or not state.loss.numel() else f"loss {float(state.loss):.4f}, "
         self._bar.set_postfix_str(f"{loss}{rate:.0f} samples/s", refresh=False)
         self._bar.update(int(1000 * done) - self._bar.n)
+
+    def ranks_changed(self, state: State, logger: Logger, change: RanksChanged) -> None:
+        if self._bar is None:  # this rank became rank 0: the bar goes on here
+            self.fit_start(state, logger)
 
     def eval_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None:
@@ -213,6 +220,12 @@ class RankLog(Buffered):
         self.flush()
         self._write(format_metrics(state))
 
+    def ranks_changed(self, state: State, logger: Logger, change: RanksChanged) -> None:
+        self.flush()
+        self._write(f"{change.describe().removeprefix('lockstep: ')}; this rank is now rank {dist.get_global_rank()}")
+        if self._file is not None:
+            self._file.flush()
+
     def fit_end(self, state: State, logger: Logger) -> None:
         self.flush()
         self._write("fit done")
@@ -223,7 +236,8 @@ class RankLog(Buffered):
 
 class MetricsJSONL(Buffered):
     """Rank 0 appends one JSON object per training batch and per evaluation to ``metrics.jsonl``,
-    in bursts (see :class:`Buffered`)."""
+    in bursts (see :class:`Buffered`; in an elastic job, at once), and one per change of an elastic
+    job's ranks (``"kind": "ranks"``)."""
 
     def __init__(self, folder: str | Path, flush_interval: int = 100, flush_seconds: float = 10.0) -> None:
         super().__init__(flush_interval, flush_seconds)
@@ -231,6 +245,8 @@ class MetricsJSONL(Buffered):
         self._file: Any = None
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        if os.environ.get(ELASTIC_ENV):  # rank 0 may be lost with what it kept: each record at once
+            self.flush_interval = 1
         self._open()
 
     def _open(self) -> None:
@@ -261,6 +277,15 @@ class MetricsJSONL(Buffered):
             label, results = evaluated(state)
             self._emit({"kind": "eval", "label": label, "run_name": state.run_name, **_count_dict(state.timestamp),
                         **results, **eval_metric_names(label, results)})
+            self._file.flush()
+
+    def ranks_changed(self, state: State, logger: Logger, change: RanksChanged) -> None:
+        """A record of the change; a rank that became rank 0 writes the file from here on (what
+        the rank 0 that was lost had not written yet is lost with it)."""
+        self._open()
+        if self._file is not None:
+            self.flush()
+            self._emit({**change.record(), "run_name": state.run_name, **_count_dict(state.timestamp)})
             self._file.flush()
 
     def fit_end(self, state: State, logger: Logger) -> None:
@@ -304,6 +329,9 @@ class LossCurve(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._rank_zero = dist.get_global_rank() == 0
+
+    def ranks_changed(self, state: State, logger: Logger, change: RanksChanged) -> None:
+        self._rank_zero = dist.get_global_rank() == 0  # a new rank 0 draws the curve from here on
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._rank_zero:

@@ -15,6 +15,7 @@ from lockstep.core.event import Event
 if TYPE_CHECKING:
     from lockstep.core.log import Logger
     from lockstep.core.state import State
+    from lockstep.elastic.change import RanksChanged
 
 
 class Callback:
@@ -68,6 +69,11 @@ class Callback:
     def predict_after_forward(self, state: State, logger: Logger) -> None: ...
     def predict_batch_end(self, state: State, logger: Logger) -> None: ...
     def predict_end(self, state: State, logger: Logger) -> None: ...
+
+    def ranks_changed(self, state: State, logger: Logger, change: RanksChanged) -> None:
+        """lockstep's own, not one of Composer's events: in an elastic job (``lockstep
+        --min_ranks``), the ranks that train changed and the job goes on (``change`` says how),
+        on every rank once the new process group is ready, before the next batch."""
 
     def state_dict(self) -> dict[str, Any]:
         """What this callback must keep across a checkpoint (Composer's ``Serializable``); saved

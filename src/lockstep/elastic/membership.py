@@ -44,6 +44,7 @@ class Membership:
     def __init__(self, prefix: str, launch_rank: int, timeout: float = 300.0) -> None:
         self.prefix, self.launch_rank, self.timeout = prefix, launch_rank, timeout
         self.generation = 0
+        self.ranks = list(range(torch_dist.get_world_size()))  # the launch ranks that train now
         self._newest = 0
         self._store = self._client()
         self._store.add(joined_key(prefix), 1)  # the launcher shrinks only a job whose every rank follows
@@ -73,6 +74,12 @@ class Membership:
         """End the watcher thread (at exit)."""
         self._done.set()
         self._watcher.join(timeout=5)
+
+    def leads_node(self) -> bool:
+        """Whether this rank is its node's lowest rank that trains now (the one that speaks for it)."""
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.ranks)))
+        node = self.launch_rank // per_node
+        return min(r for r in self.ranks if r // per_node == node) == self.launch_rank
 
     def changed(self) -> bool:
         return self._newest > self.generation
@@ -106,10 +113,11 @@ class Membership:
             time.sleep(_POLL_S)
         return self.changed()
 
-    def reform(self) -> tuple[int, int]:
-        """A process group of the newest generation's ranks in place of the default one; this
-        rank's new rank and the new world size. The old group is left to its threads (one may
-        still wait on a peer that is gone): destroying it could wait for them."""
+    def reform(self) -> list[int]:
+        """A process group of the newest generation's ranks in place of the default one (this
+        rank's new rank and the world size are then the group's); the launch ranks that trained
+        before. The old group is left to its threads (one may still wait on a peer that is gone):
+        destroying it could wait for them."""
         generation = int(self._store.add(generation_key(self.prefix), 0))
         ranks = json.loads(self._store.get(members_key(self.prefix, generation)))
         if self.launch_rank not in ranks:
@@ -121,8 +129,8 @@ class Membership:
         torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                       timeout=timedelta(seconds=self.timeout))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-        self.generation = generation
-        return rank, world
+        before, self.ranks, self.generation = self.ranks, ranks, generation
+        return before
 
 
 def _abandon_default_group() -> None:

@@ -624,10 +624,10 @@ class Trainer:
         batches already trained are read and dropped)."""
         membership = elastic.current()
         assert membership is not None
-        s, started = self.state, time.monotonic()
+        s, started, trained = self.state, time.monotonic(), list(membership.ranks)
         while True:
             try:
-                rank, world = membership.reform()
+                membership.reform()
                 for optimizer in s.optimizers:  # the abandoned step's partial gradients
                     optimizer.zero_grad(set_to_none=True)
                 behind, unended = rejoin.catch_up(s, self._unended)
@@ -637,13 +637,25 @@ class Trainer:
                 if not self._after_a_change(error):
                     raise
                 # another rank was lost meanwhile: the newest generation
-        if rank == 0:
-            print(f"lockstep: the job goes on with {world} ranks (generation {membership.generation}) at batch "
-                  f"{s.timestamp.batch.value}, {time.monotonic() - started:.2f} s after the change"
-                  f"{f'; {behind} rank(s) took the step of the furthest' if behind else ''}",
-                  file=sys.stderr, flush=True)
+        now = membership.ranks
+        self._tell_ranks_changed(elastic.RanksChanged(
+            generation=membership.generation, world_size=len(now), previous_world_size=len(trained),
+            left=tuple(r for r in trained if r not in now), joined=tuple(r for r in now if r not in trained),
+            batch=s.timestamp.batch.value, seconds=round(time.monotonic() - started, 3), ranks_behind=behind))
         done = s.timestamp.batch_in_epoch.value
         return data.DataPosition(skip=done) if done else None
+
+    def _tell_ranks_changed(self, change: elastic.RanksChanged) -> None:
+        """A change of an elastic job's ranks: a line from each node's lowest rank left, the
+        loggers' metrics, and every callback's :meth:`~lockstep.Callback.ranks_changed`."""
+        membership = elastic.current()
+        if membership is not None and membership.leads_node():
+            print(change.describe(), file=sys.stderr, flush=True)
+        self.logger.log_metrics(change.metrics())
+        for callback in self.state.callbacks:
+            told = getattr(callback, "ranks_changed", None)  # a callback need not subclass Callback
+            if told is not None:
+                told(self.state, self.logger, change)
 
     def _train_epoch(self, batches: Iterator[tuple[Any, int, SupportsInt, bool]], stop: StopSignal | None) -> bool:
         """Train on ``batches`` until the epoch or the run ends; whether there was a batch."""
