@@ -5,7 +5,6 @@ update as the full world's within 1e-5."""
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 
 import pytest

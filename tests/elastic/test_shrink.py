@@ -14,56 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.trainer.common import assert_same_params
+from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, launch
 
 pytestmark = pytest.mark.timeout(150)
-
-REPO = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).with_name("elastic_job.py")
-
-
-def launch(out: Path, *args: str, launcher: tuple[str, ...] = ("-n", "4", "--min_ranks", "2")) -> subprocess.Popen[str]:
-    out.mkdir()
-    return subprocess.Popen([sys.executable, "-m", "lockstep", *launcher, "--run_directory", str(out / "run"),
-                             str(JOB), str(out), *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen[str]) -> str:
-    try:
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    return err
-
-
-def global_batches(out: Path) -> dict[int, list[int]]:
-    """Each step's samples over every rank, as the newest generation that read them trained them."""
-    read: dict[int, dict[int, list[int]]] = {}
-    for log in out.glob("samples*"):
-        for line in log.read_text().splitlines():
-            generation, step, samples = json.loads(line)
-            read.setdefault(step, {}).setdefault(generation, []).extend(samples)
-    return {step: sorted(by[max(by)]) for step, by in sorted(read.items())}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
-    """The uninterrupted run: 4 ranks under DDP, no --min_ranks."""
-    out = tmp_path_factory.mktemp("elastic") / "reference"
-    finish(launch(out, launcher=("-n", "4")))
-    return torch.load(out / "params.pt", weights_only=True), global_batches(out)
-
-
-def _assert_as_uninterrupted(out: Path, reference: tuple[dict[str, torch.Tensor], dict[int, list[int]]]) -> None:
-    params, batches = reference
-    assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
-    assert global_batches(out) == batches
-    assert not [p for p in out.rglob("*.pt") if p.name != "params.pt"]  # no checkpoint, so none read
-
 
 def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_as_four_would(
         tmp_path: Path, reference) -> None:
@@ -71,7 +25,7 @@ def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_
     err = finish(launch(out, "0:2", "3:5"))
     assert "rank 0 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
     assert "rank 3 left (signal SIGKILL): 2 of 4 ranks go on at world size 2 (generation 2" in err, err
-    _assert_as_uninterrupted(out, reference)
+    assert_as_uninterrupted(out, reference)
     # each change told to every rank left (callbacks), on the console and in the run folder's metrics
     expected = [(1, 3, 4, [0], 2), (2, 2, 3, [3], 5)]  # generation, world, was, left, at batch
     for rank in (1, 2):
@@ -108,7 +62,7 @@ def test_a_rank_killed_from_outside_at_a_random_moment_costs_no_sample_and_no_ex
     os.kill(int((out / f"pid{rank}").read_text()), signal.SIGKILL)
     err = finish(proc)
     assert f"rank {rank} left (signal SIGKILL): 3 of 4 ranks go on" in err, (rank, delay, err)
-    _assert_as_uninterrupted(out, reference)
+    assert_as_uninterrupted(out, reference)
 
 
 def test_below_min_ranks_the_job_stops_as_without_it(tmp_path: Path) -> None:
@@ -121,8 +75,6 @@ def test_below_min_ranks_the_job_stops_as_without_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv,said", [
     (["-n", "2", "--min_ranks", "3", str(JOB)], "--min_ranks 3 is more than the job's 2 ranks: give at most 2"),
-    (["-n", "2", "--world_size", "4", "--node_rank", "0", "--master_addr", "10.0.0.1", "--master_port", "29500",
-      "--min_ranks", "2", str(JOB)], "--min_ranks keeps a job going on one node only, for now"),
     (["-n", "2", "-c", "--min_ranks", "1", "true"], "drop -c"),
 ])
 def test_min_ranks_that_cannot_work_are_one_line_errors(argv: list[str], said: str) -> None:
@@ -132,6 +84,21 @@ def test_min_ranks_that_cannot_work_are_one_line_errors(argv: list[str], said: s
     with pytest.raises(LaunchError) as error:
         parse_plan(argv, {})
     assert said in str(error.value) and "\n" not in str(error.value)
+
+
+def test_nnodes_min_max_makes_a_job_of_max_nodes_that_goes_on_with_min_nodes_ranks(tmp_path: Path) -> None:
+    from lockstep.launcher.cli import parse_plan
+
+    script = tmp_path / "x.py"
+    script.write_text("")
+    node = ["--nproc-per-node", "2", "--node-rank", "1", "--master-addr", "10.77.0.1", "--master-port", "29500",
+            "--run_directory", str(tmp_path / "run"), str(script)]
+    plan = parse_plan(["--nnodes", "1:3", *node], {})
+    assert (plan.world_size, plan.nnodes, plan.min_ranks) == (6, 3, 2)
+    env = plan.worker_env(1, 29501, 1, {})
+    assert env["LOCKSTEP_ELASTIC_STORE"] == "10.77.0.1:29500"  # the job's store, not the restart's
+    assert parse_plan(["--nnodes", "3", *node], {}).min_ranks == 0
+    assert parse_plan(["--nnodes", "3", "--min_ranks", "4", *node], {}).min_ranks == 4
 
 
 def test_an_elastic_rank_is_told_its_attempts_membership_keys_and_the_full_world(tmp_path: Path) -> None:

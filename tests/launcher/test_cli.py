@@ -231,8 +231,10 @@ def test_torchrun_nproc_words(script) -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "needle"),
     [
-        (["--nnodes", "1:4"], {}, "elastic node ranges are not supported; lockstep runs a fixed number"),
-        (["--nnodes", "x"], {}, "--nnodes: expected N or N:N"),
+        (["--nnodes", "4:1"], {}, "--nnodes 4:1: MIN is more than MAX: give MIN:MAX with MIN <= MAX"),
+        (["--nnodes", "x"], {}, "--nnodes: expected N or MIN:MAX"),
+        (["--nnodes", "1:2", "--min_ranks", "1", "--node-rank", "0"], {"MASTER_ADDR": "a", "MASTER_PORT": "1"},
+         "--nnodes 1:2 and --min_ranks 1 both set how few ranks the job goes on with: give one of them"),
         (["--nnodes", "1", "-n", "2", "--world_size", "3"], {}, "is not --nnodes 1 x nproc 2"),
         (["--nnodes", "2", "-n", "2"], {"MASTER_ADDR": "a", "MASTER_PORT": "1"},
          "a 2-node run needs --node-rank on each node: lockstep's rendezvous is static"),

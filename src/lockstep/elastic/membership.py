@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as torch_dist
 
 from lockstep import dist
-from lockstep.launcher.elastic_names import ELASTIC_ENV, generation_key, joined_key, members_key
+from lockstep.launcher.elastic_names import ELASTIC_ENV, ELASTIC_STORE_ENV, generation_key, joined_key, members_key
 
 _POLL_S = 0.05
 _CHANGE_WAIT_S = 60.0
@@ -57,8 +57,9 @@ class Membership:
 
     @staticmethod
     def _client() -> Any:
-        return torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
-                                   timedelta(seconds=60))
+        where = os.environ.get(ELASTIC_STORE_ENV) or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        host, _, port = where.rpartition(":")
+        return torch_dist.TCPStore(host.strip("[]"), int(port), None, False, timedelta(seconds=60))
 
     def _watch(self) -> None:
         store = self._client()  # a store client is not shared between threads

@@ -110,10 +110,11 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
                         "every node's together) up to this many times (env LOCKSTEP_MAX_RESTARTS). "
                         "Default: 0.")
     p.add_argument("--min_ranks", type=_positive_int, default=None,
-                   help="Elastic training on one node: when a rank is lost (exits with an error or is "
-                        "killed) and at least this many ranks live, they go on at the smaller world size "
-                        "from the step in flight, training the same global batches (a Trainer under DDP). "
-                        "Default: off, a lost rank stops the job.")
+                   help="Elastic training: when a rank or a node is lost (a rank exits with an error or is "
+                        "killed; a node's launcher stops answering) and at least this many ranks live, they "
+                        "go on at the smaller world size from the step in flight, training the same global "
+                        "batches (a Trainer under DDP). torchrun's --nnodes MIN:MAX sets it to MIN nodes' "
+                        "ranks. Default: off, a lost rank stops the job.")
     p.add_argument("--grace_period", type=_grace_seconds, default=5.0,
                    help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
     p.add_argument("--stall_timeout", type=_stall_seconds, default=None,
@@ -199,7 +200,7 @@ def _nproc(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _world(args: argparse.Namespace, env: Mapping[str, str], nproc: int, notes: list[str]) -> tuple[int, int | None]:
     """(world_size, nnodes); torchrun's --nnodes N means world_size = N x nproc; else SLURM's nodes."""
     text = getattr(args, "nnodes", None)
-    nnodes = torchrun.parse_nnodes(text) if text is not None else None
+    nnodes = torchrun.parse_nnodes(text)[1] if text is not None else None
     if nnodes is None:
         world_size = args.world_size or _from_env(env, "WORLD_SIZE", _positive_int, "--world_size")
         if world_size is None and (step := slurm.step(env)) is not None:
@@ -384,7 +385,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         run_id=run_id, nnodes=nnodes, role=getattr(args, "role", "default"),
         line_prefix=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_LINE_PREFIX,
         torchrun_logs=torchrun_logs and torchrun_logs / f"{run_id or run_directory.name}_{_token()}",
-        stall_timeout=_stall_timeout(args, env), notes=tuple(notes), min_ranks=args.min_ranks or 0,
+        stall_timeout=_stall_timeout(args, env), notes=tuple(notes), min_ranks=_min_ranks(args, nproc),
         advice=_flags_after_the_script(parser, args.training_script, args.training_script_args),
     )
     _check_min_ranks(plan)
@@ -393,15 +394,24 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     return plan
 
 
+def _min_ranks(args: argparse.Namespace, nproc: int) -> int:
+    """The ranks an elastic job goes on with: --min_ranks, or MIN nodes' of --nnodes MIN:MAX; 0: not elastic."""
+    text = getattr(args, "nnodes", None)
+    low, high = torchrun.parse_nnodes(text) if text is not None else (0, 0)
+    if low == high:
+        return args.min_ranks or 0
+    if args.min_ranks:
+        raise LaunchError(f"--nnodes {text} and --min_ranks {args.min_ranks} both set how few ranks the job goes on "
+                          f"with: give one of them")
+    return low * nproc
+
+
 def _check_min_ranks(plan: LaunchPlan) -> None:
     if not plan.min_ranks:
         return
     if plan.min_ranks > plan.world_size:
         raise LaunchError(f"--min_ranks {plan.min_ranks} is more than the job's {plan.world_size} ranks: give at "
                           f"most {plan.world_size}")
-    if plan.is_multinode:
-        raise LaunchError("--min_ranks keeps a job going on one node only, for now: launch one node, or drop "
-                          "--min_ranks")
     if plan.mode is Mode.COMMAND:
         raise LaunchError("--min_ranks needs ranks that run lockstep's Trainer (or lockstep.elastic): drop -c")
 

@@ -1,10 +1,13 @@
-"""The names an elastic job's launcher and its ranks share (``--min_ranks``): environment
-variables and the store keys of the membership. Torch-free, so that the launcher starts fast."""
+"""The names an elastic job's launchers and its ranks share (``--min_ranks``, ``--nnodes MIN:MAX``):
+environment variables and the store keys of the membership. Torch-free, so that the launcher starts fast."""
 
 from __future__ import annotations
 
 ELASTIC_ENV = "LOCKSTEP_ELASTIC"
 """The store key prefix of an attempt's membership; set in every rank of an elastic job."""
+ELASTIC_STORE_ENV = "LOCKSTEP_ELASTIC_STORE"
+"""``host:port`` of the store the master's launcher hosts for the whole job, where the membership
+is (a restart's ranks rendezvous in a fresh store of their own on several nodes)."""
 FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
 """The ranks a global batch is made for (the launcher sets it in an elastic job); fewer may train on it."""
 
@@ -27,3 +30,13 @@ def generation_key(prefix: str) -> str:
 def joined_key(prefix: str) -> str:
     """The count of ranks that follow a change of the membership."""
     return f"{prefix}joined"
+
+
+def lost_key(prefix: str) -> str:
+    """The ranks other nodes lost, one JSON line ``[rank, exit code]`` each, for the master's launcher."""
+    return f"{prefix}lost"
+
+
+def answer_key(prefix: str, rank: int) -> str:
+    """The master's answer about lost rank ``rank``: ``go`` (the job goes on without it) or ``stop``."""
+    return f"{prefix}answer{rank}"

@@ -118,6 +118,8 @@ class JobChannel:
         self.node, self.nnodes = node, nnodes
         self.host = socket.gethostname()
         self._prefix = "lockstep/attempt0/"
+        self.attempt = 0
+        """The attempt this launcher last joined."""
         self._seen: dict[int, tuple[int, float]] = {}
         self._last_alive: dict[int, float] = {}
         """Wall-clock time each node was last seen beating: a lost node failed then, before the
@@ -147,7 +149,7 @@ class JobChannel:
         """Join ``attempt`` and wait for every node (up to ``timeout`` s); the nodes missing, if any.
         Every :data:`~lockstep.launcher.rendezvous.TELL_S` seconds ``tell`` gets a line naming them."""
         self._stop_beating()
-        self._prefix = f"lockstep/attempt{attempt}/"
+        self._prefix, self.attempt = f"lockstep/attempt{attempt}/", attempt
         self._seen.clear()
         self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
         self._call("set", self._key(f"joined{self.node}"), "1")
@@ -338,14 +340,24 @@ class JobChannel:
     def finish(self) -> None:
         self._call("add", self._key(f"alive{self.node}"), DONE)
 
-    def all_done(self) -> bool:
-        return all(count >= DONE for count in self._counts()[0])
+    def all_done(self, let_go: set[int] | frozenset[int] = frozenset()) -> bool:
+        """Whether every node's ranks finished (but the nodes an elastic job went on without)."""
+        return all(count >= DONE or n in let_go for n, count in enumerate(self._counts()[0]))
 
     def _key(self, name: str) -> str:
         return self._prefix + name
 
+    def call(self, name: str, *args: Any) -> Any:
+        """A call of the store (its deadline, the main thread's other work meanwhile), for what
+        shares the store with the agreement: an elastic job's membership."""
+        return self._call(name, *args)
+
     def _call(self, name: str, *args: Any, meanwhile: Meanwhile | None = None) -> Any:
         return self._store.call(name, *args, meanwhile=meanwhile or self.meanwhile)
+
+    def pause(self, seconds: float) -> None:
+        """Wait ``seconds``, doing the main thread's other work meanwhile."""
+        self._pause(seconds)
 
     def _pause(self, seconds: float) -> None:
         """Wait between polls of the store, doing the main thread's other work meanwhile."""

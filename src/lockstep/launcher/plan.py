@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum, IntFlag
 from pathlib import Path
 
-from lockstep.launcher.elastic_names import ELASTIC_ENV, FULL_WORLD_ENV, elastic_prefix
+from lockstep.launcher.elastic_names import ELASTIC_ENV, ELASTIC_STORE_ENV, FULL_WORLD_ENV, elastic_prefix
 
 FORMAT_FIELDS = ("rank", "local_rank", "world_size", "node_rank", "local_world_size")
 DEFAULT_STDOUT = "rank{rank}.stdout.log"
@@ -233,6 +233,7 @@ class LaunchPlan:
         )
         if self.min_ranks:
             env[ELASTIC_ENV] = elastic_prefix(restart_count)
+            env[ELASTIC_STORE_ENV] = f"{self.master_addr}:{self.master_port or master_port}"
             env.setdefault(FULL_WORLD_ENV, str(self.world_size))
         if self.verbose:  # configuration errors with their tracebacks (lockstep.errors)
             env["LOCKSTEP_VERBOSE"] = "1"

@@ -27,7 +27,7 @@ from typing import Any
 
 from lockstep.launcher import resolver
 from lockstep.launcher.interface import interface_env
-from lockstep.launcher.membership import Members
+from lockstep.launcher.membership import Members, ask_master
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
@@ -121,7 +121,9 @@ class Supervisor:
         """Where this launcher reaches the job's store: the master's address, or its own on the master."""
         self._launcher_store: Any = None
         self._members: Members | None = None
-        """An elastic attempt's membership (--min_ranks)."""
+        """An elastic attempt's membership (--min_ranks), kept by the launcher that hosts the store."""
+        self._let_go: set[int] = set()
+        """The nodes an elastic attempt went on without (the master's launcher)."""
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -247,9 +249,10 @@ class Supervisor:
                 attempt, rank_port = begun
             ranks = self._spawn_all(rank_port, attempt, listener.fileno() if listener else None, watchdog)
             self._ranks = ranks
-            if self.plan.min_ranks:
-                self._members = Members(self._launcher_store, attempt, [r.spec.rank for r in ranks],
-                                        self.plan.min_ranks)
+            self._members, self._let_go = None, set()
+            if self.plan.min_ranks and self.plan.hosts_store:
+                self._members = Members(self._launcher_store, attempt, list(range(self.plan.world_size)),
+                                        self.plan.min_ranks, self.plan.nproc)
             outcome = self._monitor(ranks, wake_r, channel)
             if outcome is None and channel is not None:
                 outcome = self._finish_job(ranks, wake_r, channel)
@@ -561,9 +564,8 @@ class Supervisor:
         is a symptom: while that rank of this node is still on its way out, it is waited for, up
         to ``_ECHO_WAIT_S``, to be named instead; one on another node wins the agreement there."""
         for r in exited:
-            if r.returncode != 0 and self._members is not None and not self._signals_seen:
-                if self._members.lose(r.spec.rank, r.returncode):
-                    continue
+            if r.returncode != 0 and self.plan.min_ranks and not self._signals_seen and self._goes_on_without(r, channel):
+                continue
             if r.returncode != 0:
                 origin = self._board.echo_of(r.spec.rank) if self._board is not None else None
                 local = {o.spec.rank: o for o in self._ranks}.get(origin) if origin is not None else None
@@ -578,6 +580,18 @@ class Supervisor:
             if now >= deadline:  # the rank it names has not failed yet: name this one after all
                 return self._failed(r, channel, echo=False)
         return None
+
+    def _goes_on_without(self, r: Rank, channel: JobChannel | None) -> bool:
+        """An elastic job's rank exited with an error: whether the job goes on without it (the
+        master's launcher decides, for every node)."""
+        if self._members is not None:
+            return self._members.lose(r.spec.rank, r.returncode)
+        if channel is None:
+            return False
+        goes_on = ask_master(channel.call, channel.pause, channel.attempt, r.spec.rank, r.returncode)
+        if goes_on and self.plan.verbose:
+            say(f"rank {r.spec.rank} was lost ({describe_exit(r.returncode)}): the job goes on without it")
+        return goes_on
 
     def _failed(self, r: Rank, channel: JobChannel | None, *, echo: bool) -> _Failure:
         if channel is not None:
@@ -601,14 +615,23 @@ class Supervisor:
         return _Stall([r for r in ranks if r.spec.rank in stalled])
 
     def _elsewhere(self, channel: JobChannel) -> bool:
-        """Whether another node failed or stopped answering (a lost node is reported here)."""
+        """Whether another node failed or stopped answering (a lost node is reported here). In an
+        elastic job the master's launcher answers the other nodes' lost ranks and goes on without
+        a lost node while enough ranks live; the other launchers leave lost nodes to it."""
+        if self._members is not None:
+            self._members.answer()
         if channel.any_failed():
             return True
         now = time.monotonic()
-        if now < self._next_liveness_check:  # two store calls per node: not on every poll
-            return False
+        if now < self._next_liveness_check or (self.plan.min_ranks and self._members is None):
+            return False  # two store calls per node: not on every poll
         self._next_liveness_check = now + _LIVENESS_EVERY_S
-        lost = channel.lost_nodes()
+        lost = [f for f in channel.lost_nodes() if f.node not in self._let_go]
+        if self._members is not None:
+            for failure in list(lost):
+                if self._members.lose_node(failure.node, time.time() - failure.when):
+                    self._let_go.add(failure.node)
+                    lost.remove(failure)
         for failure in lost:
             channel.report(failure)
         return bool(lost)
@@ -620,7 +643,7 @@ class Supervisor:
         if not self.plan.hosts_store:
             return None
         with Waiter([], wake_r, HANDLED) as waiter:
-            while not channel.all_done():
+            while not channel.all_done(self._let_go):
                 signals, _ = waiter.wait(BEAT_S)
                 stopping = [s for s in signals if s in STOPPING]
                 if stopping:

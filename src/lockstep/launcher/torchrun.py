@@ -189,20 +189,19 @@ def resolve_nproc(value: int | str, cuda_devices: int) -> int:
     return cuda_devices
 
 
-def parse_nnodes(text: str) -> int:
-    """torchrun's --nnodes N or N:N; an elastic range is refused."""
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """torchrun's --nnodes N or MIN:MAX, as (MIN, MAX). lockstep starts the job on MAX nodes; with
+    MIN < MAX it goes on while MIN nodes' ranks live (an elastic job)."""
     low, _, high = text.partition(":")
     try:
         low_n, high_n = int(low), int(high or low)
     except ValueError:
-        raise LaunchError(f"--nnodes: expected N or N:N, got {text!r}") from None
+        raise LaunchError(f"--nnodes: expected N or MIN:MAX, got {text!r}") from None
     if low_n < 1 or high_n < 1:
         raise LaunchError(f"--nnodes: expected a positive number of nodes, got {text!r}")
-    if low_n != high_n:
-        raise LaunchError(
-            f"--nnodes {text}: elastic node ranges are not supported; lockstep runs a fixed number of "
-            f"nodes: pass --nnodes N (and --max_restarts K to restart after a failure)")
-    return low_n
+    if low_n > high_n:
+        raise LaunchError(f"--nnodes {text}: MIN is more than MAX: give MIN:MAX with MIN <= MAX")
+    return low_n, high_n
 
 
 def parse_endpoint(text: str, source: str = "--rdzv-endpoint") -> tuple[str, int]:

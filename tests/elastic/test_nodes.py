@@ -1,0 +1,77 @@
+"""A lost node, or a rank of another node, costs one step (issue 51, several nodes): two launchers
+on this machine as two nodes of 2 ranks, ``--nnodes 1:2``. The master's launcher (node 0, which
+hosts the store) publishes each change; the ranks left end within 1e-5 of the uninterrupted 4-rank
+run, on the same global batches, with no checkpoint."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.elastic.jobs import assert_as_uninterrupted, finish, launch
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.timeout(200)
+
+
+def two_nodes(out: Path, *job: str) -> list[subprocess.Popen[str]]:
+    port = str(free_port())
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
+              "--rdzv_timeout", "60"]
+    return [launch(out, *job, launcher=(*common, "--node_rank", str(node)), run=f"run{node}") for node in (0, 1)]
+
+
+def finished_steps(out: Path) -> list[tuple[int, float]]:
+    """(batch, wall-clock time) of each batch a rank ended, in time order."""
+    ends = [line.split() for log in out.glob("ends*") for line in log.read_text().splitlines()]
+    return sorted((int(batch), float(at)) for batch, at in ends)
+
+
+def test_a_rank_lost_on_the_other_node_leaves_three_ranks_that_finish_as_four_would(
+        tmp_path: Path, reference) -> None:
+    out = tmp_path / "out"
+    master, other = two_nodes(out, "3:2")  # the rank launched as 3 (node 1) dies after batch 2
+    said = finish(master)
+    assert "rank 3 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in said, said
+    finish(other)  # node 1 goes on with its other rank, and ends well
+    assert_as_uninterrupted(out, reference)
+
+
+def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_no_exactness(
+        tmp_path: Path, reference) -> None:
+    delay = random.Random().uniform(0.0, 0.6)
+    out = tmp_path / "out"
+    master, other = two_nodes(out, "--sleep", "0.1")
+    deadline = time.monotonic() + 90
+    while not (out / "ends0").exists():
+        assert master.poll() is None and other.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(delay)
+    killed = time.time()
+    other.send_signal(signal.SIGKILL)  # its watchdog takes its ranks with it
+    other.communicate(timeout=30)
+    said = finish(master)
+    assert "node 1 (ranks 2, 3) left (its launcher silent for" in said, (delay, said)
+    assert "2 of 4 ranks go on at world size 2 (generation 1" in said, said
+    assert_as_uninterrupted(out, reference)
+    after = [at for _, at in finished_steps(out) if at > killed]
+    assert after and after[0] - killed < 10, (delay, after[:1], killed)  # the issue's goal: under 10 s
+
+
+def test_below_the_minimum_of_nodes_the_job_stops_on_every_node(tmp_path: Path) -> None:
+    port = str(free_port())
+    common = ["--nnodes", "2:2", "--min_ranks", "4", "--nproc-per-node", "2", "--master_addr", "127.0.0.1",
+              "--master_port", port, "--rdzv_timeout", "60"]
+    out = tmp_path / "out"
+    nodes = [launch(out, "3:1", launcher=(*common, "--node_rank", str(node)), run=f"run{node}") for node in (0, 1)]
+    said = [node.communicate(timeout=120)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [128 + signal.SIGKILL] * 2, said
+    assert "rank 3 was lost (signal SIGKILL): 3 ranks would remain, fewer than --min_ranks 4; the job stops" \
+        in said[0], said[0]
+    assert "the job failed: rank 3 on node 1 (host" in said[0] and "the job failed: rank 3 on this node" in said[1]
+    assert all("failed first with signal SIGKILL" in s for s in said), said
