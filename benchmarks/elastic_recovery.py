@@ -2,6 +2,12 @@
 restarts every rank from its newest checkpoint (``--max_restarts 1``, a save every 2 batches).
 
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20
+    .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --nodes
+
+With ``--nodes``, two launchers on this machine are two nodes of 2 ranks, and node 1's launcher is
+SIGKILLed (its ranks die with it): the elastic job (``--nnodes 1:2``) goes on with node 0's ranks;
+the restarting one (``--nnodes 2 --max_restarts 1``) gets a new node 1 launcher at once, as if a
+scheduler replaced the node without delay.
 
 Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended), and runs both
 jobs (tests/elastic/elastic_job.py, 0.1 s of sleep after each batch so that the moment falls
@@ -18,6 +24,7 @@ import argparse
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "elastic" / "elastic_job.py"
 JOBS = {"elastic": ["--min_ranks", "3"], "restart": ["--max_restarts", "1"]}
+NODE_JOBS = {"elastic": ["--nnodes", "1:2"], "restart": ["--nnodes", "2", "--max_restarts", "1"]}
 
 
 def ends(out: Path) -> list[tuple[int, float]]:
@@ -39,24 +47,49 @@ def ends(out: Path) -> list[tuple[int, float]]:
     return found
 
 
-def trial(kind: str, rank: int, delay: float, tmp: Path) -> tuple[float, int]:
-    out = tmp / kind
-    out.mkdir()
+def _start(kind: str, out: Path, launcher: list[str], run: str = "run") -> subprocess.Popen[str]:
     extra = ["--save", str(out / "saves")] if kind == "restart" else []
-    proc = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "4", *JOBS[kind], "--run_directory",
-                             str(out / "run"), str(JOB), str(out), "--sleep", "0.1", *extra], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "lockstep", *launcher, "--run_directory", str(out / run),
+                             str(JOB), str(out), "--sleep", "0.1", *extra], cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trial(kind: str, rank: int | None, delay: float, tmp: Path) -> tuple[float, int]:
+    """One job of ``kind``; ``rank`` is SIGKILLed, or (None) node 1's launcher of two nodes of 2 ranks,
+    which under restarts a new launcher replaces at once."""
+    out = tmp / kind
+    out.mkdir()
+    if rank is None:
+        port = str(_free_port())
+        node = ["--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_timeout", "60",
+                *NODE_JOBS[kind]]
+        procs = [_start(kind, out, [*node, "--node_rank", str(n)], f"run{n}") for n in (0, 1)]
+    else:
+        procs = [_start(kind, out, ["-n", "4", *JOBS[kind]])]
     while not (out / "ends0").exists():
-        if proc.poll() is not None:
-            raise RuntimeError(proc.communicate()[1])
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("".join(p.communicate()[1] for p in procs))
         time.sleep(0.01)
     time.sleep(delay)
     killed = time.time()
-    os.kill(int((out / f"pid{rank}").read_text()), signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(err)
+    if rank is None:
+        procs[1].kill()
+        procs[1].communicate()
+        procs[1] = _start(kind, out, [*node, "--node_rank", "1"], "run1-again") if kind == "restart" else procs[0]
+    else:
+        os.kill(int((out / f"pid{rank}").read_text()), signal.SIGKILL)
+    err = ""
+    for proc in dict.fromkeys(procs):
+        err += proc.communicate(timeout=300)[1]
+        if proc.returncode != 0:
+            raise RuntimeError(err)
     recorded = ends(out)
     before = max(b for b, t in recorded if t < killed)
     # the first batch past the newest one any rank had finished, and the first finish of it
@@ -70,15 +103,16 @@ def trial(kind: str, rank: int, delay: float, tmp: Path) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--nodes", action="store_true", help="kill node 1's launcher of two nodes of 2 ranks")
     args = parser.parse_args()
     results: dict[str, list[tuple[float, int]]] = {kind: [] for kind in JOBS}
     for n in range(args.trials):
-        rank, delay = random.randrange(4), random.uniform(0.0, 0.6)
+        rank, delay = None if args.nodes else random.randrange(4), random.uniform(0.0, 0.6)
         with tempfile.TemporaryDirectory() as tmp:
             row = {kind: trial(kind, rank, delay, Path(tmp)) for kind in JOBS}
         for kind, value in row.items():
             results[kind].append(value)
-        print(f"trial {n + 1}: rank {rank} at {delay:.2f} s: " + ", ".join(
+        print(f"trial {n + 1}: {'node 1' if rank is None else f'rank {rank}'} at {delay:.2f} s: " + ", ".join(
             f"{kind} {s:.2f} s to the next step, {lost} batch(es) again" for kind, (s, lost) in row.items()),
             flush=True)
     for kind, values in results.items():
