@@ -253,6 +253,8 @@ def test_load_checkpoint_callback_resumes_exactly_and_loads_weights_at_an_event(
     assert all(torch.equal(started[0][k], v) for k, v in saved.items())
     assert "BEFORE_LOAD or AFTER_LOAD" in error_of(LoadCheckpoint, middle, event="fit_start")
     assert "not an event" in error_of(LoadCheckpoint, middle, event="someday")
+    for uri in ("s3://b/ck.pt", "azure://c/ck.pt", "az://c/ck.pt", "https://h/ck.pt"):  # one line, whatever bucket
+        assert "lockstep loads checkpoints from local paths" in error_of(LoadCheckpoint, uri), uri
 
 
 def _save_metrics_before_any_evaluation(folder: str) -> list[str]:

@@ -1,22 +1,33 @@
 """A lost node, or a rank of another node, costs one step (issue 51, several nodes): two launchers
-on this machine as two nodes of 2 ranks, ``--nnodes 1:2``. The master's launcher (node 0, which
-hosts the store) publishes each change; the ranks left end within 1e-5 of the uninterrupted 4-rank
-run, on the same global batches, with no checkpoint."""
+as two nodes of 2 ranks, ``--nnodes 1:2``, on this machine or on two network-namespace hosts whose
+link the test cuts. The master's launcher (node 0, which hosts the store) publishes each change;
+the ranks left end within 1e-5 of the uninterrupted 4-rank run, on the same global batches, with
+no checkpoint; across a partition only the master's side trains on."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.elastic.jobs import assert_as_uninterrupted, finish, launch
+from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, launch
 from tests.helpers import free_port
+from tests.launcher.netns import Hosts, make_hosts
 
 pytestmark = pytest.mark.timeout(200)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[Hosts]:
+    """Two hosts on one switch (network namespaces), removed after the test."""
+    yield from make_hosts(2)
 
 
 def two_nodes(out: Path, *job: str) -> list[subprocess.Popen[str]]:
@@ -75,3 +86,28 @@ def test_below_the_minimum_of_nodes_the_job_stops_on_every_node(tmp_path: Path) 
         in said[0], said[0]
     assert "the job failed: rank 3 on node 1 (host" in said[0] and "the job failed: rank 3 on this node" in said[1]
     assert all("failed first with signal SIGKILL" in s for s in said), said
+
+
+def test_a_partition_leaves_the_masters_side_training_as_four_would_and_the_other_side_stops(
+        two_hosts: Hosts, tmp_path: Path, reference) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    nodes, errs = [], [tmp_path / f"node{n}.err" for n in (0, 1)]
+    for node in (0, 1):
+        with open(errs[node], "wb") as err:
+            nodes.append(two_hosts.popen(node, [
+                sys.executable, "-m", "lockstep", "--nnodes", "1:2", "--nproc-per-node", "2", "--node_rank",
+                str(node), "--master_addr", two_hosts.address(0), "--master_port", "29400", "--rdzv_timeout", "60",
+                "--run_directory", str(out / f"run{node}"), str(JOB), str(out), "--sleep", "0.1"],
+                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=err))
+    deadline = time.monotonic() + 90
+    while not (out / "ends2").exists():  # node 1's ranks train
+        assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, errs[0].read_text()
+        time.sleep(0.05)
+    two_hosts.cut(1)
+    codes = [n.wait(timeout=90) for n in nodes]
+    said = [e.read_text() for e in errs]
+    assert codes == [0, 1], said
+    assert "node 1 (ranks 2, 3) left (its launcher silent for" in said[0], said[0]
+    assert "lost the master" in said[1], said[1]
+    assert_as_uninterrupted(out, reference)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from lockstep.checkpoint import ignore, loader
@@ -36,7 +37,7 @@ class LoadCheckpoint(Callback):
                  ignore_keys: Any = None, event: str | Event = Event.BEFORE_LOAD) -> None:
         if not isinstance(load_path, str) or not load_path:
             raise ValueError(f"LoadCheckpoint(load_path={load_path!r}): give the checkpoint's path")
-        if load_path.startswith(("s3://", "gs://", "oci://", "wandb://", "http://", "https://")):
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", load_path):  # s3://, gs://, azure://, https://, ...
             raise ValueError(f"LoadCheckpoint(load_path={load_path!r}): lockstep loads checkpoints from local paths; "
                              f"download it and give its local path")
         try:
