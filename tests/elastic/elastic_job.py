@@ -4,10 +4,10 @@
 ``python elastic_job.py OUT [R:B ...] [--sleep S] [--save FOLDER] [--fsdp]``: the rank launched as R
 SIGKILLs itself after batch B; every rank sleeps S seconds after each batch; with ``--save``, it
 saves every 2 batches to FOLDER and autoresumes from it (a run under --max_restarts); ``--fsdp``
-trains under FSDP. Each rank
-writes its pid to OUT/pid<launch rank>, appends for each batch it reads a JSON line ``[generation,
-batch, samples]`` to OUT/samples<launch rank> and for each batch it ends ``batch wall-time`` to
-OUT/ends<launch rank>, and each change of the ranks it is told of to OUT/changes<launch rank>; the last rank 0 saves the parameters to OUT/params.pt."""
+trains under FSDP. Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
+reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it
+ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it is told of a
+JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters to OUT/params.pt."""
 
 from __future__ import annotations
 

@@ -564,7 +564,8 @@ class Supervisor:
         is a symptom: while that rank of this node is still on its way out, it is waited for, up
         to ``_ECHO_WAIT_S``, to be named instead; one on another node wins the agreement there."""
         for r in exited:
-            if r.returncode != 0 and self.plan.min_ranks and not self._signals_seen and self._goes_on_without(r, channel):
+            elastic = self.plan.min_ranks and not self._signals_seen
+            if r.returncode != 0 and elastic and self._goes_on_without(r, channel):
                 continue
             if r.returncode != 0:
                 origin = self._board.echo_of(r.spec.rank) if self._board is not None else None
