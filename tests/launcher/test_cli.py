@@ -33,8 +33,8 @@ def test_script_args_that_look_like_launcher_flags_go_to_the_script(script: str)
     plan = parse_plan(["-n", "1", script, "-n", "5", "--master_port", "x"], env={})
     assert plan.nproc == 1 and plan.target_args == ("-n", "5", "--master_port", "x")
     # ... with a note, always printed, since that is rarely what was meant
-    assert plan.advice == (f"-n --master_port after {script} go to the script, not to the launcher: put "
-                           f"launcher flags before the script (lockstep -n --master_port ... {script})",)
+    assert plan.advice == (f"the launcher's flags after {script} (-n --master_port) go to the script, not to the "
+                           f"launcher: put them before the script (lockstep -n --master_port ... {script})",)
     assert parse_plan([script, "--lr", "3", "-v", "--help"], env={}).advice == ()  # a script's own flags
 
 

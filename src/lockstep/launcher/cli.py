@@ -428,8 +428,8 @@ def _flags_after_the_script(parser: argparse.ArgumentParser, script: str,
     found = " ".join(a for a in script_args if a.split("=", 1)[0] in own)
     if not found:
         return ()
-    return (f"{found} after {script} go to the script, not to the launcher: put launcher flags before "
-            f"the script (lockstep {found} ... {script})",)
+    return (f"the launcher's flags after {script} ({found}) go to the script, not to the launcher: put them "
+            f"before the script (lockstep {found} ... {script})",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
