@@ -402,4 +402,5 @@ def test_a_launcher_flag_after_the_script_is_noted_on_stderr(tmp_path: Path) -> 
     script.write_text("import sys\nprint('args', sys.argv[1:])\n")
     result = launch([str(script), "--nproc_per_node=2"], cwd=tmp_path, timeout=60)
     assert result.returncode == 0 and "args ['--nproc_per_node=2']" in result.stdout
-    assert result.stderr.startswith(f"lockstep: note: --nproc_per_node=2 after {script} go to the script")
+    assert result.stderr.startswith(f"lockstep: note: the launcher's flags after {script} (--nproc_per_node=2) go to "
+                                    "the script")
