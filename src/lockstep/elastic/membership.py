@@ -114,11 +114,11 @@ class Membership:
             time.sleep(_POLL_S)
         return self.changed()
 
-    def reform(self) -> list[int]:
+    def reform(self) -> None:
         """A process group of the newest generation's ranks in place of the default one (this
-        rank's new rank and the world size are then the group's); the launch ranks that trained
-        before. The old group is left to its threads (one may still wait on a peer that is gone):
-        destroying it could wait for them."""
+        rank's new rank and the world size are then the group's; ``ranks`` its launch ranks). The
+        old group is left to its threads (one may still wait on a peer that is gone): destroying it
+        could wait for them."""
         generation = int(self._store.add(generation_key(self.prefix), 0))
         ranks = json.loads(self._store.get(members_key(self.prefix, generation)))
         if self.launch_rank not in ranks:
@@ -130,8 +130,7 @@ class Membership:
         torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                       timeout=timedelta(seconds=self.timeout))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-        before, self.ranks, self.generation = self.ranks, ranks, generation
-        return before
+        self.ranks, self.generation = ranks, generation
 
 
 def _abandon_default_group() -> None:
