@@ -42,6 +42,12 @@ def echo_path(control_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(control_dir) / f"rank{rank}.echo"
 
 
+def ended_path(control_dir: str | os.PathLike[str], rank: int) -> Path:
+    """When the rank's script ended with an error (its ``time.time()``), written by the worker
+    bootstrap before the rank's teardown closes its connections to the others."""
+    return Path(control_dir) / f"rank{rank}.ended"
+
+
 def echo(origin: int) -> None:
     """This rank is about to fail with rank ``origin``'s error, which every rank raises once they
     agreed on it: the launcher then names ``origin`` as the rank that failed first, even when this

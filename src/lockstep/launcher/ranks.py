@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from lockstep.launcher.output import ConsolePump, Pump, RankLogs, kept_streams, start_pumps
 from lockstep.launcher.plan import LaunchPlan, RankSpec, Stream
+from lockstep.launcher.prefork import ForkedRank, PreforkServer, command_forkable
 from lockstep.launcher.report import TRACEBACK_LINES
 from lockstep.launcher.watchdog import Watchdog
 
@@ -36,7 +37,7 @@ class Rank:
     """One rank's process on this node, its log files and the pumps that copy its teed output."""
 
     spec: RankSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedRank
     pidfd: int | None
     logs: RankLogs
     pumps: list[Pump] = field(default_factory=list)
@@ -73,18 +74,24 @@ class Rank:
 
 
 def spawn(plan: LaunchPlan, spec: RankSpec, logs: RankLogs, env: dict[str, str], pass_fds: tuple[int, ...],
-          watchdog: Watchdog) -> Rank:
-    """Start one rank in a process group of its own, registered with the watchdog before it runs."""
+          watchdog: Watchdog, prefork: PreforkServer | None = None) -> Rank:
+    """Start one rank in a process group of its own, registered with the watchdog before it runs:
+    forked by ``prefork`` where there is one and it can, else a fresh interpreter."""
     # Other nodes show local rank 0's last lines only if they pass through this launcher.
     piped = spec.tee | (kept_streams(spec) if plan.is_multinode else Stream.NONE)
     # preexec_fn with threads (-c's launcher-hosted store): register_child only formats a few
     # bytes and writes them, taking no lock another thread could hold.
-    proc = subprocess.Popen(
-        plan.command(), env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE if piped & Stream.STDOUT else logs.stdout,
-        stderr=subprocess.PIPE if piped & Stream.STDERR else logs.stderr,
-        pass_fds=pass_fds, process_group=0, preexec_fn=watchdog.register_child,  # noqa: PLW1509
-    )
+    command = plan.command()
+    stdout = subprocess.PIPE if piped & Stream.STDOUT else logs.stdout
+    stderr = subprocess.PIPE if piped & Stream.STDERR else logs.stderr
+    proc: subprocess.Popen | ForkedRank | None = None
+    if prefork is not None and command_forkable(command, plan.python):
+        proc = prefork.spawn(command, env, stdout, stderr, pass_fds)
+    if proc is None:
+        proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+            pass_fds=pass_fds, process_group=0, preexec_fn=watchdog.register_child,  # noqa: PLW1509
+        )
     if pause := os.environ.get(PAUSE_AFTER_SPAWN_ENV):
         time.sleep(float(pause))
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lockstep.launcher.job import STOPPED, WAITING, Failure
 from lockstep.launcher.stacks import Stacks
-from lockstep.progress import SLOT, Phase, Progress, echo_path, slot_path
+from lockstep.progress import SLOT, Phase, Progress, echo_path, ended_path, slot_path
 
 STALL_EXIT_CODE = 124
 """The launcher's exit code after a stall (as timeout(1)'s): distinct from any rank's failure."""
@@ -30,6 +30,7 @@ class ProgressBoard:
         self._control_dir = control_dir
         for rank in ranks:
             echo_path(control_dir, rank).unlink(missing_ok=True)  # an earlier attempt's
+            ended_path(control_dir, rank).unlink(missing_ok=True)
             path = slot_path(control_dir, rank)
             path.write_bytes(bytes(SLOT.size))  # a fresh slot for every attempt
             with open(path, "rb") as f:
@@ -39,6 +40,26 @@ class ProgressBoard:
         """The rank whose error ``rank`` raised as its own (see :func:`lockstep.progress.echo`), if any."""
         try:
             return int(echo_path(self._control_dir, rank).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def ended_before(self, rank: int, others: list[int]) -> int | None:
+        """Of ``others``, the one whose script ended with an error first, before ``rank``'s did
+        (each rank's record of it: :func:`lockstep.progress.ended_path`); None if none did. A rank
+        whose peer's teardown broke its collective may exit before that peer has."""
+        when = {r: self._ended(r) for r in (rank, *others)}
+        mine = when.pop(rank)
+        earlier = [(t, r) for r, t in when.items() if t is not None and mine is not None and t < mine]
+        return min(earlier)[1] if earlier else None
+
+    def ended_order(self, rank: int) -> float:
+        """A sort key: when the rank's script ended with an error, those that did not record one last."""
+        ended = self._ended(rank)
+        return float("inf") if ended is None else ended
+
+    def _ended(self, rank: int) -> float | None:
+        try:
+            return float(ended_path(self._control_dir, rank).read_text())
         except (OSError, ValueError):
             return None
 

@@ -31,6 +31,7 @@ from lockstep.launcher.membership import Members, ask_master
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
+from lockstep.launcher.prefork import PreforkServer, command_forkable, preload_list
 from lockstep.launcher.ranks import Rank, Waiter, no_terminal_stops, spawn
 from lockstep.launcher.rendezvous import StoreState, describe, wait_for_store
 from lockstep.launcher.report import (
@@ -124,6 +125,9 @@ class Supervisor:
         """An elastic attempt's membership (--min_ranks), kept by the launcher that hosts the store."""
         self._let_go: set[int] = set()
         """The nodes an elastic attempt went on without (the master's launcher)."""
+        self._prefork: PreforkServer | None = None
+        self._prefork_refused = False
+        self._subreaper = False
 
     def run(self) -> int:
         listener = self._bind_store_socket() if self.plan.hosts_store else None
@@ -132,7 +136,7 @@ class Supervisor:
         port = listener.getsockname()[1] if listener else self.plan.master_port
         watchdog = Watchdog(new_mark())  # forked first, so it inherits no handlers and no wakeup pipe
         self._mark = watchdog.mark
-        become_subreaper()  # not inherited by the watchdog (fork) nor by the ranks
+        self._subreaper = become_subreaper()  # not inherited by the watchdog (fork) nor by the ranks
         self._reaper = Reaper(lambda: {watchdog.pid, *(r.proc.pid for r in self._ranks)})
         with caught_signals() as wake_r, no_terminal_stops(), self._reaper:
             self._wake_r = wake_r
@@ -165,6 +169,8 @@ class Supervisor:
                 if self._board is not None:
                     self._board.close()
                 shutil.rmtree(self._control_dir, ignore_errors=True)
+                if self._prefork is not None:
+                    self._prefork.close()
                 watchdog.close()
                 if listener:
                     listener.close()
@@ -462,18 +468,33 @@ class Supervisor:
         ranks: list[Rank] = []
         self._ranks = ranks  # each pid is in it before the reaper may collect an exit
         with self._reaper.starting():
+            prefork = self._prefork_server(self.plan.worker_env(0, port, attempt, base_env), watchdog)
             for spec, rank_logs in zip(specs, logs):
                 env = self.plan.worker_env(spec.local_rank, port, attempt, base_env)
                 pass_fds: tuple[int, ...] = ()
                 if spec.local_rank == 0 and store_fd is not None:
                     env["LOCKSTEP_STORE_FD"] = str(store_fd)
                     pass_fds = (store_fd,)
-                ranks.append(spawn(self.plan, spec, rank_logs, env, pass_fds, watchdog))
+                ranks.append(spawn(self.plan, spec, rank_logs, env, pass_fds, watchdog, prefork))
         if self.plan.verbose:
             for r in ranks:
                 where = f"{r.spec.stdout_path or 'console'}, {r.spec.stderr_path or 'console'}"
                 say(f"rank {r.spec.rank} (local {r.spec.local_rank}) pid {r.proc.pid} -> {where}")
         return ranks
+
+    def _prefork_server(self, env: dict[str, str], watchdog: Watchdog) -> PreforkServer | None:
+        """The server this attempt's ranks fork from (:mod:`prefork`): started on first use and
+        again after a teardown killed it; None where ranks start as fresh interpreters."""
+        command = self.plan.command()
+        if self._prefork_refused or not self._subreaper or not command_forkable(command, self.plan.python) \
+                or not preload_list(os.environ):
+            return None
+        if self._prefork is None or not self._prefork.alive:
+            if self._prefork is not None:
+                self._prefork.close()
+            self._prefork = PreforkServer(command, env, watchdog.write_fd)
+            self._prefork_refused = not self._prefork.usable  # torch did not import: not again
+        return self._prefork if self._prefork.usable else None
 
     # -- watching -------------------------------------------------------------------------
 
@@ -562,13 +583,20 @@ class Supervisor:
 
         A rank that failed with another rank's error (every rank raises an error they agreed on)
         is a symptom: while that rank of this node is still on its way out, it is waited for, up
-        to ``_ECHO_WAIT_S``, to be named instead; one on another node wins the agreement there."""
+        to ``_ECHO_WAIT_S``, to be named instead; one on another node wins the agreement there.
+        Ranks that exited together are taken in the order their scripts ended with an error."""
+        if self._board is not None and len(exited) > 1:
+            board = self._board
+            exited = sorted(exited, key=lambda r: board.ended_order(r.spec.rank))
         for r in exited:
             elastic = self.plan.min_ranks and not self._signals_seen
             if r.returncode != 0 and elastic and self._goes_on_without(r, channel):
                 continue
             if r.returncode != 0:
                 origin = self._board.echo_of(r.spec.rank) if self._board is not None else None
+                if origin is None and self._board is not None:
+                    origin = self._board.ended_before(r.spec.rank, [o.spec.rank for o in self._ranks
+                                                                    if o.returncode is None])
                 local = {o.spec.rank: o for o in self._ranks}.get(origin) if origin is not None else None
                 if local is not None and local.returncode is None:
                     self._echoes.append((r, time.monotonic() + _ECHO_WAIT_S))

@@ -38,6 +38,12 @@ class Watchdog:
         os.close(read_fd)
         os.set_inheritable(self._write_fd, False)
 
+    @property
+    def write_fd(self) -> int:
+        """The pipe's write end, for a process that starts ranks for the launcher (a prefork server)
+        and registers each as :meth:`register_child` does."""
+        return self._write_fd
+
     def guard(self, pgid: int) -> None:
         self._send(f"+{pgid}\n")
 

@@ -197,7 +197,12 @@ def main(argv: list[str]) -> None:
     sys.argv = [target, *args]
     try:
         (_run_module if mode == "module" else _run_script)(target)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            _record_failed_end()
+        raise
     except Exception as e:
+        _record_failed_end()
         if not getattr(e, _CONFIGURATION, False) or os.environ.get("LOCKSTEP_VERBOSE", "") not in ("", "0"):
             raise
         _record_configuration_error(e)
@@ -207,6 +212,20 @@ def main(argv: list[str]) -> None:
 
 
 _CONFIGURATION = "lockstep_configuration"  # lockstep.errors.MARK (this module imports no lockstep)
+
+
+def _record_failed_end() -> None:
+    """When the script ended with an error, for the launcher (lockstep.progress.ended_path): a
+    peer whose collective this rank's teardown breaks may exit first, and must not be named."""
+    import time
+
+    folder, rank = os.environ.get("LOCKSTEP_CONTROL_DIR"), os.environ.get("RANK")
+    if folder and rank is not None:
+        try:
+            with open(os.path.join(folder, f"rank{rank}.ended"), "w", encoding="utf-8") as f:
+                f.write(repr(time.time()))
+        except OSError:
+            pass
 
 
 def _record_configuration_error(error: Exception) -> None:

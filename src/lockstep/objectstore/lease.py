@@ -70,6 +70,7 @@ class Lease:
         is alive). ``deadline_s`` bounds the watch (a lease renewed too slowly to tell)."""
         started = time.monotonic()
         seen: str | None = None
+        changes = 0
         while True:
             found = self._head()
             if found is None:
@@ -84,8 +85,11 @@ class Lease:
             if age >= LAPSE_S and self._put(token=token):
                 self._start_renewing()
                 return None
-            if (seen is not None and token != seen) or time.monotonic() - started > deadline_s:
-                return record  # renewed while watched: its holder is alive
+            # Renewed twice while watched: its holder is alive. One change alone may be a renewal a
+            # holder killed just now had sent, which a busy server wrote after the first look.
+            changes += seen is not None and token != seen
+            if changes >= 2 or time.monotonic() - started > deadline_s:
+                return record
             seen = token
             time.sleep(_POLL_S)
 

@@ -1,0 +1,296 @@
+"""Ranks forked from an interpreter that has imported torch once: ``python -m lockstep.launcher.prefork``.
+
+A fresh interpreter spends about two seconds of CPU importing torch and lockstep before a script's
+first line runs; eight ranks on a node spend sixteen, all at once, and a restart or a re-formed
+elastic job pays it again. The launcher instead starts one *prefork server* per attempt, which
+imports the modules named by ``LOCKSTEP_PREFORK`` (default :data:`DEFAULT_PRELOAD`) and then forks
+each rank from that state. A rank then runs the same worker bootstrap (:mod:`worker`) as a fresh
+one, with its own environment, working directory, standard streams, passed descriptors and signal
+dispositions, and numpy's global generator seeded anew (a fork would copy it).
+
+Each rank is forked through a short-lived middle process that exits at once, so the rank is
+re-parented to the launcher (a child subreaper): the launcher waits for it, reads its exit status
+and signals its process group exactly as for a rank it started itself. The rank registers its
+process group with the watchdog before anything else, as a Popen'd rank does between fork and exec.
+
+What differs from a fresh interpreter: the preloaded modules were imported with the environment
+the server started with (the first rank's), so a script that sets, say, ``OMP_NUM_THREADS`` in
+``os.environ`` *before* ``import torch`` gets torch as already imported. ``LOCKSTEP_PREFORK=0``
+starts every rank as a fresh interpreter.
+
+The server part of this module imports only the standard library until it preloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = ["DEFAULT_PRELOAD", "PREFORK_ENV", "ForkedRank", "PreforkServer", "preload_list"]
+
+PREFORK_ENV = "LOCKSTEP_PREFORK"
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "lockstep.trainer")
+_WORKER = ("-u", "-m", "lockstep.launcher.worker")
+_MAX_MESSAGE = 1 << 20
+_PR_SET_PDEATHSIG = 1
+_READY_TIMEOUT_S = 300.0
+# Signals the launcher forwards to the whole job or uses itself: the server only stands by.
+_BYSTANDER = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_RESET = (*_BYSTANDER, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SIGALRM)
+
+
+def preload_list(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The modules ``LOCKSTEP_PREFORK`` names (comma-separated; ``1`` or unset: the default; ``0``
+    or empty: none, and ranks start as fresh interpreters)."""
+    value = environ.get(PREFORK_ENV)
+    if value is None or value.strip() == "1":
+        return DEFAULT_PRELOAD
+    return tuple(name.strip() for name in value.split(",") if name.strip() not in ("", "0"))
+
+
+# -- launcher side ----------------------------------------------------------------------------
+
+class ForkedRank:
+    """A rank forked by the server and re-parented to this process: what the launcher uses of
+    :class:`subprocess.Popen` (``pid``, ``stdout``, ``stderr``, ``returncode``, ``poll``, ``wait``)."""
+
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+        self.pid, self.stdout, self.stderr = pid, stdout, stderr
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._reap(os.WNOHANG)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is not None:
+            raise NotImplementedError("ForkedRank.wait takes no timeout: use poll")
+        while self.returncode is None:
+            self._reap(0)
+        return self.returncode
+
+    def _reap(self, options: int) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, options)
+        except ChildProcessError:  # collected elsewhere: its status is gone (as Popen does)
+            self.returncode = 0
+            return
+        if pid == self.pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+
+class PreforkServer:
+    """The launcher's handle on one prefork server (one per attempt; the job's teardown kills it)."""
+
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], watchdog_fd: int) -> None:
+        """``command``: the ranks' (the worker bootstrap's argv), whose target and arguments the
+        server's command line shows too, so that ``ps`` and ``pkill -f`` find the ranks by them."""
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._proc = subprocess.Popen(
+                [command[0], "-u", "-m", "lockstep.launcher.prefork", str(theirs.fileno()), str(watchdog_fd),
+                 *command[len(_WORKER) + 1:]],
+                env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(), watchdog_fd), process_group=0,
+            )
+        self._sock.settimeout(_READY_TIMEOUT_S)
+        try:
+            ready = self._sock.recv(16) == b"ready"
+        except OSError:
+            ready = False
+        self.usable = ready
+        if not ready:
+            self.close()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.usable and self._proc.poll() is None
+
+    def spawn(self, command: Sequence[str], env: Mapping[str, str], stdout: IO[bytes] | int | None,
+              stderr: IO[bytes] | int | None, pass_fds: tuple[int, ...]) -> ForkedRank | None:
+        """Fork a rank running ``command`` (the worker bootstrap's argv); None where the server
+        cannot (it died): the caller then starts the rank itself."""
+        if not self.usable:
+            return None
+        ours: list[int] = []
+        theirs: list[int] = []
+        streams: list[IO[bytes] | None] = []
+        try:
+            for target, inherited in ((stdout, 1), (stderr, 2)):
+                if target is None:
+                    theirs.append(inherited)
+                    streams.append(None)
+                elif target == subprocess.PIPE:
+                    read_end, write_end = os.pipe()
+                    ours.append(write_end)
+                    theirs.append(write_end)
+                    streams.append(open(read_end, "rb"))  # noqa: SIM115 - the pump owns it
+                else:
+                    theirs.append(target.fileno())  # type: ignore[union-attr]
+                    streams.append(None)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            ours.append(devnull)
+            request = {"argv": list(command[len(_WORKER) + 1:]), "env": dict(env), "cwd": os.getcwd(),
+                       "targets": [1, 2, 0, *pass_fds], "ignored": _ignored_signals()}
+            self._sock.settimeout(60.0)
+            socket.send_fds(self._sock, [pickle.dumps(request)], [*theirs, devnull, *pass_fds])
+            reply = self._sock.recv(64)
+            if len(reply) != 8:
+                raise OSError("the prefork server ended")
+            (pid,) = struct.unpack("q", reply)
+        except OSError:
+            for stream in streams:
+                if stream is not None:
+                    stream.close()
+            self.usable = False
+            self.close()
+            return None
+        finally:
+            for fd in ours:
+                os.close(fd)
+        return ForkedRank(pid, streams[0], streams[1])
+
+    def close(self) -> None:
+        """End the server (it exits once its socket closes) and wait for it."""
+        self.usable = False
+        self._sock.close()
+        with contextlib.suppress(ChildProcessError):
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def command_forkable(command: Sequence[str], python: str) -> bool:
+    """Whether ``command`` is the worker bootstrap run by ``python``, which a server can fork."""
+    return len(command) > 4 and command[0] == python and tuple(command[1:4]) == _WORKER
+
+
+def _ignored_signals() -> list[int]:
+    """The signals this process ignores: a rank started with exec would inherit them ignored."""
+    return [int(s) for s in _RESET if signal.getsignal(s) == signal.SIG_IGN]
+
+
+# -- server side ------------------------------------------------------------------------------
+
+def _serve(sock_fd: int, watchdog_fd: int) -> list[str] | None:
+    """Preload, then fork a rank per request. Returns in each rank (its argv), None in the server
+    once the launcher has gone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher's death ends the server
+    for signum in _BYSTANDER:
+        signal.signal(signum, signal.SIG_IGN)
+    sock = socket.socket(fileno=sock_fd)
+    for name in preload_list(os.environ):
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    if "torch" in preload_list(os.environ) and "torch" not in sys.modules:
+        return None  # torch did not import: ranks start fresh and report why themselves
+    # What is loaded now lives as long as every rank: the collector never need look at it again
+    # (nor, by writing to its objects, copy their pages into each rank).
+    gc.collect()
+    gc.freeze()
+    sock.sendall(b"ready")
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 64)
+        except OSError:
+            return None
+        if not data:
+            return None
+        request = pickle.loads(data)
+        try:
+            pid = _fork_rank(sock, watchdog_fd, request, fds)
+        except OSError:
+            pid = -1
+        if pid is None:  # this is the rank
+            return request["argv"]
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(struct.pack("q", pid) if pid > 0 else b"failed")
+
+
+def _fork_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], fds: list[int]) -> int | None:
+    """The new rank's pid in the server; None in the rank. A middle process forks the rank and
+    exits, so the rank's parent becomes the launcher."""
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(read_end)
+        try:
+            rank = os.fork()
+        except OSError:
+            os._exit(1)
+        if rank == 0:
+            os.close(write_end)
+            try:
+                _become_rank(sock, watchdog_fd, request, fds)
+            except BaseException as e:  # noqa: BLE001 - the rank must not go back into the server's loop
+                os.write(2, f"lockstep: a rank could not start: {e}\n".encode())
+                os._exit(1)
+            return None
+        os.write(write_end, struct.pack("q", rank))
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        raw = pipe.read(8)
+    os.waitpid(middle, 0)
+    if len(raw) != 8:
+        raise OSError("could not fork a rank")
+    return struct.unpack("q", raw)[0]
+
+
+def _become_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], fds: list[int]) -> None:
+    os.setpgid(0, 0)  # a process group of its own, as Popen(process_group=0)
+    os.write(watchdog_fd, b"+%d\n" % os.getpid())  # guarded before it runs anything
+    os.close(watchdog_fd)
+    sock.close()
+    # Out of the way of the targets first: a received descriptor may have a target's number.
+    moved = [os.dup(fd) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, target in zip(moved, request["targets"]):
+        os.dup2(fd, target)
+    for fd in moved:
+        if fd not in request["targets"]:
+            os.close(fd)
+    for signum in _RESET:
+        ignored = int(signum) in request["ignored"]
+        default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        signal.signal(signum, signal.SIG_IGN if ignored else default)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # a fork copies the generator: every rank would draw the same numbers
+
+
+def main(argv: list[str]) -> None:
+    served = _serve(int(argv[0]), int(argv[1]))  # what follows them is only for ps to show
+    if served is None:
+        os._exit(0)  # nothing of the server's needs finalizing, and torch's teardown takes a while
+    from lockstep.launcher import worker
+
+    worker.main(served)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

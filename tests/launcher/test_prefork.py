@@ -1,0 +1,120 @@
+"""Ranks forked from a server that imported torch once (lockstep.launcher.prefork): each is still a
+process of its own, as the launcher's child, with its own environment, streams and random state;
+``LOCKSTEP_PREFORK=0`` starts fresh interpreters; and no server outlives its launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.conftest import launch, wait_for_files, wait_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+REPORT = textwrap.dedent("""
+    import sys
+    preloaded = "torch" in sys.modules  # before this script imported anything
+    import json, os, numpy
+    rank = os.environ["RANK"]
+    print(f"out of rank {rank}")
+    print(f"err of rank {rank}", file=sys.stderr)
+    report = {"preloaded": preloaded, "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0),
+              "cwd": os.getcwd(), "argv": sys.argv[1:], "draw": float(numpy.random.rand()),
+              "local_rank": os.environ["LOCAL_RANK"], "mine": os.environ.get("MINE")}
+    with open(os.path.join(sys.argv[1], f"report{rank}.json"), "w") as f:
+        json.dump(report, f)
+""")
+
+
+def _reports(folder: Path, prefork: str, write_script) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
+    script = write_script("report.py", REPORT)
+    out = folder / prefork
+    out.mkdir()
+    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", "--log_dir", str(out / "logs"),
+                                 "--redirects", "3", str(script), str(out), "two words"], cwd=out,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_PREFORK": prefork, "MINE": "x"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = launcher.communicate(timeout=90)
+    result = subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr)
+    assert result.returncode == 0, stderr
+    reports = [json.loads((out / f"report{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        report["launcher"] = launcher.pid
+    return reports, result
+
+
+@pytest.mark.parametrize("prefork", ["1", "0"])
+def test_each_rank_is_a_process_of_its_own_forked_or_not(tmp_path: Path, write_script, prefork: str) -> None:
+    reports, _ = _reports(tmp_path, prefork, write_script)
+    assert [r["preloaded"] for r in reports] == [prefork == "1"] * 2
+    for rank, report in enumerate(reports):
+        assert report["ppid"] == report["launcher"]  # re-parented to the launcher, which waits for it
+        assert report["pgid"] == report["pid"]  # the leader of a process group of its own
+        assert report["cwd"] == str(tmp_path / prefork)
+        assert report["argv"] == [str(tmp_path / prefork), "two words"]
+        assert (report["local_rank"], report["mine"]) == (str(rank), "x")
+        logs = next((tmp_path / prefork / "logs").rglob(f"rank{rank}.stdout.log")).parent
+        assert (logs / f"rank{rank}.stdout.log").read_text() == f"out of rank {rank}\n"
+        assert (logs / f"rank{rank}.stderr.log").read_text() == f"err of rank {rank}\n"
+    assert reports[0]["draw"] != reports[1]["draw"]  # numpy's generator was not copied from the server
+
+
+def test_the_rank_whose_script_failed_is_named_not_the_peer_its_exit_broke(tmp_path: Path, write_script) -> None:
+    # rank 1 exits with 7; its teardown breaks rank 0's all_reduce, and rank 0, raising at once,
+    # may be out before rank 1 has finished exiting
+    script = write_script("one_fails.py", textwrap.dedent("""
+        import sys, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            sys.exit(7)
+        dist.all_reduce(torch.ones(1))
+    """))
+    for _ in range(3):
+        result = launch(["-n", "2", str(script)], cwd=tmp_path)
+        assert result.returncode == 7, result.stderr
+        assert "rank 1 (local rank 1" in result.stderr and "failed first with exit code 7" in result.stderr
+
+
+def _job_processes(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and marker.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def test_sigkill_of_the_launcher_leaves_neither_the_server_nor_a_rank(tmp_path: Path, write_script) -> None:
+    script = write_script("sleeper.py", textwrap.dedent("""
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "ready" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        time.sleep(120)
+    """))
+    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "-n", "2", str(script), str(tmp_path)],
+                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
+        # the server's command line names the script, as the ranks' (forked from it) do
+        processes = [p for p in _job_processes(str(script)) if p != launcher.pid]
+        servers = [p for p in processes if b"lockstep.launcher.prefork" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        ranks = [int((tmp_path / f"ready{r}").read_text()) for r in range(2)]
+        assert set(ranks) < set(servers), servers  # the ranks show the server's command line
+        assert len(servers) == 3, servers
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        assert not wait_gone(processes)
+    finally:
+        for pid in _job_processes(str(script)):
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
