@@ -1,14 +1,18 @@
-"""Whole-process wall time of `lockstep -n N probe.py` vs `torchrun --nproc_per_node N probe.py`.
+"""Whole-process wall and CPU time of `lockstep -n N probe.py` vs `torchrun --nproc_per_node N probe.py`.
 
-Runs the two alternately, so both see the same machine load, and reports medians and their ratio:
+Runs lockstep (ranks forked from its prefork server, and with ``LOCKSTEP_PREFORK=0`` fresh
+interpreters) and torchrun in turn, so all see the same machine load, and reports medians and
+ratios. CPU time is the user and system time of the whole process tree (what a busy machine, or a
+test suite, pays for each launch):
 
-    .venv/bin/python benchmarks/launcher_overhead.py --runs 7
+    .venv/bin/python benchmarks/launcher_overhead.py --runs 7 --nproc 4
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -20,36 +24,50 @@ from pathlib import Path
 PROBE = Path(__file__).with_name("probe.py")
 
 
-def timed(cmd: list[str], cwd: str) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def timed(cmd: list[str], cwd: str, env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process and every descendant it waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--script", default=str(PROBE), help="what each rank runs (default: probe.py)")
     args = parser.parse_args()
     bindir = Path(sys.executable).parent
+    lockstep = [str(bindir / "lockstep"), "-n", str(args.nproc), args.script]
     commands = {
-        "lockstep": [str(bindir / "lockstep"), "-n", str(args.nproc), str(PROBE)],
-        "torchrun": [str(bindir / "torchrun"), "--nproc_per_node", str(args.nproc), str(PROBE)],
+        "lockstep": (lockstep, {}),
+        "fresh": (lockstep, {"LOCKSTEP_PREFORK": "0"}),
+        "torchrun": ([str(bindir / "torchrun"), "--nproc_per_node", str(args.nproc), args.script], {}),
     }
-    times: dict[str, list[float]] = {name: [] for name in commands}
+    walls: dict[str, list[float]] = {name: [] for name in commands}
+    cpus: dict[str, list[float]] = {name: [] for name in commands}
     with tempfile.TemporaryDirectory() as cwd:
-        for cmd in commands.values():  # warm the page cache for both
-            timed(cmd, cwd)
+        for cmd, env in commands.values():  # warm the page cache for every one
+            timed(cmd, cwd, env)
         for _ in range(args.runs):
-            for name, cmd in commands.items():
-                times[name].append(timed(cmd, cwd))
+            for name, (cmd, env) in commands.items():
+                wall, cpu = timed(cmd, cwd, env)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
         shutil.rmtree(Path(cwd) / "runs", ignore_errors=True)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    for name, t in times.items():
-        print(f"{name:9s} median {medians[name]:.3f} s  runs {' '.join(f'{x:.2f}' for x in t)}")
-    print(f"ratio lockstep/torchrun = {medians['lockstep'] / medians['torchrun']:.2f} "
-          f"(target <= 0.5; {args.runs} alternating runs, nproc {args.nproc}, {os.cpu_count()} cpus)")
+    wall = {name: statistics.median(t) for name, t in walls.items()}
+    cpu = {name: statistics.median(t) for name, t in cpus.items()}
+    for name in commands:
+        print(f"{name:9s} wall median {wall[name]:.3f} s, CPU median {cpu[name]:.2f} s  "
+              f"(walls {' '.join(f'{x:.2f}' for x in walls[name])})")
+    print(f"lockstep/torchrun: wall {wall['lockstep'] / wall['torchrun']:.2f} (target <= 0.5), "
+          f"CPU {cpu['lockstep'] / cpu['torchrun']:.2f}; fresh interpreters (LOCKSTEP_PREFORK=0)/torchrun: "
+          f"wall {wall['fresh'] / wall['torchrun']:.2f}, CPU {cpu['fresh'] / cpu['torchrun']:.2f} "
+          f"({args.runs} runs each in turn, nproc {args.nproc}, {os.cpu_count()} cpus)")
 
 
 if __name__ == "__main__":

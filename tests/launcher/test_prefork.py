@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from lockstep.launcher.prefork import preload_list
 from tests.launcher.conftest import launch, wait_for_files, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
 REPORT = textwrap.dedent("""
     import sys
-    preloaded = "torch" in sys.modules  # before this script imported anything
+    # before this script imported anything: torch, and what it imports of lockstep (below)
+    preloaded = ["torch" in sys.modules, "lockstep.trainer.trainer" in sys.modules]
     import json, os, numpy
     rank = os.environ["RANK"]
     print(f"out of rank {rank}")
@@ -30,6 +32,7 @@ REPORT = textwrap.dedent("""
               "local_rank": os.environ["LOCAL_RANK"], "mine": os.environ.get("MINE")}
     with open(os.path.join(sys.argv[1], f"report{rank}.json"), "w") as f:
         json.dump(report, f)
+    from lockstep import Trainer
 """)
 
 
@@ -53,7 +56,7 @@ def _reports(folder: Path, prefork: str, write_script) -> tuple[list[dict], subp
 @pytest.mark.parametrize("prefork", ["1", "0"])
 def test_each_rank_is_a_process_of_its_own_forked_or_not(tmp_path: Path, write_script, prefork: str) -> None:
     reports, _ = _reports(tmp_path, prefork, write_script)
-    assert [r["preloaded"] for r in reports] == [prefork == "1"] * 2
+    assert [r["preloaded"] for r in reports] == [[prefork == "1"] * 2] * 2
     for rank, report in enumerate(reports):
         assert report["ppid"] == report["launcher"]  # re-parented to the launcher, which waits for it
         assert report["pgid"] == report["pid"]  # the leader of a process group of its own
@@ -64,6 +67,23 @@ def test_each_rank_is_a_process_of_its_own_forked_or_not(tmp_path: Path, write_s
         assert (logs / f"rank{rank}.stdout.log").read_text() == f"out of rank {rank}\n"
         assert (logs / f"rank{rank}.stderr.log").read_text() == f"err of rank {rank}\n"
     assert reports[0]["draw"] != reports[1]["draw"]  # numpy's generator was not copied from the server
+
+
+def test_the_server_imports_what_the_script_imports_of_torch_and_lockstep_only(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, numpy, torchvision
+        import torch.nn as nn
+        from lockstep import Trainer, dist
+        from mypackage import model
+        def main():
+            from lockstep.callbacks import LRMonitor
+    """))
+    assert preload_list({}, str(script)) == (
+        "torch", "torch.distributed", "torch.nn", "lockstep", "lockstep:Trainer", "lockstep:dist",
+        "lockstep.callbacks", "lockstep.callbacks:LRMonitor")
+    assert preload_list({"LOCKSTEP_PREFORK": "torch,numpy"}, str(script)) == ("torch", "numpy")
+    assert preload_list({"LOCKSTEP_PREFORK": "0"}, str(script)) == ()
 
 
 def test_the_rank_whose_script_failed_is_named_not_the_peer_its_exit_broke(tmp_path: Path, write_script) -> None:

@@ -92,6 +92,9 @@ class Failure:
     tail: list[str] = field(default_factory=list)
     pid: int = 0
     cause: str = EXITED
+    ended: float = 0.0
+    """When the rank's script ended with its error (its own record; 0: none): earlier than ``when``,
+    the report, by the time its exit took."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -104,8 +107,14 @@ class Failure:
 def root_cause(failures: list[Failure]) -> Failure:
     """The earliest failure; a rank found waiting in a stalled collective, or failing with another
     rank's error, is a symptom, named only when no node recorded anything else, and a lost node
-    yields to a rank failure at the same time."""
-    return min(failures, key=lambda f: (f.cause == WAITING, f.cause == ECHOED, f.when, f.cause == LOST))
+    yields to a rank failure at the same time. Ranks compare by when their scripts ended where
+    they recorded it, unless a node was lost: its time is when another node last saw it beat, which
+    only the reports' times can be set against."""
+    exact = not any(f.cause == LOST for f in failures)
+
+    def when(f: Failure) -> float:
+        return f.ended or f.when if exact else f.when
+    return min(failures, key=lambda f: (f.cause == WAITING, f.cause == ECHOED, when(f), f.cause == LOST))
 
 
 class JobChannel:

@@ -3,8 +3,9 @@
 A fresh interpreter spends about two seconds of CPU importing torch and lockstep before a script's
 first line runs; eight ranks on a node spend sixteen, all at once, and a restart or a re-formed
 elastic job pays it again. The launcher instead starts one *prefork server* per attempt, which
-imports the modules named by ``LOCKSTEP_PREFORK`` (default :data:`DEFAULT_PRELOAD`) and then forks
-each rank from that state. A rank then runs the same worker bootstrap (:mod:`worker`) as a fresh
+imports torch (:data:`DEFAULT_PRELOAD`) and what the script imports of torch and lockstep (read from
+its source, never run), or the modules ``LOCKSTEP_PREFORK`` names, and then forks each rank from
+that state. A rank then runs the same worker bootstrap (:mod:`worker`) as a fresh
 one, with its own environment, working directory, standard streams, passed descriptors and signal
 dispositions, and numpy's global generator seeded anew (a fork would copy it).
 
@@ -14,7 +15,7 @@ and signals its process group exactly as for a rank it started itself. The rank 
 process group with the watchdog before anything else, as a Popen'd rank does between fork and exec.
 
 What differs from a fresh interpreter: the preloaded modules were imported with the environment
-the server started with (the first rank's), so a script that sets, say, ``OMP_NUM_THREADS`` in
+the server started with (what every rank's shares: no ``RANK``), so a script that sets, say, ``OMP_NUM_THREADS`` in
 ``os.environ`` *before* ``import torch`` gets torch as already imported. ``LOCKSTEP_PREFORK=0``
 starts every rank as a fresh interpreter.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import ast
 import importlib
 import os
 import pickle
@@ -40,7 +42,10 @@ from typing import IO, Any
 __all__ = ["DEFAULT_PRELOAD", "PREFORK_ENV", "ForkedRank", "PreforkServer", "preload_list"]
 
 PREFORK_ENV = "LOCKSTEP_PREFORK"
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "lockstep.trainer")
+DEFAULT_PRELOAD = ("torch", "torch.distributed")
+_SAFE_ROOTS = ("torch", "lockstep")
+"""Packages whose modules a server imports for a script: ones that read nothing at import that
+differs between ranks. A user's own modules are left to each rank, which imports them itself."""
 _WORKER = ("-u", "-m", "lockstep.launcher.worker")
 _MAX_MESSAGE = 1 << 20
 _PR_SET_PDEATHSIG = 1
@@ -50,13 +55,41 @@ _BYSTANDER = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, sign
 _RESET = (*_BYSTANDER, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SIGALRM)
 
 
-def preload_list(environ: Mapping[str, str]) -> tuple[str, ...]:
-    """The modules ``LOCKSTEP_PREFORK`` names (comma-separated; ``1`` or unset: the default; ``0``
-    or empty: none, and ranks start as fresh interpreters)."""
+def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple[str, ...]:
+    """What a server imports: the modules ``LOCKSTEP_PREFORK`` names (comma-separated; ``0`` or
+    empty: none, and ranks start as fresh interpreters); unset or ``1``: torch and what ``script``
+    imports of torch and lockstep (``module`` or ``module:name`` for ``from module import name``)."""
     value = environ.get(PREFORK_ENV)
     if value is None or value.strip() == "1":
-        return DEFAULT_PRELOAD
+        return DEFAULT_PRELOAD + tuple(n for n in script_imports(script) if n not in DEFAULT_PRELOAD)
     return tuple(name.strip() for name in value.split(",") if name.strip() not in ("", "0"))
+
+
+def script_imports(script: str | None) -> tuple[str, ...]:
+    """The torch and lockstep modules (and names) a python file imports anywhere, from its source."""
+    if script is None or not script.endswith(".py"):
+        return ()
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read(), script)
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    found: dict[str, None] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update((a.name, None) for a in node.names if a.name.split(".")[0] in _SAFE_ROOTS)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] in _SAFE_ROOTS:
+            found[node.module] = None
+            found.update((f"{node.module}:{a.name}", None) for a in node.names if a.name != "*")
+    return tuple(found)
+
+
+def _preload(name: str) -> None:
+    module, _, attr = name.partition(":")
+    loaded = importlib.import_module(module)
+    if attr and not hasattr(loaded, attr):  # a lazy attribute is loaded by the lookup itself
+        importlib.import_module(f"{module}.{attr}")
 
 
 # -- launcher side ----------------------------------------------------------------------------
@@ -94,14 +127,16 @@ class ForkedRank:
 class PreforkServer:
     """The launcher's handle on one prefork server (one per attempt; the job's teardown kills it)."""
 
-    def __init__(self, command: Sequence[str], env: Mapping[str, str], watchdog_fd: int) -> None:
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], watchdog_fd: int,
+                 preload: Sequence[str]) -> None:
         """``command``: the ranks' (the worker bootstrap's argv), whose target and arguments the
-        server's command line shows too, so that ``ps`` and ``pkill -f`` find the ranks by them."""
+        server's command line shows too, so that ``ps`` and ``pkill -f`` find the ranks by them;
+        ``preload``: what the server imports (:func:`preload_list`)."""
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self._proc = subprocess.Popen(
                 [command[0], "-u", "-m", "lockstep.launcher.prefork", str(theirs.fileno()), str(watchdog_fd),
-                 *command[len(_WORKER) + 1:]],
+                 ",".join(preload), *command[len(_WORKER) + 1:]],
                 env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(), watchdog_fd), process_group=0,
             )
@@ -190,7 +225,7 @@ def _ignored_signals() -> list[int]:
 
 # -- server side ------------------------------------------------------------------------------
 
-def _serve(sock_fd: int, watchdog_fd: int) -> list[str] | None:
+def _serve(sock_fd: int, watchdog_fd: int, preload: list[str]) -> list[str] | None:
     """Preload, then fork a rank per request. Returns in each rank (its argv), None in the server
     once the launcher has gone."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -198,11 +233,13 @@ def _serve(sock_fd: int, watchdog_fd: int) -> list[str] | None:
     for signum in _BYSTANDER:
         signal.signal(signum, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)
-    for name in preload_list(os.environ):
+    for name in preload:
         with contextlib.suppress(Exception):
-            importlib.import_module(name)
-    if "torch" in preload_list(os.environ) and "torch" not in sys.modules:
+            _preload(name)
+    if "torch" in preload and "torch" not in sys.modules:
         return None  # torch did not import: ranks start fresh and report why themselves
+    if len(os.listdir("/proc/self/task")) > 1:
+        return None  # an import started a thread: a fork would copy whatever lock it holds
     # What is loaded now lives as long as every rank: the collector never need look at it again
     # (nor, by writing to its objects, copy their pages into each rank).
     gc.collect()
@@ -284,7 +321,8 @@ def _become_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any],
 
 
 def main(argv: list[str]) -> None:
-    served = _serve(int(argv[0]), int(argv[1]))  # what follows them is only for ps to show
+    # what follows the three is only for ps to show
+    served = _serve(int(argv[0]), int(argv[1]), [n for n in argv[2].split(",") if n])
     if served is None:
         os._exit(0)  # nothing of the server's needs finalizing, and torch's teardown takes a while
     from lockstep.launcher import worker

@@ -47,17 +47,18 @@ class ProgressBoard:
         """Of ``others``, the one whose script ended with an error first, before ``rank``'s did
         (each rank's record of it: :func:`lockstep.progress.ended_path`); None if none did. A rank
         whose peer's teardown broke its collective may exit before that peer has."""
-        when = {r: self._ended(r) for r in (rank, *others)}
+        when = {r: self.ended_at(r) for r in (rank, *others)}
         mine = when.pop(rank)
         earlier = [(t, r) for r, t in when.items() if t is not None and mine is not None and t < mine]
         return min(earlier)[1] if earlier else None
 
     def ended_order(self, rank: int) -> float:
         """A sort key: when the rank's script ended with an error, those that did not record one last."""
-        ended = self._ended(rank)
+        ended = self.ended_at(rank)
         return float("inf") if ended is None else ended
 
-    def _ended(self, rank: int) -> float | None:
+    def ended_at(self, rank: int) -> float | None:
+        """When the rank's script ended with an error (``time.time()``), if it recorded that."""
         try:
             return float(ended_path(self._control_dir, rank).read_text())
         except (OSError, ValueError):

@@ -467,10 +467,12 @@ class Supervisor:
         self._board = ProgressBoard(self._control_dir, [spec.rank for spec in specs])
         ranks: list[Rank] = []
         self._ranks = ranks  # each pid is in it before the reaper may collect an exit
+        envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env) for spec in specs]
+        # the server imports with what every rank's environment shares: none of them is rank 0
+        common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)} if envs else {}
         with self._reaper.starting():
-            prefork = self._prefork_server(self.plan.worker_env(0, port, attempt, base_env), watchdog)
-            for spec, rank_logs in zip(specs, logs):
-                env = self.plan.worker_env(spec.local_rank, port, attempt, base_env)
+            prefork = self._prefork_server(common, watchdog)
+            for spec, rank_logs, env in zip(specs, logs, envs):
                 pass_fds: tuple[int, ...] = ()
                 if spec.local_rank == 0 and store_fd is not None:
                     env["LOCKSTEP_STORE_FD"] = str(store_fd)
@@ -486,13 +488,14 @@ class Supervisor:
         """The server this attempt's ranks fork from (:mod:`prefork`): started on first use and
         again after a teardown killed it; None where ranks start as fresh interpreters."""
         command = self.plan.command()
+        preload = preload_list(os.environ, self.plan.target if self.plan.mode is Mode.SCRIPT else None)
         if self._prefork_refused or not self._subreaper or not command_forkable(command, self.plan.python) \
-                or not preload_list(os.environ):
+                or not preload:
             return None
         if self._prefork is None or not self._prefork.alive:
             if self._prefork is not None:
                 self._prefork.close()
-            self._prefork = PreforkServer(command, env, watchdog.write_fd)
+            self._prefork = PreforkServer(command, env, watchdog.write_fd, preload)
             self._prefork_refused = not self._prefork.usable  # torch did not import: not again
         return self._prefork if self._prefork.usable else None
 
@@ -624,9 +627,12 @@ class Supervisor:
 
     def _failed(self, r: Rank, channel: JobChannel | None, *, echo: bool) -> _Failure:
         if channel is not None:
+            # when its script ended with the error, where it recorded that: a rank on another node
+            # whose collective this one's teardown broke may be reported before this one exits
+            ended = self._board.ended_at(r.spec.rank) if self._board is not None else None
             channel.report(Failure(self.plan.node_rank, channel.host, r.spec.rank, r.returncode,
                                    time.time(), failure_tail(r.spec, r.kept()), r.proc.pid,
-                                   ECHOED if echo else EXITED))
+                                   ECHOED if echo else EXITED, ended or 0.0))
         return _Failure(r, r.returncode)
 
     def _check_stall(self, ranks: list[Rank], timeout: float, channel: JobChannel | None) -> _Stall | None:
