@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import gc
 import ast
 import importlib
@@ -299,15 +300,14 @@ def _become_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any],
     os.write(watchdog_fd, b"+%d\n" % os.getpid())  # guarded before it runs anything
     os.close(watchdog_fd)
     sock.close()
-    # Out of the way of the targets first: a received descriptor may have a target's number.
-    moved = [os.dup(fd) for fd in fds]
+    # Above every target first: a received descriptor may have a target's number.
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, max(request["targets"]) + 1) for fd in fds]
     for fd in fds:
         os.close(fd)
     for fd, target in zip(moved, request["targets"]):
-        os.dup2(fd, target)
+        os.dup2(fd, target)  # inheritable, as Popen leaves the standard streams and pass_fds
     for fd in moved:
-        if fd not in request["targets"]:
-            os.close(fd)
+        os.close(fd)
     for signum in _RESET:
         ignored = int(signum) in request["ignored"]
         default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
