@@ -1,11 +1,20 @@
-"""Helpers the tests share: free ports, bitwise comparison of parameters, a Trainer's weights."""
+"""Helpers the tests share: free ports, bitwise comparison of parameters, a Trainer's weights, and
+reference runs made once for every pytest-xdist worker."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 import socket
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
+import pytest
 import torch
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -20,6 +29,27 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     for k in a:
         assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+
+
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], T]) -> T:
+    """``make(folder)``'s result, made once per test session however many workers (``-n``) ask for
+    it: the first makes it in a folder of the session's temporary directory while the others wait,
+    then each reads the saved result. For the uninterrupted runs that tests compare with, which
+    every worker would otherwise train again. A ``make`` that raises saves nothing."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's, above each worker's own
+    folder = root / f"shared-{name}"
+    folder.mkdir(exist_ok=True)
+    saved = folder / "result.pt"
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            shutil.rmtree(folder / "run", ignore_errors=True)  # what a make that failed left
+            value = make(folder / "run")
+            torch.save(value, folder / "result.pt.tmp")
+            os.replace(folder / "result.pt.tmp", saved)
+    return torch.load(saved, weights_only=False)
 
 
 def trainer_params(trainer: Any) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_bitwise
+from tests.helpers import assert_bitwise, shared_run
 from tests.launcher.conftest import launch
 
 JOB = Path(__file__).with_name("train_job.py")
@@ -36,11 +36,13 @@ def final(tmp: Path, name: str) -> dict[str, torch.Tensor]:
 def reference(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     """The uninterrupted job's parameters under DDP and under FSDP with sharded checkpoints (one
     launch, which trains each in turn)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    result = job(tmp, "clean", "--layouts", "ddp,sharded")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("attempt 0 resumed at batch 0") == 2, result.stdout
-    return {layout: torch.load(tmp / f"clean.pt.{layout}", weights_only=True) for layout in ("ddp", "sharded")}
+    def make(tmp: Path) -> dict[str, dict[str, torch.Tensor]]:
+        tmp.mkdir()
+        result = job(tmp, "clean", "--layouts", "ddp,sharded")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count("attempt 0 resumed at batch 0") == 2, result.stdout
+        return {layout: torch.load(tmp / f"clean.pt.{layout}", weights_only=True) for layout in ("ddp", "sharded")}
+    return shared_run(tmp_path_factory, "faults-reference", make)
 
 
 @pytest.mark.timeout(240)

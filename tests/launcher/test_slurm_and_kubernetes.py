@@ -19,6 +19,7 @@ import torch
 from lockstep.launcher.cli import parse_plan
 from lockstep.launcher.plan import LaunchError
 from lockstep.launcher.slurm import PORT_BASE, PORT_SPAN, expand_hostlist
+from tests.helpers import shared_run
 
 
 @pytest.mark.parametrize(("text", "hosts"), [
@@ -203,11 +204,13 @@ def _train_args(tmp: Path, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def one_node_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The parameters after training the job on one node with 2 ranks."""
-    tmp = tmp_path_factory.mktemp("one_node")
-    one = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", *_train_args(tmp, "one_node")], cwd=tmp,
-                         env=_clean_env(), capture_output=True, text=True, timeout=200)
-    assert one.returncode == 0, one.stderr
-    return torch.load(tmp / "one_node.pt")
+    def make(tmp: Path) -> dict[str, torch.Tensor]:
+        tmp.mkdir()
+        one = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", *_train_args(tmp, "one_node")], cwd=tmp,
+                             env=_clean_env(), capture_output=True, text=True, timeout=200)
+        assert one.returncode == 0, one.stderr
+        return torch.load(tmp / "one_node.pt")
+    return shared_run(tmp_path_factory, "one-node-weights", make)
 
 
 def _assert_same(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:

@@ -30,7 +30,7 @@ import torch
 from lockstep.checkpoint import files, integrity
 from lockstep.objectstore import S3ObjectStore
 from tests.checkpoint.test_faults import descendants
-from tests.helpers import assert_bitwise, free_port
+from tests.helpers import assert_bitwise, free_port, shared_run
 from tests.launcher.conftest import launch, wait_gone
 
 JOB = Path(__file__).resolve().parents[1] / "checkpoint" / "train_job.py"
@@ -61,14 +61,24 @@ KINDS = {"ddp": [], "sharded": ["--sharded"], "local": ["--local"], "zero2": ["-
 @pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
     """The uninterrupted job's parameters for a kind (DDP, FSDP sharded or local, DeepSpeed ZeRO-2), saved to
-    a local folder: one launch trains every kind that the selected tests need, each in turn."""
+    a local folder: one launch trains every kind that the selected tests need, each in turn (once
+    for every worker)."""
     tmp, found = tmp_path_factory.mktemp("reference"), {}
     kill_test = test_kill_9_during_uploads_then_autoresume_on_other_nodes_is_exact
     wanted = {item.callspec.params["kind"] for item in request.session.items if getattr(item, "function", None) is kill_test}
     if importlib.util.find_spec("deepspeed") is None:
         wanted.discard("zero2")
 
+    def every_wanted(cwd: Path) -> dict[str, dict[str, torch.Tensor]]:
+        kinds = [k for k in KINDS if k in wanted]
+        result = job(cwd, str(cwd / "ckpt"), cwd / "clean.pt", "--layouts", ",".join(kinds))
+        assert result.returncode == 0, result.stderr
+        return {k: torch.load(cwd / f"clean.pt.{k}", weights_only=True) for k in kinds}
+
     def of(kind: str) -> dict[str, torch.Tensor]:
+        if not found and kind in wanted:
+            found.update(shared_run(tmp_path_factory, "s3-resume-reference-" + "-".join(sorted(wanted)),
+                                    every_wanted))
         if kind not in found:
             kinds, cwd = [k for k in KINDS if k == kind or (k in wanted and k not in found)], tmp / kind
             result = job(cwd, str(cwd / "ckpt"), cwd / "clean.pt", "--layouts", ",".join(kinds))
