@@ -208,6 +208,34 @@ def test_a_background_copy_of_the_weights_holds_the_saved_step(
             assert torch.equal(saved["state"]["optimizers"][0]["state"][i]["exp_avg"], moment)
 
 
+def test_a_save_still_being_written_when_training_raises_is_whole_when_fit_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash right after a save, while the writer thread still writes it: fit raises only once that
+    checkpoint is on disk whole, so a Trainer the same process builds next resumes from it (and its
+    own writes never meet the old thread's temporary file)."""
+    slow = staging.Stager.copy_later
+
+    def copy_late(self: staging.Stager) -> None:
+        time.sleep(0.5)
+        slow(self)
+
+    class Crash(Callback):
+        def batch_start(self, state: Any, logger: Any) -> None:
+            if state.timestamp.batch == 3:
+                raise RuntimeError("crash")
+
+    monkeypatch.setattr(staging.Stager, "copy_later", copy_late)
+    trainer = make("6ba", tmp_path, save_interval="2ba", scheduler=None, callbacks=[Crash()], run_name="crash")
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer.fit()
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+    saved = torch.load(tmp_path / "ep0-ba2-rank0.pt", weights_only=True)
+    assert saved["state"]["timestamp"]["Timestamp"]["batch"] == 2
+    monkeypatch.undo()
+    resumed = make("6ba", tmp_path, save_interval="2ba", scheduler=None, autoresume=True, run_name="crash")
+    assert resumed.state.timestamp.batch == 2
+
+
 def test_a_checkpoint_too_big_to_copy_is_written_before_training_goes_on(
         uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(staging, "_available_memory", lambda: 100)  # no room for a copy

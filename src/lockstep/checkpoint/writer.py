@@ -399,10 +399,7 @@ class CheckpointWriter:
 
     def _join(self) -> str | None:
         """Wait for the background publish; its failure, if any, as a message."""
-        if self._publisher is not None:
-            with _agreement.long_io():
-                self._publisher.result()  # _publish keeps its failure in self._failure; it never raises
-            self._publisher = self.copying = None
+        self.settle()
         if self._failure is None:
             return None
         return f"{type(self._failure).__name__}: {self._failure}"
@@ -423,6 +420,17 @@ class CheckpointWriter:
             self._prune()
         if self.mirror is not None:
             self.mirror.finish()
+
+    def settle(self) -> None:
+        """Wait for the write in flight, on this rank alone (no collective). ``fit`` calls it when
+        training raised, since the other ranks may be gone: the copy of the state being written
+        predates the error, and a Trainer this process builds next for the run must find it whole,
+        not still being written. A failure of the write is kept for the next :meth:`save` or
+        :meth:`wait`."""
+        if self._publisher is not None:
+            with _agreement.long_io():
+                self._publisher.result()  # _publish keeps its failure; it never raises
+            self._publisher = self.copying = None
 
     def _prune(self) -> None:
         """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only

@@ -553,6 +553,7 @@ class Supervisor:
                     if stall is not None:
                         return stall
                 if channel is not None and self._elsewhere(channel):
+                    self._report_ended(ranks, channel)
                     if channel.stall_reported():
                         say("stall: another node found the job stalled (--stall_timeout); the stacks of this "
                             "node's ranks follow")
@@ -612,6 +613,25 @@ class Supervisor:
             if now >= deadline:  # the rank it names has not failed yet: name this one after all
                 return self._failed(r, channel, echo=False)
         return None
+
+    def _report_ended(self, ranks: list[Rank], channel: JobChannel) -> None:
+        """Another node reported a failure: record this node's ranks whose scripts ended with an
+        error too, since one may have failed first. Its exit can follow the error by the seconds
+        the interpreter takes to shut down, while the peers whose collectives its teardown broke
+        are reported at once; so each is waited for, up to ``_ECHO_WAIT_S``, for its exit code."""
+        board = self._board
+        if board is None:
+            return
+        # still on their way out, waiting for a rank to be named, or exited during the store call
+        ended = [r for r in ranks if r.returncode is None and board.ended_at(r.spec.rank) is not None]
+        ended += [r for r, _ in self._echoes] + self._stashed[1]
+        deadline = time.monotonic() + _ECHO_WAIT_S
+        while any(r.returncode is None for r in ended) and time.monotonic() < deadline:
+            self._meanwhile(_ECHO_POLL_S)  # as a wait for the store: a stopping signal ends it
+        self._echoes, self._stashed = [], (self._stashed[0], [])
+        for r in ended:
+            if r.returncode not in (None, 0):
+                self._failed(r, channel, echo=board.echo_of(r.spec.rank) is not None)
 
     def _goes_on_without(self, r: Rank, channel: JobChannel | None) -> bool:
         """An elastic job's rank exited with an error: whether the job goes on without it (the

@@ -467,6 +467,8 @@ class Trainer:
             try:
                 self._fit()
             except BaseException:
+                for saver in self._savers:
+                    saver.settle()
                 self._events.flush_logs()  # what the run folder holds so far; the rest closes later
                 raise
             finally:
