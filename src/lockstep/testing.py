@@ -31,8 +31,10 @@ __all__ = ["run_distributed"]
 # collective with the failed rank would otherwise wait for the full timeout.
 _FAILURE_GRACE_S = 5.0
 _EXIT_GRACE_S = 10.0
-# What every rank would import: torch._dynamo comes with the first optimizer a rank builds.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "lockstep.trainer"]
+# What every rank would import: torch._dynamo comes with the first optimizer a rank builds, and
+# torchmetrics (~3 s of CPU) with the first model that has metrics. One that is not installed is
+# skipped.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "lockstep.trainer", "torchmetrics"]
 
 
 def _rank_env(rank: int, world_size: int, local_world_size: int, extra: Mapping[str, str]) -> dict[str, str]:

@@ -3,9 +3,9 @@
 A fresh interpreter spends about two seconds of CPU importing torch and lockstep before a script's
 first line runs; eight ranks on a node spend sixteen, all at once, and a restart or a re-formed
 elastic job pays it again. The launcher instead starts one *prefork server* per attempt, which
-imports torch (:data:`DEFAULT_PRELOAD`) and what the script imports of torch and lockstep (read from
-its source, never run), or the modules ``LOCKSTEP_PREFORK`` names, and then forks each rank from
-that state. A rank then runs the same worker bootstrap (:mod:`worker`) as a fresh
+imports torch (:data:`DEFAULT_PRELOAD`) and what the script imports of torch, lockstep and
+torchmetrics (read from its source, never run), or the modules ``LOCKSTEP_PREFORK`` names, and then
+forks each rank from that state. A rank then runs the same worker bootstrap (:mod:`worker`) as a fresh
 one, with its own environment, working directory, standard streams, passed descriptors and signal
 dispositions, and numpy's global generator seeded anew (a fork would copy it).
 
@@ -44,9 +44,10 @@ __all__ = ["DEFAULT_PRELOAD", "PREFORK_ENV", "ForkedRank", "PreforkServer", "pre
 
 PREFORK_ENV = "LOCKSTEP_PREFORK"
 DEFAULT_PRELOAD = ("torch", "torch.distributed")
-_SAFE_ROOTS = ("torch", "lockstep")
+_SAFE_ROOTS = ("torch", "lockstep", "torchmetrics")
 """Packages whose modules a server imports for a script: ones that read nothing at import that
-differs between ranks. A user's own modules are left to each rank, which imports them itself."""
+differs between ranks (torchmetrics, which also imports transformers and scipy, costs each rank
+~3 s of CPU otherwise). A user's own modules are left to each rank, which imports them itself."""
 _WORKER = ("-u", "-m", "lockstep.launcher.worker")
 _MAX_MESSAGE = 1 << 20
 _PR_SET_PDEATHSIG = 1
@@ -59,7 +60,8 @@ _RESET = (*_BYSTANDER, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SI
 def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple[str, ...]:
     """What a server imports: the modules ``LOCKSTEP_PREFORK`` names (comma-separated; ``0`` or
     empty: none, and ranks start as fresh interpreters); unset or ``1``: torch and what ``script``
-    imports of torch and lockstep (``module`` or ``module:name`` for ``from module import name``)."""
+    imports of torch, lockstep and torchmetrics (``module`` or ``module:name`` for ``from module
+    import name``)."""
     value = environ.get(PREFORK_ENV)
     if value is None or value.strip() == "1":
         return DEFAULT_PRELOAD + tuple(n for n in script_imports(script) if n not in DEFAULT_PRELOAD)
@@ -67,7 +69,7 @@ def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple
 
 
 def script_imports(script: str | None) -> tuple[str, ...]:
-    """The torch and lockstep modules (and names) a python file imports anywhere, from its source."""
+    """The modules (and names) of :data:`_SAFE_ROOTS` a python file imports anywhere, from its source."""
     if script is None or not script.endswith(".py"):
         return ()
     try:

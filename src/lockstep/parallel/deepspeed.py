@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +75,30 @@ def import_deepspeed(device: torch.device) -> Any:
         raise ValueError(f"DeepSpeed runs on its {accelerator!r} accelerator but the Trainer trains on "
                          f"{device.type!r}: set DS_ACCELERATOR={device.type} before DeepSpeed is imported")
     return deepspeed
+
+
+_SHARED_MEMORY_OP = "deepspeed_shm_comm"
+
+
+@contextlib.contextmanager
+def _without_inference_all_reduce_op() -> Iterator[None]:
+    """DeepSpeed's communication backend loads a C++ op on the CPU accelerator, compiling it the
+    first time a machine (or another version of ninja) meets it: over a minute of CPU. Only
+    DeepSpeed-Inference's tensor-parallel all-reduce uses it, never a ZeRO step, so while the
+    engine (and with it the backend) is built here the op counts as unavailable, as on a
+    machine without a compiler; DeepSpeed then all-reduces through torch.distributed."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__  # DeepSpeed reads this one dict (computed once)
+    before = compatible.get(_SHARED_MEMORY_OP)
+    compatible[_SHARED_MEMORY_OP] = False
+    try:
+        yield
+    finally:
+        if before is None:
+            del compatible[_SHARED_MEMORY_OP]
+        else:
+            compatible[_SHARED_MEMORY_OP] = before
 
 
 def batch_size_of(loader: Any) -> int | None:
@@ -222,9 +246,10 @@ class DeepSpeedStrategy(Strategy):
                             ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_WORLD_SIZE", dist.get_local_world_size())):
             os.environ.setdefault(name, str(value))
         self.model, self.optimizers = model.to(self.device), optimizers
-        self.engine, _, _, _ = self._deepspeed.initialize(
-            model=self.model, optimizer=optimizers[0] if optimizers else None, config=copy.deepcopy(self.config),
-            dist_init_required=False)
+        with _without_inference_all_reduce_op():
+            self.engine, _, _, _ = self._deepspeed.initialize(
+                model=self.model, optimizer=optimizers[0] if optimizers else None,
+                config=copy.deepcopy(self.config), dist_init_required=False)
         self.module = self.engine
 
     def prepare_batch(self, batch: Any) -> Any:
