@@ -468,7 +468,8 @@ class Trainer:
                 self._fit()
             except BaseException:
                 for saver in self._savers:
-                    saver.settle()
+                    with contextlib.suppress(Exception):  # the error training raised is the one to see
+                        saver.settle()
                 self._events.flush_logs()  # what the run folder holds so far; the rest closes later
                 raise
             finally:
