@@ -174,7 +174,8 @@ def test_the_stoppers_say_what_to_watch() -> None:
     message = error_of(fit, callbacks=[ThresholdStopper("precision", "train", 0.5)])  # not a training metric
     assert message.startswith("ThresholdStopper: dataloader_label 'train' watches the training loss: "
                               "set monitor='loss'")
-    assert error_of(fit, callbacks=[ThresholdStopper("accuracy", "train", 0.5)]) == "no error"  # a training metric
+    assert error_of(fit, callbacks=[ThresholdStopper("accuracy", "train", 0.5)],  # a training metric
+                    model=MLP(train_accuracy=True)) == "no error"
     assert "use 'gt', 'greater', 'lt', 'less'" in error_of(EarlyStopper, "loss", "eval", comp="bigger")
     assert "epochs or batches" in error_of(EarlyStopper, "loss", "eval", patience="10sp")
 

@@ -42,7 +42,7 @@ def test_composers_paths_hold_the_same_classes() -> None:
 
 
 def test_each_evaluator_has_its_interval_subset_metrics_and_logged_names() -> None:
-    model, logger, evaluated = MLP(), InMemoryLogger(), Evaluated()
+    model, logger, evaluated = MLP(train_accuracy=True), InMemoryLogger(), Evaluated()
     often = Evaluator(label="often", dataloader=loader(4), eval_interval="2ba", subset_num_batches=1)
     rare = Evaluator(label="rare", dataloader=DataSpec(loader(7)), metric_names=["ACC"])  # regex, any case
     never = Evaluator(label="never", dataloader=loader(7), eval_interval=0)

@@ -31,7 +31,7 @@ def test_a_background_thread_is_made_idle_only_and_training_is_left_as_it_was() 
 def test_the_checkpoint_writer_and_logger_threads_yield_to_training(tmp_path) -> None:
     from lockstep.checkpoint.config import CheckpointConfig
     from lockstep.checkpoint.writer import CheckpointWriter
-    from lockstep.checkpoint.states import SHARDED, SINGLE
+    from lockstep.checkpoint.layout import SHARDED, SINGLE
     from lockstep.loggers.background import BackgroundWriter
 
     def writer_policy(layout: str) -> tuple[int, int]:

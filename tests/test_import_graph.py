@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     # 0: foundations that know nothing of processes or training
     "lockstep": 0, "lockstep.time": 0, "lockstep.batch": 0, "lockstep.checks": 0, "lockstep.progress": 0,
     "lockstep.idle": 0, "lockstep.rng": 0, "lockstep.optional": 0, "lockstep.objectstore": 0,
-    "lockstep.errors": 0,
+    "lockstep.errors": 0, "lockstep.dtensors": 0,
     # 1: processes: the launcher on one side, the ranks' collectives (and the elastic job's split of
     # the global batch over them) on the other
     "lockstep.launcher": 1, "lockstep.dist": 1, "lockstep._agreement": 1, "lockstep.elastic": 1,

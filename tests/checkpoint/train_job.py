@@ -13,6 +13,7 @@ references of several tests for the cost of one launch.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -20,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torchmetrics  # noqa: F401  (the model's metrics: loaded once by the prefork server, not by every rank)
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -61,7 +61,10 @@ class Faults(Callback):
 def die_in_write(tags: set[str]) -> None:
     """SIGKILL this process as a writer starts on a checkpoint whose name holds one of ``tags``."""
     from lockstep.checkpoint.deepspeed import DeepSpeedLayout
-    from lockstep.checkpoint.states import ShardedLayout
+
+    # not an import statement, which the launcher's prefork server would preload for every run of
+    # this script: DCP costs it ~1 s of CPU, and only an FSDP run needs it
+    ShardedLayout = importlib.import_module("lockstep.checkpoint.fsdp_states").ShardedLayout
 
     write_temp, write_tensors, write_captured = files.write_temp, ShardedLayout.write_tensors, \
         DeepSpeedLayout.write_captured

@@ -80,7 +80,7 @@ def test_the_server_imports_what_the_script_imports_of_torch_and_lockstep_only(t
             from lockstep.callbacks import LRMonitor
     """))
     assert preload_list({}, str(script)) == (
-        "torch", "torch.distributed", "torch.nn", "lockstep", "lockstep:Trainer", "lockstep:dist",
+        "torch", "torch.distributed", "torch._dynamo", "torch.nn", "lockstep", "lockstep:Trainer", "lockstep:dist",
         "lockstep.callbacks", "lockstep.callbacks:LRMonitor")
     assert preload_list({"LOCKSTEP_PREFORK": "torch,numpy"}, str(script)) == ("torch", "numpy")
     assert preload_list({"LOCKSTEP_PREFORK": "0"}, str(script)) == ()

@@ -118,7 +118,7 @@ class _BatchEnds(Callback):
 
 
 def _slow_sharded_writes(folder: str) -> tuple[dict, dict, list, dict]:
-    from lockstep.checkpoint.states import ShardedLayout
+    from lockstep.checkpoint.fsdp_states import ShardedLayout
 
     writes, write = [], ShardedLayout.write_tensors
 

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
-from torch.distributed.tensor import DTensor, Shard
 
 from lockstep import dist
+from lockstep.dtensors import is_dtensor, local
 from lockstep.core.callback import Callback
 
 if TYPE_CHECKING:
@@ -63,12 +63,12 @@ class OptimizerMonitor(Callback):
                 if reporter is not None:
                     metrics.update(reporter(p, name, metrics))
                 if f"l2_norm/grad/{name}" not in metrics:
-                    metrics[f"l2_norm/grad/{name}"] = torch.linalg.vector_norm(_local(p.grad))
+                    metrics[f"l2_norm/grad/{name}"] = torch.linalg.vector_norm(local(p.grad))
                 group = _shard_group(p.grad)
                 if group is not None:
                     self._group = group
                     self._sharded.update(set(metrics) - before)
-        self._captured = {k: torch.as_tensor(_local(v)).detach().float().reshape(()) for k, v in metrics.items()}
+        self._captured = {k: torch.as_tensor(local(v)).detach().float().reshape(()) for k, v in metrics.items()}
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if int(state.timestamp.batch) % self.batch_log_interval:
@@ -104,14 +104,11 @@ class OptimizerMonitor(Callback):
         self._remove_hook()
 
 
-def _local(value: Any) -> Any:
-    """This rank's part of a DTensor (a shard of an FSDP gradient, or a partial norm of one)."""
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _shard_group(grad: torch.Tensor) -> Any:
     """The process group over which an FSDP gradient is sharded (None: not sharded)."""
-    if not isinstance(grad, DTensor):
+    if not is_dtensor(grad):
         return None
+    from torch.distributed.tensor import Shard
+
     dims = [i for i, placement in enumerate(grad.placements) if isinstance(placement, Shard)]
     return grad.device_mesh.get_group(dims[0]) if dims else None

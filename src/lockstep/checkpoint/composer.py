@@ -57,7 +57,7 @@ def read_folder(folder: Path) -> dict[str, Any]:
     try:  # as DCP's own dcp_to_torch_save reads a whole folder, with the planner below
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            _load_state_dict(content, storage_reader=_reader(folder), planner=_SafeLoadPlanner(), no_dist=True)
+            _load_state_dict(content, storage_reader=_reader(folder), planner=_safe_load_planner(), no_dist=True)
     except Exception as e:  # DCP wraps the reader's failures in a CheckpointException
         first = " ".join(str(e).split())[:600]
         raise CheckpointError(f"cannot read Composer's sharded checkpoint {folder}: {first}") from None
@@ -69,24 +69,23 @@ def _reader(folder: Path) -> Any:
     return dcp.FileSystemReader(folder)
 
 
-def _planner_base() -> type:
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    return _EmptyStateDictLoadPlanner
-
-
-class _SafeLoadPlanner(_planner_base()):  # type: ignore[misc]
+def _safe_load_planner() -> Any:
     """DCP's planner that loads everything in the folder, unpickling its non-tensor values with
-    ``weights_only=True`` (DCP's own unpickles anything)."""
+    ``weights_only=True`` (DCP's own unpickles anything). Made on first use: DCP imports DTensor
+    and sympy, which a process that never reads Composer's folders need not load."""
+    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._nested_dict import set_element
+    class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            with torch.serialization.safe_globals(_safe_globals()):
+                loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
 
-        with torch.serialization.safe_globals(_safe_globals()):
-            loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
+    return SafeLoadPlanner()
 
 
 def to_lockstep(content: dict[str, Any], path: Path, version: int) -> dict[str, Any]:

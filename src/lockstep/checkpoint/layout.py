@@ -4,8 +4,8 @@ A layout is how one parallel backend's model and optimizer state go into a check
 the backend makes it (``Strategy.layout()``). Every layout is a :class:`Layout`. Those
 that write a folder every rank writes into (FSDP ``sharded``, DeepSpeed) are also a
 :class:`FolderLayout`; their ``name`` is in :data:`FOLDER_LAYOUTS`, which is what :func:`is_folder`
-reads. The implementations are in :mod:`lockstep.checkpoint.states` (DDP and FSDP) and
-:mod:`lockstep.checkpoint.deepspeed`.
+reads. The implementations are in :mod:`lockstep.checkpoint.states` (DDP),
+:mod:`lockstep.checkpoint.fsdp_states` (FSDP) and :mod:`lockstep.checkpoint.deepspeed`.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ equal across ranks), and in the ``local`` layout the name of its ``file``.
 
 FSDP's ``local`` layout writes one such file per rank (``rank`` says whose, ``shards`` where each
 shard sits in the full tensor); its ``sharded`` layout writes this dict without the tensors as
-``lockstep.pt`` in a DCP folder. See :mod:`lockstep.checkpoint.states`.
+``lockstep.pt`` in a DCP folder. See :mod:`lockstep.checkpoint.fsdp_states`.
 
 The loader works on one flat form, :func:`normalized` of any of: this layout (version 2), the
 flat one lockstep wrote before (version 1: the parts of ``state`` and ``ranks`` with each rank's

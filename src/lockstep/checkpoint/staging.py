@@ -22,9 +22,9 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lockstep.checkpoint import zipwriter
+from lockstep.dtensors import is_dtensor, local
 
 
 def storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
@@ -36,7 +36,7 @@ def storage_bytes(obj: Any) -> int:
     """Bytes of the distinct tensor storages in ``obj``: what :meth:`Stager.stage` copies."""
     seen: dict[tuple[str, int], int] = {}
     for t in zipwriter.tensors(obj):
-        t = _local(t)
+        t = local(t)
         if _plain(t):
             s = t.untyped_storage()
             seen[storage_key(s)] = s.nbytes()
@@ -113,11 +113,11 @@ class Stager:
         self._room -= nbytes
 
     def _stage(self, obj: Any, storages: dict[tuple[str, int], torch.UntypedStorage]) -> Any:
-        if isinstance(obj, DTensor):
+        if is_dtensor(obj):
             # A shard: its local tensor is copied to CPU and keeps its placement, even on a GPU
             # mesh (from_local would move it back), as DCP's own staging does.
-            local = self._stage(obj.to_local(), storages)
-            return DTensor(local, obj._spec, requires_grad=False)
+            shard = self._stage(obj.to_local(), storages)
+            return type(obj)(shard, obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             if not _plain(obj):
                 self._take_room(obj.numel() * obj.element_size())
@@ -151,10 +151,6 @@ def _page_aligned(nbytes: int) -> torch.UntypedStorage:
     if nbytes < zipwriter.DIRECT_MIN:
         return torch.UntypedStorage(nbytes)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()  # keeps the map
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -16,10 +16,9 @@ import platform
 import warnings
 from typing import Any
 
+from types import ModuleType
+
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict)
 
 from lockstep import dist
 from lockstep.batch import ensure_tuple
@@ -64,8 +63,16 @@ def _serialized(state: State, name: str) -> Any:
     return getattr(state, name)
 
 
-def _options(state: State, **kwargs: Any) -> StateDictOptions:
-    return StateDictOptions(full_state_dict=state.fsdp_state_dict_type == "full", cpu_offload=state.fsdp_enabled,
+def _dcp() -> ModuleType:
+    """torch's ``distributed.checkpoint.state_dict``, imported on first use: it imports DTensor and
+    sympy, ~0.7 s of CPU that a process which never saves Composer's form need not pay."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _options(state: State, **kwargs: Any) -> Any:
+    return _dcp().StateDictOptions(full_state_dict=state.fsdp_state_dict_type == "full", cpu_offload=state.fsdp_enabled,
                             **kwargs)
 
 
@@ -73,7 +80,7 @@ def model_of(state: State) -> dict[str, Any]:
     """The model's state_dict (under FSDP: full or sharded, as its state_dict_type says)."""
     if not state.fsdp_enabled:
         return state.model.state_dict()
-    return get_model_state_dict(state.model, options=_options(state))
+    return _dcp().get_model_state_dict(state.model, options=_options(state))
 
 
 def optimizers_of(state: State) -> dict[str, Any]:
@@ -81,7 +88,7 @@ def optimizers_of(state: State) -> dict[str, Any]:
     if not state.optimizers:
         return {}
     optimizer = state.optimizers[0]
-    return {type(optimizer).__qualname__: get_optimizer_state_dict(state.model, optimizer, options=_options(state))}
+    return {type(optimizer).__qualname__: _dcp().get_optimizer_state_dict(state.model, optimizer, options=_options(state))}
 
 
 def dataset_state_of(state: State) -> dict[str, Any]:
@@ -191,7 +198,7 @@ def load_model(state: State, saved: dict[str, Any], *, strict: bool) -> None:
     if not state.fsdp_enabled:
         state.model.load_state_dict(weights, strict=strict)
         return
-    set_model_state_dict(state.model, weights, options=_options(state, strict=strict))
+    _dcp().set_model_state_dict(state.model, weights, options=_options(state, strict=strict))
 
 
 def load_optimizers(state: State, saved: dict[str, Any]) -> None:
@@ -203,7 +210,7 @@ def load_optimizers(state: State, saved: dict[str, Any]) -> None:
             warnings.warn(f"{name} is not in the state_dict. Its state will not be restored.", UserWarning,
                           stacklevel=3)
             continue
-        set_optimizer_state_dict(state.model, optimizer, by_class[name], options=_options(state))
+        _dcp().set_optimizer_state_dict(state.model, optimizer, by_class[name], options=_options(state))
 
 
 def load_by_class(targets: Any, saved: dict[str, Any] | None, what: str) -> None:

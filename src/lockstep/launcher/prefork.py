@@ -37,13 +37,15 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 __all__ = ["DEFAULT_PRELOAD", "PREFORK_ENV", "ForkedRank", "PreforkServer", "preload_list"]
 
 PREFORK_ENV = "LOCKSTEP_PREFORK"
-DEFAULT_PRELOAD = ("torch", "torch.distributed")
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+"""torch._dynamo too: every optimizer's constructor imports it (~1 s of CPU a rank otherwise)."""
 _SAFE_ROOTS = ("torch", "lockstep", "torchmetrics")
 """Packages whose modules a server imports for a script: ones that read nothing at import that
 differs between ranks (torchmetrics, which also imports transformers and scipy, costs each rank
@@ -281,7 +283,7 @@ def _fork_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], f
         if rank == 0:
             os.close(write_end)
             try:
-                _become_rank(sock, watchdog_fd, request, fds)
+                _become_rank(sock, watchdog_fd, request, fds, os.getppid())
             except BaseException as e:  # noqa: BLE001 - the rank must not go back into the server's loop
                 os.write(2, f"lockstep: a rank could not start: {e}\n".encode())
                 os._exit(1)
@@ -297,7 +299,8 @@ def _fork_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], f
     return struct.unpack("q", raw)[0]
 
 
-def _become_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], fds: list[int]) -> None:
+def _become_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], fds: list[int],
+                 middle: int) -> None:
     os.setpgid(0, 0)  # a process group of its own, as Popen(process_group=0)
     os.write(watchdog_fd, b"+%d\n" % os.getpid())  # guarded before it runs anything
     os.close(watchdog_fd)
@@ -320,6 +323,16 @@ def _become_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any],
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()  # a fork copies the generator: every rank would draw the same numbers
+    _await_adoption(middle)
+
+
+def _await_adoption(middle: int, timeout: float = 10.0) -> None:
+    """Return once the middle process has exited and the launcher adopted this rank, so that the
+    script sees the launcher as its parent from its first line (``os.getppid()``, a parent-death
+    signal). The middle exits at once, but tearing down a large address space takes a moment."""
+    deadline = time.monotonic() + timeout
+    while os.getppid() == middle and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def main(argv: list[str]) -> None:

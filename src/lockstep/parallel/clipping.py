@@ -12,19 +12,20 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from lockstep.dtensors import is_dtensor
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type`` norm of all of ``grads`` taken together, as a plain tensor on every rank."""
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
-        key = (id(g.device_mesh), g.placements) if isinstance(g, DTensor) else None
+        key = (id(g.device_mesh), g.placements) if is_dtensor(g) else None
         groups.setdefault(key, []).append(g)
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     if not norms:
         return torch.zeros(())
     if len(norms) == 1:  # as clip_grad_norm_ computes it, to the bit
@@ -43,7 +44,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, norm_t
     norm = total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
     on_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:  # one scaling per mesh: under tensor parallelism the parameters lie on two
-        on_mesh.setdefault(id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None, []).append(p)
+        on_mesh.setdefault(id(p.grad.device_mesh) if is_dtensor(p.grad) else None, []).append(p)
     for group in on_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm

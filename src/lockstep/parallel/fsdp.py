@@ -58,7 +58,7 @@ class FSDPStrategy(Strategy):
         return NULL_CONTEXT
 
     def layout(self) -> Layout:
-        from lockstep.checkpoint.states import FullLayout, LocalLayout, ShardedLayout
+        from lockstep.checkpoint.fsdp_states import FullLayout, LocalLayout, ShardedLayout
         kinds = {"full": FullLayout, "local": LocalLayout, "sharded": ShardedLayout}
         return kinds[self.config.state_dict_type](self.model, self.optimizers, self.fsdp.buffer_dtypes)
 
