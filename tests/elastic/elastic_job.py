@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-import torchmetrics  # noqa: F401  (the model's metrics: loaded once by the prefork server, not by every rank)
+# the training metrics, which each change of the ranks must gather anew; imported here so that the
+# prefork server loads torchmetrics once, not every rank
+import torchmetrics  # noqa: F401
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -63,7 +65,7 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true")
     args = parser.parse_args()
     kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
-    model, data = MLP(), _Indexed()
+    model, data = MLP(train_accuracy=True), _Indexed()
     saving = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
         if args.save else {}
     trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",

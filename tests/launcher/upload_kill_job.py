@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-import torchmetrics  # noqa: F401  (the model's metrics: loaded once by the prefork server, not by every rank)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
