@@ -9,6 +9,8 @@ module must be placed in a layer here.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +211,14 @@ def test_a_circle_and_an_upward_import_are_found() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _layer("lockstep.trainer.trainer") > _layer("lockstep.parallel.strategy")
     assert layer_of("lockstep.something_new") is None
+
+
+def test_a_ddp_job_loads_neither_dcp_nor_dtensor_until_fsdp_needs_them() -> None:
+    # each costs a process ~0.7 s of CPU (DTensor imports sympy); FSDP's layouts bring both
+    code = ("import sys, lockstep, lockstep.trainer, lockstep.checkpoint.states, lockstep.checkpoint.deepspeed, "
+            "lockstep.callbacks, lockstep.parallel.clipping; "
+            "heavy = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor') if m in sys.modules]; "
+            "assert not heavy, heavy; "
+            "import lockstep.checkpoint.fsdp_states; assert 'torch.distributed.tensor' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+

@@ -72,8 +72,8 @@ def _dcp() -> ModuleType:
 
 
 def _options(state: State, **kwargs: Any) -> Any:
-    return _dcp().StateDictOptions(full_state_dict=state.fsdp_state_dict_type == "full", cpu_offload=state.fsdp_enabled,
-                            **kwargs)
+    return _dcp().StateDictOptions(full_state_dict=state.fsdp_state_dict_type == "full",
+                                   cpu_offload=state.fsdp_enabled, **kwargs)
 
 
 def model_of(state: State) -> dict[str, Any]:
@@ -88,7 +88,8 @@ def optimizers_of(state: State) -> dict[str, Any]:
     if not state.optimizers:
         return {}
     optimizer = state.optimizers[0]
-    return {type(optimizer).__qualname__: _dcp().get_optimizer_state_dict(state.model, optimizer, options=_options(state))}
+    saved = _dcp().get_optimizer_state_dict(state.model, optimizer, options=_options(state))
+    return {type(optimizer).__qualname__: saved}
 
 
 def dataset_state_of(state: State) -> dict[str, Any]:
