@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lockstep.launcher import wire_store
 from lockstep.launcher.rendezvous import TELL_S
 from lockstep.launcher.store import CALL_S, Meanwhile, Stopped, StoreClient, StoreLost, idle, tcp_store
 
@@ -138,11 +139,13 @@ class JobChannel:
 
     @classmethod
     def connect(cls, host: str, port: int, node: int, nnodes: int, server: Any = None) -> JobChannel:
-        """Clients of the store at host:port (``server``: the store object this launcher hosts)."""
-        store_class = tcp_store()
+        """Clients of the store at host:port (``server``: the store object this launcher hosts).
+        They speak c10d's protocol themselves (:mod:`wire_store`), so that a launcher whose node
+        hosts no store never imports torch; torch's client where the server speaks another one."""
 
         def client() -> Any:
-            return store_class(host, port, None, False, datetime.timedelta(seconds=CALL_S))
+            return wire_store.connect(host, port, CALL_S, lambda: tcp_store()(
+                host, port, None, False, datetime.timedelta(seconds=CALL_S)))
 
         where = f"{host}:{port}"
         return cls(StoreClient((lambda: server) if server is not None else client, where),

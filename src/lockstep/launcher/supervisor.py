@@ -200,7 +200,7 @@ class Supervisor:
             return LOST_EXIT_CODE
 
     def _load_torch(self) -> int | None:
-        """Load torch for the launcher's store clients, a stopping signal ending the launcher at
+        """Load torch for the store this launcher hosts, a stopping signal ending the launcher at
         once meanwhile (the exit code then, else None)."""
         try:
             with stopping_at_once():
@@ -216,8 +216,6 @@ class Supervisor:
         """Connect this node's launcher to the others through the store (the exit code if not)."""
         if not self.plan.hosts_store:
             code = self._await_store(port, wake_r)
-            if code is None:
-                code = self._load_torch()
             if code is not None:
                 return code
         channel = JobChannel.connect(self._store_host, port, self.plan.node_rank,
