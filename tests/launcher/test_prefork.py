@@ -86,6 +86,20 @@ def test_the_server_imports_what_the_script_imports_of_torch_and_lockstep_only(t
     assert preload_list({"LOCKSTEP_PREFORK": "0"}, str(script)) == ()
 
 
+def test_the_server_follows_the_scripts_own_modules_for_what_they_import(tmp_path: Path) -> None:
+    # a model whose metrics come from torchmetrics, in a module beside the script: preloaded too
+    (tmp_path / "train.py").write_text("from mymodels import Net\nimport helpers.data\nimport yaml\n")
+    (tmp_path / "mymodels.py").write_text("import torchmetrics\nimport train  # a circle: read once\n"
+                                          "from torchmetrics.classification import MulticlassAccuracy\n")
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "__init__.py").write_text("")
+    (tmp_path / "helpers" / "data.py").write_text("from lockstep import dist\nimport requests\n")
+    (tmp_path / "yaml.py").write_text("this is not python\n")  # unreadable: skipped, never run
+    assert preload_list({}, str(tmp_path / "train.py")) == (
+        "torch", "torch.distributed", "torch._dynamo", "lockstep", "lockstep:dist", "torchmetrics",
+        "torchmetrics.classification", "torchmetrics.classification:MulticlassAccuracy")
+
+
 def test_the_rank_whose_script_failed_is_named_not_the_peer_its_exit_broke(tmp_path: Path, write_script) -> None:
     # rank 1 exits with 7; its teardown breaks rank 0's all_reduce, and rank 0, raising at once,
     # may be out before rank 1 has finished exiting

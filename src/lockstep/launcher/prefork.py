@@ -3,8 +3,9 @@
 A fresh interpreter spends about two seconds of CPU importing torch and lockstep before a script's
 first line runs; eight ranks on a node spend sixteen, all at once, and a restart or a re-formed
 elastic job pays it again. The launcher instead starts one *prefork server* per attempt, which
-imports torch (:data:`DEFAULT_PRELOAD`) and what the script imports of torch, lockstep and
-torchmetrics (read from its source, never run), or the modules ``LOCKSTEP_PREFORK`` names, and then
+imports torch (:data:`DEFAULT_PRELOAD`) and what the script, and the modules of its folder that it
+imports, import of torch, lockstep and torchmetrics (read from their source, never run), or the
+modules ``LOCKSTEP_PREFORK`` names, and then
 forks each rank from that state. A rank then runs the same worker bootstrap (:mod:`worker`) as a fresh
 one, with its own environment, working directory, standard streams, passed descriptors and signal
 dispositions, and numpy's global generator seeded anew (a fork would copy it).
@@ -62,8 +63,8 @@ _RESET = (*_BYSTANDER, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SI
 def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple[str, ...]:
     """What a server imports: the modules ``LOCKSTEP_PREFORK`` names (comma-separated; ``0`` or
     empty: none, and ranks start as fresh interpreters); unset or ``1``: torch and what ``script``
-    imports of torch, lockstep and torchmetrics (``module`` or ``module:name`` for ``from module
-    import name``)."""
+    imports of torch, lockstep and torchmetrics (:func:`script_imports`; ``module`` or
+    ``module:name`` for ``from module import name``)."""
     value = environ.get(PREFORK_ENV)
     if value is None or value.strip() == "1":
         return DEFAULT_PRELOAD + tuple(n for n in script_imports(script) if n not in DEFAULT_PRELOAD)
@@ -71,23 +72,57 @@ def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple
 
 
 def script_imports(script: str | None) -> tuple[str, ...]:
-    """The modules (and names) of :data:`_SAFE_ROOTS` a python file imports anywhere, from its source."""
+    """The modules (and names) of :data:`_SAFE_ROOTS` that a python file imports anywhere, read
+    from its source, and those that the modules of its own folder it imports do (``from mymodels
+    import Net`` whose ``mymodels.py`` imports torchmetrics), each file read once. Only files are
+    read: none of them runs here."""
     if script is None or not script.endswith(".py"):
         return ()
-    try:
-        with open(script, "rb") as f:
-            tree = ast.parse(f.read(), script)
-    except (OSError, SyntaxError, ValueError):
-        return ()
+    folder = os.path.dirname(os.path.abspath(script))
     found: dict[str, None] = {}
+    todo, read = [os.path.abspath(script)], set()
+    while todo and len(read) < _MAX_FILES:
+        path = todo.pop()
+        if path in read:
+            continue
+        read.add(path)
+        for name, own in _imports(path):
+            if name.split(":")[0].split(".")[0] in _SAFE_ROOTS:
+                found[name] = None
+            elif own:
+                todo.extend(_own_files(folder, name))
+    return tuple(found)
+
+
+_MAX_FILES = 50
+"""The most files :func:`script_imports` reads for one script."""
+
+
+def _imports(path: str) -> list[tuple[str, bool]]:
+    """(module, or ``module:name`` for ``from module import name``; whether it may be one of the
+    script's own modules) for each absolute import in the file, in order."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    out: list[tuple[str, bool]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update((a.name, None) for a in node.names if a.name.split(".")[0] in _SAFE_ROOTS)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] in _SAFE_ROOTS:
-            found[node.module] = None
-            found.update((f"{node.module}:{a.name}", None) for a in node.names if a.name != "*")
-    return tuple(found)
+            out.extend((a.name, True) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module, True))
+            out.extend((f"{node.module}:{a.name}", False) for a in node.names if a.name != "*")
+            out.extend((f"{node.module}.{a.name}", True) for a in node.names
+                       if a.name != "*" and node.module.split(".")[0] not in _SAFE_ROOTS)
+    return out
+
+
+def _own_files(folder: str, module: str) -> list[str]:
+    """The files of ``module`` in the script's ``folder`` (a module file, or a package's
+    ``__init__.py``), where it is one of the script's own."""
+    base = os.path.join(folder, *module.split("."))
+    return [path for path in (base + ".py", os.path.join(base, "__init__.py")) if os.path.isfile(path)]
 
 
 def _preload(name: str) -> None:
