@@ -116,8 +116,10 @@ class Stager:
         if is_dtensor(obj):
             # A shard: its local tensor is copied to CPU and keeps its placement, even on a GPU
             # mesh (from_local would move it back), as DCP's own staging does.
+            from torch.distributed.tensor import DTensor  # loaded already: obj is one
+
             shard = self._stage(obj.to_local(), storages)
-            return type(obj)(shard, obj._spec, requires_grad=False)
+            return DTensor(shard, obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             if not _plain(obj):
                 self._take_room(obj.numel() * obj.element_size())

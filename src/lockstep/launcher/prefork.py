@@ -5,10 +5,10 @@ first line runs; eight ranks on a node spend sixteen, all at once, and a restart
 elastic job pays it again. The launcher instead starts one *prefork server* per attempt, which
 imports torch (:data:`DEFAULT_PRELOAD`) and what the script, and the modules of its folder that it
 imports, import of torch, lockstep and torchmetrics (read from their source, never run), or the
-modules ``LOCKSTEP_PREFORK`` names, and then
-forks each rank from that state. A rank then runs the same worker bootstrap (:mod:`worker`) as a fresh
-one, with its own environment, working directory, standard streams, passed descriptors and signal
-dispositions, and numpy's global generator seeded anew (a fork would copy it).
+modules ``LOCKSTEP_PREFORK`` names, and then forks each rank from that state. A rank then runs the
+same worker bootstrap (:mod:`worker`) as a fresh one, with its own environment, working directory,
+standard streams, passed descriptors and signal dispositions, and numpy's global generator seeded
+anew (a fork would copy it).
 
 Each rank is forked through a short-lived middle process that exits at once, so the rank is
 re-parented to the launcher (a child subreaper): the launcher waits for it, reads its exit status
