@@ -56,6 +56,16 @@ class Record(Callback):
         time.sleep(self.sleep)
 
 
+def die_in_reform() -> None:
+    """SIGKILL this rank as it starts to form the process group of the ranks left after a loss."""
+    from lockstep.elastic.membership import Membership
+
+    def doomed(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    Membership.reform = doomed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -63,7 +73,11 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--save", default=None)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--die-in-reform", type=int, default=None,
+                        help="this launch rank is killed as it starts to form the first new process group")
     args = parser.parse_args()
+    if args.die_in_reform == int(os.environ["RANK"]):
+        die_in_reform()
     kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
     model, data = MLP(train_accuracy=True), _Indexed()
     saving = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \

@@ -48,6 +48,23 @@ def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_
     assert [r["batch"] for r in records if r["kind"] == "train"] == list(range(1, 9)), records
 
 
+def test_a_rank_lost_while_the_others_form_the_new_group_costs_seconds_not_the_dist_timeout(
+        tmp_path: Path, reference) -> None:
+    # rank 0 is killed after batch 2; rank 3 dies as it starts to form generation 1's group, which
+    # the other two would otherwise wait for until dist_timeout (300 s); they form generation 2
+    out = tmp_path / "out"
+    start = time.monotonic()
+    err = finish(launch(out, "0:2", "--die-in-reform", "3"))
+    assert time.monotonic() - start < 60
+    assert "rank 0 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
+    assert "rank 3 left (signal SIGKILL): 2 of 4 ranks go on at world size 2 (generation 2" in err, err
+    assert_as_uninterrupted(out, reference)
+    for rank in (1, 2):  # one change for them: generation 1 never trained
+        told = [json.loads(line) for line in (out / f"changes{rank}").read_text().splitlines()]
+        assert [(c["generation"], c["world_size"], c["previous_world_size"], c["batch"]) for c in told] \
+            == [(2, 2, 4, 2)], told
+
+
 def test_a_rank_killed_from_outside_at_a_random_moment_costs_no_sample_and_no_exactness(
         tmp_path: Path, reference) -> None:
     chosen = random.Random()

@@ -118,12 +118,16 @@ class Membership:
         """A process group of the newest generation's ranks in place of the default one (this
         rank's new rank and the world size are then the group's; ``ranks`` its launch ranks). The
         old group is left to its threads (one may still wait on a peer that is gone): destroying it
-        could wait for them."""
-        generation = int(self._store.add(generation_key(self.prefix), 0))
-        ranks = json.loads(self._store.get(members_key(self.prefix, generation)))
-        if self.launch_rank not in ranks:
-            raise RuntimeError(f"rank {self.launch_rank} (at launch) is not in generation {generation} of the "
-                               f"job's ranks {ranks}: the launcher counted it as lost")
+        could wait for them. A rank of the new generation lost before it arrives makes the launcher
+        publish another one, which the others then form instead of waiting for the lost rank."""
+        while True:
+            generation = int(self._store.add(generation_key(self.prefix), 0))
+            ranks = json.loads(self._store.get(members_key(self.prefix, generation)))
+            if self.launch_rank not in ranks:
+                raise RuntimeError(f"rank {self.launch_rank} (at launch) is not in generation {generation} of "
+                                   f"the job's ranks {ranks}: the launcher counted it as lost")
+            if self._all_arrived(generation, len(ranks)):
+                break
         rank, world = ranks.index(self.launch_rank), len(ranks)
         _abandon_default_group()
         store = torch_dist.PrefixStore(f"{self.prefix}g{generation}/", self._client())
@@ -131,6 +135,22 @@ class Membership:
                                       timeout=timedelta(seconds=self.timeout))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
         self.ranks, self.generation = ranks, generation
+
+    def _all_arrived(self, generation: int, world: int) -> bool:
+        """Wait until every rank of ``generation`` arrived to form its group: True; False as soon
+        as the launcher publishes a newer generation (one of them was lost meanwhile). gloo's own
+        rendezvous would wait for a lost rank for the whole timeout."""
+        key = f"{self.prefix}g{generation}/arrived"
+        self._store.add(key, 1)
+        deadline = time.monotonic() + self.timeout
+        while int(self._store.add(key, 0)) < world:
+            if int(self._store.add(generation_key(self.prefix), 0)) > generation:
+                return False
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every rank of generation {generation} of the job's ranks arrived to form "
+                                   f"its process group within {self.timeout:g} s (dist_timeout)")
+            time.sleep(_POLL_S)
+        return True
 
 
 def _abandon_default_group() -> None:
