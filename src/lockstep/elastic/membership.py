@@ -144,7 +144,7 @@ class Membership:
         self._store.add(key, 1)
         deadline = time.monotonic() + self.timeout
         while int(self._store.add(key, 0)) < world:
-            if int(self._store.add(generation_key(self.prefix), 0)) > generation:
+            if self._newest > generation:  # the watcher thread reads the generation counter
                 return False
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not every rank of generation {generation} of the job's ranks arrived to form "
