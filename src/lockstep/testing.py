@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from lockstep.launcher.prefork import DEFAULT_PRELOAD
 from lockstep.launcher.supervisor import describe_exit
 
 __all__ = ["run_distributed"]
@@ -31,10 +32,10 @@ __all__ = ["run_distributed"]
 # collective with the failed rank would otherwise wait for the full timeout.
 _FAILURE_GRACE_S = 5.0
 _EXIT_GRACE_S = 10.0
-# What every rank would import: torch._dynamo comes with the first optimizer a rank builds, and
+# What every rank would import: what the launcher's prefork server preloads, the Trainer, and
 # torchmetrics (~3 s of CPU) with the first model that has metrics. One that is not installed is
 # skipped.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "lockstep.trainer", "torchmetrics"]
+_PRELOAD = [*DEFAULT_PRELOAD, "lockstep.trainer", "torchmetrics"]
 
 
 def _rank_env(rank: int, world_size: int, local_world_size: int, extra: Mapping[str, str]) -> dict[str, str]:
