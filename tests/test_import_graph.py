@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     "lockstep.errors": 0, "lockstep.dtensors": 0,
     # 1: processes: the launcher on one side, the ranks' collectives (and the elastic job's split of
     # the global batch over them) on the other
-    "lockstep.launcher": 1, "lockstep.dist": 1, "lockstep._agreement": 1, "lockstep.elastic": 1,
+    "lockstep.launcher": 1, "lockstep.regroup": 1, "lockstep.dist": 1, "lockstep._agreement": 1, "lockstep.elastic": 1,
     # 2: the loop's vocabulary: state, model, events, callbacks, algorithms, devices, Composer's
     # utilities, models, metrics and losses
     "lockstep.state": 2, "lockstep.model": 2, "lockstep.core": 2, "lockstep.devices": 2, "lockstep.utils": 2,

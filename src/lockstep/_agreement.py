@@ -54,6 +54,18 @@ the largest object gathered so far (a checkpoint's per-rank entry with its RNG s
 same sizes, so every rank grows it alike."""
 
 
+def small_object_room() -> int:
+    """This process's room for one rank's object in :func:`gather_small_objects`."""
+    return _small_object_bytes
+
+
+def widen_small_object_room(size: int) -> None:
+    """Make the room at least ``size`` bytes: on every rank of a new process group, the largest any
+    of them had (a rank that joined a running job has not grown its own with the others')."""
+    global _small_object_bytes
+    _small_object_bytes = max(_small_object_bytes, size)
+
+
 def gather_small_objects(obj: T) -> list[T]:
     """:func:`lockstep.dist.all_gather_object` for bookkeeping that pickles to a few KiB (what each
     rank puts in a checkpoint): one all-gather of a fixed-size buffer over :func:`host_group`, where

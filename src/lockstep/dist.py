@@ -39,6 +39,7 @@ dist = torch_dist
 """``torch.distributed``, under the name Composer's ``composer.utils.dist`` gives it."""
 from torch.utils.data import Dataset, DistributedSampler
 
+from lockstep import regroup
 from lockstep.progress import heartbeat, heartbeat_paused
 
 __all__ = [
@@ -295,6 +296,10 @@ def initialize_dist(device: Any = None, timeout: float = 300.0, *,
     backend = _backend_for(device)
     if is_initialized():
         _check_existing_backend(device, backend)
+        return
+    if regroup.joining():  # a node's launcher rejoined a running elastic job: its newest ranks' group
+        regroup.enter(timeout)
+        _register_destroy_at_exit()
         return
     world_size, rank = get_world_size(), get_global_rank()
     if world_size == 1 and not os.environ.get("MASTER_ADDR"):

@@ -1,8 +1,10 @@
 """The job of the elastic tests, run under the launcher: DDP over 44 indexed samples, 3 per rank,
 2 epochs (8 global batches of a 4-rank world).
 
-``python elastic_job.py OUT [R:B ...] [--sleep S] [--save FOLDER] [--fsdp]``: the rank launched as R
-SIGKILLs itself after batch B; every rank sleeps S seconds after each batch; with ``--save``, it
+``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--save FOLDER] [--fsdp]``: the rank
+launched as R SIGKILLs itself after batch B; every rank sleeps S seconds after each batch; with
+``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
+joins); with ``--save``, it
 saves every 2 batches to FOLDER and autoresumes from it (a run under --max_restarts); ``--fsdp``
 trains under FSDP. Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
 reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it
@@ -33,9 +35,9 @@ from tests.trainer.common import MLP, full_params  # noqa: E402
 
 
 class Record(Callback):
-    def __init__(self, out: Path, kills: dict[int, int], sleep: float) -> None:
+    def __init__(self, out: Path, kills: dict[int, int], sleep: float, hold: int | None = None) -> None:
         self.rank = int(os.environ["RANK"])
-        self.out, self.kill_after, self.sleep = out, kills.get(self.rank), sleep
+        self.out, self.kill_after, self.sleep, self.hold = out, kills.get(self.rank), sleep, hold
         (out / f"pid{self.rank}").write_text(str(os.getpid()))
 
     def after_dataloader(self, state, logger) -> None:
@@ -54,6 +56,12 @@ class Record(Callback):
         if int(state.timestamp.batch) == self.kill_after and int(os.environ["LOCKSTEP_RESTART_COUNT"]) == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
+        membership = elastic.current()
+        if int(state.timestamp.batch) == self.hold and membership is not None \
+                and len(membership.ranks) < int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"]):
+            deadline = time.monotonic() + 60  # until the ranks change again (a node joins)
+            while not membership.changed() and time.monotonic() < deadline:
+                time.sleep(0.02)
 
 
 def die_in_reform() -> None:
@@ -73,6 +81,8 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--save", default=None)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--hold", type=int, default=None,
+                        help="after this batch, fewer ranks than the full world wait until the ranks change")
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
     args = parser.parse_args()
@@ -85,7 +95,7 @@ def main() -> None:
     trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",
                       train_dataloader=DataLoader(data, batch_size=PER_RANK_BATCH,
                                                   sampler=dist.get_sampler(data, shuffle=True)),
-                      seed=7, progress_bar=False, callbacks=[Record(args.out, kills, args.sleep)],
+                      seed=7, progress_bar=False, callbacks=[Record(args.out, kills, args.sleep, args.hold)],
                       fsdp_config={} if args.fsdp else None, **saving)
     trainer.fit()
     if dist.get_global_rank() == 0:

@@ -6,6 +6,7 @@ no checkpoint; across a partition only the master's side trains on."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -16,9 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, launch
 from tests.helpers import free_port
+from tests.trainer.common import assert_same_params
 from tests.launcher.netns import Hosts, make_hosts
 
 pytestmark = pytest.mark.timeout(200)
@@ -30,11 +33,23 @@ def two_hosts() -> Iterator[Hosts]:
     yield from make_hosts(2)
 
 
+def node_args(port: str, node: int) -> tuple[str, ...]:
+    """The launcher's arguments for node ``node`` of two, 2 ranks each, elastic down to one node."""
+    return ("--nnodes", "1:2", "--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
+            "--rdzv_timeout", "60", "--node_rank", str(node))
+
+
 def two_nodes(out: Path, *job: str) -> list[subprocess.Popen[str]]:
     port = str(free_port())
-    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
-              "--rdzv_timeout", "60"]
-    return [launch(out, *job, launcher=(*common, "--node_rank", str(node)), run=f"run{node}") for node in (0, 1)]
+    return [launch(out, *job, launcher=node_args(port, node), run=f"run{node}") for node in (0, 1)]
+
+
+def wait_for(path: Path, procs: list[subprocess.Popen[str]], lines: int = 1, timeout: float = 90) -> None:
+    """Until ``path`` has ``lines`` lines, every launcher in ``procs`` still running."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and len(path.read_text().splitlines()) >= lines):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, path
+        time.sleep(0.02)
 
 
 def finished_steps(out: Path) -> list[tuple[int, float]]:
@@ -72,6 +87,35 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
     assert_as_uninterrupted(out, reference)
     after = [at for _, at in finished_steps(out) if at > killed]
     assert after and after[0] - killed < 10, (delay, after[:1], killed)  # the issue's goal: under 10 s
+
+
+@pytest.mark.parametrize("saving", [False, True], ids=["no-checkpoint", "saving"])
+def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_four_ranks_would(
+        tmp_path: Path, reference, saving: bool) -> None:
+    port, out = str(free_port()), tmp_path / "out"
+    # while two ranks train, they wait after batch 5 for the node to join; with saving, a
+    # checkpoint every 2 batches, whose agreements the joined ranks take part in from batch 6
+    job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()))
+    master, other = [launch(out, *job, launcher=node_args(port, node), run=f"run{node}") for node in (0, 1)]
+    wait_for(out / "ends0", [master, other], lines=2)
+    other.send_signal(signal.SIGKILL)  # its watchdog takes its ranks with it
+    other.communicate(timeout=30)
+    wait_for(out / "changes0", [master])  # the job went on without node 1
+    again = launch(out, *job, launcher=node_args(port, 1), run="run1-again")
+    said, said_again = finish(master), finish(again)
+    assert "node 1 (ranks 2, 3) left (its launcher silent for" in said, said
+    assert "node 1 (ranks 2, 3) joined: 4 of 4 ranks go on at world size 4 (generation 2" in said, said
+    assert "node 1 joined the running job in generation 2 of its ranks" in said_again, said_again
+    if saving:  # the last checkpoint holds the parameters the run ended with
+        last = torch.load(tmp_path / "save" / "ep2-ba8-rank0.pt", weights_only=False)["state"]["model"]
+        assert_same_params(last, reference[0], atol=1e-5)
+    assert_as_uninterrupted(out, reference)  # every sample once, no checkpoint, parameters within 1e-5
+    joined = [json.loads(line) for line in (out / "changes2").read_text().splitlines()]
+    assert [(c["generation"], c["world_size"], c["previous_world_size"], c["joined"]) for c in joined] == \
+        [(2, 4, 2, [2, 3])], joined
+    changes = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
+    assert [(c["left"], c["joined"]) for c in changes] == [([2, 3], []), ([], [2, 3])], changes
+    assert changes[1]["batch"] >= 5, changes  # the joined ranks trained from the step the others reached
 
 
 def test_below_the_minimum_of_nodes_the_job_stops_on_every_node(tmp_path: Path) -> None:

@@ -4,11 +4,12 @@ machines (:mod:`~lockstep.checkpoint.bucket_claim`), taken and given up together
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import torch
 
-from lockstep import _agreement, dist
+from lockstep import _agreement, dist, elastic
 from lockstep.checkpoint import bucket_claim, ownership, remote
 from lockstep.checkpoint.save_folder import SaveFolder
 
@@ -50,18 +51,34 @@ class FolderClaim:
         if error is None and self.where.remote is not None and self._rank == 0:
             error = bucket_claim.claim(self.where.remote, self.run_name, self._patterns(), self._lease_lost)
             self._leased = error is None
+        membership = elastic.current()
+        joining = membership is not None and membership.fresh  # the others agreed before it joined
         try:
-            _agreement.raise_first_error(error, ValueError, device=self.device)
+            if joining and error is not None:
+                raise ValueError(error)
+            if not joining:
+                _agreement.raise_first_error(error, ValueError, device=self.device)
         except ValueError:
             self.release()
             raise
         if self.where.remote is not None:  # every rank's writes to the bucket stop once the lease is another job's
+            self._guard_uploads(membership, joining)
+        self._agreed = True
+
+    def _guard_uploads(self, membership: elastic.Membership | None, joining: bool) -> None:
+        """Hand this rank's uploader rank 0's lease (kept in the elastic job's store for a rank that joins later)."""
+        assert self.where.remote is not None
+        if joining:
+            assert membership is not None
+            guard = tuple(json.loads(membership.shared("bucket_guard")))
+        else:
             guard = _agreement.gather_small_objects(
                 bucket_claim.guard(self.where.remote, self.run_name) if self._rank == 0 else None)[0]
-            uploader = self._uploader()
-            if uploader is not None:
-                uploader.guard = guard
-        self._agreed = True
+            if membership is not None and self._rank == 0:
+                membership.share("bucket_guard", json.dumps(guard))
+        uploader = self._uploader()
+        if uploader is not None:
+            uploader.guard = guard
 
     def release(self) -> None:
         """Give up this rank's claim (the end of ``fit``, ``close``); safe to call again. The

@@ -168,6 +168,11 @@ class CheckpointWriter:
         if self.where.remote is not None and self.writes and config.autoresume:
             self.mirror.left_earlier(resumed)  # type: ignore[union-attr]
 
+    def join_running(self) -> None:
+        """Before training, on a rank that joins a running elastic job: its saves go on from the
+        others', in a folder that holds theirs (and its own from before its node was lost)."""
+        self._may_replace_own = True
+
     @property
     def writes(self) -> bool:
         """Whether this rank publishes files (in folder layouts every rank also writes into the folder)."""

@@ -26,17 +26,19 @@ def full_world_size() -> int | None:
     return size
 
 
-def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int) -> Any:
+def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int, *, regrouped: bool = False) -> Any:
     """``loader``, or a DataLoader over the same data and with the same settings, that gives rank
     ``rank`` of ``world`` its share of each global batch of ``full_world`` ranks (the loader's
     ``batch_size`` samples per full-world rank, drawn as its DistributedSampler draws them).
     A loader made by this function is re-split in place; with the full world there, and a loader
-    never split, the loader is returned as it is: its batches are the global batch's shares."""
+    never split, the loader is returned as it is: its batches are the global batch's shares. Not
+    once the ranks ``regrouped`` (a rank joined the running job): the others' loaders split the
+    global batch in contiguous shares, which the DistributedSampler's interleaved ones are not."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, GlobalBatchSampler):
         batch_sampler.split(world, rank)
         return loader
-    if world == full_world:
+    if world == full_world and not regrouped:
         return loader
     sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else None
     if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import json
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as torch_dist
 
-from lockstep import dist
-from lockstep.launcher.elastic_names import ELASTIC_ENV, ELASTIC_STORE_ENV, generation_key, joined_key, members_key
+from lockstep import dist, regroup
+from lockstep.launcher.elastic_names import ELASTIC_ENV, generation_key, joined_key
 
 _POLL_S = 0.05
 _CHANGE_WAIT_S = 60.0
@@ -43,10 +41,17 @@ class Membership:
 
     def __init__(self, prefix: str, launch_rank: int, timeout: float = 300.0) -> None:
         self.prefix, self.launch_rank, self.timeout = prefix, launch_rank, timeout
+        self._store = regroup.client()
         self.generation = 0
         self.ranks = list(range(torch_dist.get_world_size()))  # the launch ranks that train now
-        self._newest = 0
-        self._store = self._client()
+        self.before: list[int] | None = None
+        """The ranks that trained before this rank joined the running job (None: it trained from the launch)."""
+        if regroup.entered is not None:  # this rank joined a running job (lockstep.dist.initialize_dist)
+            self.generation, self.ranks = regroup.entered
+            self.before = regroup.members(self._store, prefix, self.generation - 1)
+        self.fresh = self.before is not None
+        """Whether this rank joined the running job and has yet to take a peer's state (``catch_up``)."""
+        self._newest = self.generation
         self._store.add(joined_key(prefix), 1)  # the launcher shrinks only a job whose every rank follows
         self._done = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="lockstep-membership", daemon=True)
@@ -55,14 +60,8 @@ class Membership:
         # through C++ frames that cannot be (std::terminate, SIGABRT): it stops before that.
         atexit.register(self.stop_watching)
 
-    @staticmethod
-    def _client() -> Any:
-        where = os.environ.get(ELASTIC_STORE_ENV) or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        host, _, port = where.rpartition(":")
-        return torch_dist.TCPStore(host.strip("[]"), int(port), None, False, timedelta(seconds=60))
-
     def _watch(self) -> None:
-        store = self._client()  # a store client is not shared between threads
+        store = regroup.client()  # a store client is not shared between threads
         key = generation_key(self.prefix)
         while not self._done.is_set():
             try:
@@ -81,6 +80,19 @@ class Membership:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.ranks)))
         node = self.launch_rank // per_node
         return min(r for r in self.ranks if r // per_node == node) == self.launch_rank
+
+    def share(self, name: str, value: str) -> None:
+        """Keep ``value`` for a rank that joins the running job later (:meth:`shared`): what the
+        ranks agreed on at the start by a collective it was not part of, such as a made-up run name."""
+        self._store.set(f"{self.prefix}shared/{name}", value)
+
+    def shared(self, name: str) -> str:
+        """What :meth:`share` kept under ``name`` (a rank that joined the running job)."""
+        return self._store.get(f"{self.prefix}shared/{name}").decode()
+
+    def caught_up(self) -> None:
+        """This rank joined the running job and has taken a peer's state: it trains as the others do."""
+        self.fresh, self.before = False, None
 
     def changed(self) -> bool:
         return self._newest > self.generation
@@ -119,38 +131,13 @@ class Membership:
         rank's new rank and the world size are then the group's; ``ranks`` its launch ranks). The
         old group is left to its threads (one may still wait on a peer that is gone): destroying it
         could wait for them. A rank of the new generation lost before it arrives makes the launcher
-        publish another one, which the others then form instead of waiting for the lost rank."""
-        while True:
-            generation = int(self._store.add(generation_key(self.prefix), 0))
-            ranks = json.loads(self._store.get(members_key(self.prefix, generation)))
-            if self.launch_rank not in ranks:
-                raise RuntimeError(f"rank {self.launch_rank} (at launch) is not in generation {generation} of "
-                                   f"the job's ranks {ranks}: the launcher counted it as lost")
-            if self._all_arrived(generation, len(ranks)):
-                break
-        rank, world = ranks.index(self.launch_rank), len(ranks)
+        publish another one, which the others then form instead of waiting for the lost rank.
+        Nothing happens where the group is the newest generation's already (a rank that joined)."""
+        if regroup.newest(self._store, self.prefix) == self.generation:
+            return
         _abandon_default_group()
-        store = torch_dist.PrefixStore(f"{self.prefix}g{generation}/", self._client())
-        torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                      timeout=timedelta(seconds=self.timeout))
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-        self.ranks, self.generation = ranks, generation
-
-    def _all_arrived(self, generation: int, world: int) -> bool:
-        """Wait until every rank of ``generation`` arrived to form its group: True; False as soon
-        as the launcher publishes a newer generation (one of them was lost meanwhile). gloo's own
-        rendezvous would wait for a lost rank for the whole timeout."""
-        key = f"{self.prefix}g{generation}/arrived"
-        self._store.add(key, 1)
-        deadline = time.monotonic() + self.timeout
-        while int(self._store.add(key, 0)) < world:
-            if self._newest > generation:  # the watcher thread reads the generation counter
-                return False
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not every rank of generation {generation} of the job's ranks arrived to form "
-                                   f"its process group within {self.timeout:g} s (dist_timeout)")
-            time.sleep(_POLL_S)
-        return True
+        self.generation, self.ranks = regroup.form(self._store, self.prefix, self.launch_rank, self.timeout,
+                                                   lambda: self._newest)  # the watcher reads the counter
 
 
 def _abandon_default_group() -> None:

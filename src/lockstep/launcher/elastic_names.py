@@ -10,6 +10,10 @@ ELASTIC_STORE_ENV = "LOCKSTEP_ELASTIC_STORE"
 is (a restart's ranks rendezvous in a fresh store of their own on several nodes)."""
 FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
 """The ranks a global batch is made for (the launcher sets it in an elastic job); fewer may train on it."""
+JOIN_ENV = "LOCKSTEP_ELASTIC_JOIN"
+"""Set (to 1) in the ranks a launcher starts to join a running elastic job (its node was lost, and
+its launcher started again): they enter the first generation with them rather than the launch's
+process group."""
 
 
 def elastic_prefix(attempt: int) -> str:
@@ -40,3 +44,25 @@ def lost_key(prefix: str) -> str:
 def answer_key(prefix: str, rank: int) -> str:
     """The master's answer about lost rank ``rank``: ``go`` (the job goes on without it) or ``stop``."""
     return f"{prefix}answer{rank}"
+
+
+def gone_key(prefix: str, node: int) -> str:
+    """Set once the job went on without node ``node``: a launcher started again for it joins the
+    running attempt instead of waiting for the next one."""
+    return f"{prefix}gone{node}"
+
+
+def join_key(prefix: str) -> str:
+    """The nodes whose launchers ask to join the running job, one JSON line ``node`` each, for the master's launcher."""
+    return f"{prefix}join"
+
+
+def ready_key(prefix: str, node: int) -> str:
+    """The count of node ``node``'s joining ranks ready to enter the job: the master lets the node in
+    once every one is, so that the ranks that train do not wait for the new ones to start."""
+    return f"{prefix}ready{node}"
+
+
+def admit_key(prefix: str, node: int) -> str:
+    """The master's answer to node ``node``'s request to join: the generation it joins in, or ``no: why``."""
+    return f"{prefix}admit{node}"

@@ -183,6 +183,29 @@ class JobChannel:
         self._beater.start()
         return []
 
+    def rejoin(self, attempt: int) -> None:
+        """Take part again in the running ``attempt``, which went on without this node (an elastic
+        job; the master lets its ranks back in): beat at once, so that the master does not count
+        this node lost again while it asks to join."""
+        self._stop_beating()
+        self._prefix, self.attempt = f"lockstep/attempt{attempt}/", attempt
+        self._seen.clear()
+        self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
+        self._call("set", self._key(f"stage{self.node}"), str(_RUNNING))
+        self._call("add", self._key(f"alive{self.node}"), 1)
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, args=(self._stop,), name="lockstep-beat", daemon=True)
+        self._beater.start()
+
+    def welcome(self, node: int) -> None:
+        """Node ``node`` takes part again (an elastic job let its launcher, started again, back in):
+        its silence is measured from now."""
+        self._seen.pop(node, None)
+
+    def master_attempt(self) -> int:
+        """The attempt the master's launcher is in."""
+        return int(self._call("get", ATTEMPT_KEY)) if self._call("check", [ATTEMPT_KEY]) else 0
+
     def _not_joined(self) -> list[int]:
         return [n for n in range(self.nnodes) if not self._call("check", [self._key(f"joined{n}")])]
 
@@ -216,7 +239,7 @@ class JobChannel:
         ``tell`` gets a line."""
         start = told = time.monotonic()
         while True:
-            master = int(self._call("get", ATTEMPT_KEY)) if self._call("check", [ATTEMPT_KEY]) else 0
+            master = self.master_attempt()
             if not self._call("check", [f"lockstep/attempt{master}/joined{self.node}"]):
                 return master
             now = time.monotonic()

@@ -23,12 +23,16 @@ from collections.abc import Callable
 from typing import Any
 
 from lockstep.launcher.elastic_names import (
+    admit_key,
     answer_key,
     elastic_prefix,
     generation_key,
+    gone_key,
+    join_key,
     joined_key,
     lost_key,
     members_key,
+    ready_key,
 )
 from lockstep.launcher.report import describe_exit, say
 
@@ -45,6 +49,11 @@ class Members:
         self.ranks, self.minimum, self.generation, self.per_node = list(ranks), minimum, 0, per_node
         self._full = len(ranks)
         self._answered = 0  # the lines of <prefix>lost already answered
+        self._asked = 0  # the lines of <prefix>join already answered
+        self._joining: list[int] = []
+        """The nodes that asked to join, let in once their ranks are ready."""
+        self.finishing = False
+        """Whether this node's ranks finished: no node joins any more."""
 
     def lose(self, rank: int, code: int) -> bool:
         """Publish the generation without ``rank`` (which exited with ``code``) when at least the
@@ -59,18 +68,59 @@ class Members:
         gone = [r for r in self.ranks if r // self.per_node == node]
         if not gone:
             return True
-        return self._publish(gone, f"node {node} (ranks {', '.join(map(str, gone))})",
-                             f"its launcher silent for {silent_s:.1f} s")
+        goes_on = self._publish(gone, f"node {node} (ranks {', '.join(map(str, gone))})",
+                                f"its launcher silent for {silent_s:.1f} s")
+        if goes_on:  # a launcher started again for it joins the running job
+            for key in (admit_key(self._prefix, node), ready_key(self._prefix, node)):  # its earlier launcher's
+                self._store.delete_key(key)
+            self._store.set(gone_key(self._prefix, node), "1")
+        return goes_on
 
-    def answer(self) -> None:
-        """Decide on the ranks other nodes lost since the last call, and answer each node."""
-        if not self._store.check([lost_key(self._prefix)]):
-            return
-        lines = self._store.get(lost_key(self._prefix)).decode().splitlines()
-        for line in lines[self._answered:]:
-            rank, code = json.loads(line)
-            self._store.set(answer_key(self._prefix, rank), "go" if self.lose(rank, code) else "stop")
-        self._answered = len(lines)
+    def answer(self) -> list[int]:
+        """Decide on the ranks other nodes lost since the last call, and answer each node; let in
+        the nodes whose launchers asked to join the running job once their ranks are ready (the
+        nodes let in)."""
+        if self._store.check([lost_key(self._prefix)]):
+            lines = self._store.get(lost_key(self._prefix)).decode().splitlines()
+            for line in lines[self._answered:]:
+                rank, code = json.loads(line)
+                self._store.set(answer_key(self._prefix, rank), "go" if self.lose(rank, code) else "stop")
+            self._answered = len(lines)
+        if self._store.check([join_key(self._prefix)]):
+            lines = self._store.get(join_key(self._prefix)).decode().splitlines()
+            self._joining += [node for node in map(json.loads, lines[self._asked:]) if self._may_join(node)]
+            self._asked = len(lines)
+        admitted = [node for node in self._joining
+                    if int(self._store.add(ready_key(self._prefix, node), 0)) >= self.per_node]
+        for node in admitted:
+            self._joining.remove(node)
+            self._admit(node)
+        return admitted
+
+    def _may_join(self, node: int) -> bool:
+        """Whether node ``node``'s launcher, started again, may join (else its answer says why not)."""
+        refusal = "the job is finishing" if self.finishing else None
+        if any(r // self.per_node == node for r in self.ranks) or \
+                not self._store.check([gone_key(self._prefix, node)]):
+            refusal = f"node {node}'s ranks were not let go by the job"
+        if refusal is not None:
+            self._store.set(admit_key(self._prefix, node), f"no: {refusal}")
+        return refusal is None
+
+    def _admit(self, node: int) -> None:
+        """Publish the generation with node ``node``'s ranks back (their launcher was started
+        again, and they are ready), after the ranks that train, which keep their order."""
+        back = [node * self.per_node + local for local in range(self.per_node)]
+        started = time.monotonic()
+        self.generation += 1
+        now = self.ranks + back
+        self._store.delete_key(gone_key(self._prefix, node))
+        self._store.set(members_key(self._prefix, self.generation), json.dumps(now))
+        self._store.add(generation_key(self._prefix), 1)
+        self._store.set(admit_key(self._prefix, node), str(self.generation))
+        self.ranks = now
+        say(f"node {node} (ranks {', '.join(map(str, back))}) joined: {len(now)} of {self._full} ranks go on at world "
+            f"size {len(now)} (generation {self.generation}, published in {time.monotonic() - started:.2f} s)")
 
     def _publish(self, gone: list[int], who: str, why: str) -> bool:
         remaining = [r for r in self.ranks if r not in gone]
@@ -91,6 +141,28 @@ class Members:
             f"at world size {len(remaining)} (generation {self.generation}, published in "
             f"{time.monotonic() - started:.2f} s)")
         return True
+
+
+def ask_to_join(call: Callable[..., Any], attempt: int, node: int) -> None:
+    """On a node the running job went on without, whose launcher was started again: ask the
+    master's launcher to let its ranks back in (once they are ready: see :func:`admission`)."""
+    call("append", join_key(elastic_prefix(attempt)), json.dumps(node) + "\n")
+
+
+def admission(call: Callable[..., Any], attempt: int, node: int) -> int | str | None:
+    """The master's answer to :func:`ask_to_join`: the generation node ``node``'s ranks joined
+    in, why it refused, or None while it waits for them to be ready."""
+    key = admit_key(elastic_prefix(attempt), node)
+    if not call("check", [key]):
+        return None
+    answer = call("get", key).decode()
+    return int(answer) if answer.isdigit() else answer.removeprefix("no: ")
+
+
+def was_let_go(call: Callable[..., Any], attempt: int, node: int) -> bool:
+    """Whether the running elastic ``attempt`` went on without node ``node`` (so that a launcher
+    started again for it may join)."""
+    return bool(call("check", [gone_key(elastic_prefix(attempt), node)]))
 
 
 def ask_master(call: Callable[..., Any], pause: Callable[[float], None], attempt: int, rank: int,

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.launcher import resolver
+from lockstep.launcher.elastic_names import JOIN_ENV
 from lockstep.launcher.interface import interface_env
-from lockstep.launcher.membership import Members, ask_master
+from lockstep.launcher.membership import Members, admission, ask_master, ask_to_join, was_let_go
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
@@ -94,6 +95,11 @@ class _Elsewhere:
     """Another node reported a failure, or a node stopped answering."""
 
 
+@dataclass
+class _Refused:
+    """The master's launcher did not let this node's ranks join the running elastic job."""
+
+
 class Supervisor:
     """Runs one LaunchPlan to completion and returns the launcher's exit code."""
 
@@ -125,6 +131,10 @@ class Supervisor:
         """An elastic attempt's membership (--min_ranks), kept by the launcher that hosts the store."""
         self._let_go: set[int] = set()
         """The nodes an elastic attempt went on without (the master's launcher)."""
+        self._joins = False
+        """Whether the next ranks join a running elastic job (a launcher started again for a lost node)."""
+        self._awaits_admission = False
+        """Whether those ranks wait for the master's launcher to let them in."""
         self._prefork: PreforkServer | None = None
         self._prefork_refused = False
         self._subreaper = False
@@ -263,6 +273,11 @@ class Supervisor:
             if outcome is None:
                 self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
                 return 0, attempt
+            if isinstance(outcome, _Refused):  # its ranks wait to enter: nothing to report
+                assert channel is not None
+                self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+                self._leave(channel, wake_r)
+                return LOST_EXIT_CODE, attempt
             if isinstance(outcome, int):  # the launcher was signalled
                 self._teardown(ranks, wake_r, watchdog, None)
                 code = signalled_code(ranks, outcome)
@@ -354,6 +369,10 @@ class Supervisor:
                 channel.publish_port(attempt, self._attempt_store.port)
             channel.publish_attempt(attempt)
         else:
+            if self.plan.min_ranks:
+                running = channel.master_attempt()
+                if was_let_go(channel.call, running, self.plan.node_rank):
+                    return self._join_running(channel, running, port)
             followed = channel.attempt_to_join(self.plan.rdzv_timeout, tell=say)
             if followed is None:
                 say(f"error: the master began no new attempt within {self.plan.rdzv_timeout:g} s (--rdzv_timeout): "
@@ -366,6 +385,30 @@ class Supervisor:
                 f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
             return None
         return attempt, channel.port(attempt) if attempt else port
+
+    def _join_running(self, channel: JobChannel, attempt: int, port: int) -> tuple[int, int]:
+        """A launcher started again for a node that the running elastic ``attempt`` went on
+        without: join that attempt, and ask the master's launcher to let this node's ranks back in
+        once they are ready (:meth:`_refused` follows its answer). The attempt and its ranks' store port."""
+        channel.rejoin(attempt)
+        ask_to_join(channel.call, attempt, self.plan.node_rank)
+        self._joins = True
+        return attempt, channel.port(attempt) if attempt else port
+
+    def _refused(self, channel: JobChannel) -> bool:
+        """Whether the master's launcher refused to let this node's ranks join the running job
+        (said here); once it let them in, it says so once."""
+        if not self._awaits_admission:
+            return False
+        answer = admission(channel.call, channel.attempt, self.plan.node_rank)
+        if answer is None:
+            return False
+        self._awaits_admission = False
+        if isinstance(answer, str):
+            say(f"error: node {self.plan.node_rank} cannot join the running job ({answer}): this launcher stops")
+            return True
+        say(f"node {self.plan.node_rank} joined the running job in generation {answer} of its ranks")
+        return False
 
     def _leave(self, channel: JobChannel, wake_r: int) -> None:
         """Tell the other nodes that this one is done with the store. Node 0's launcher, which
@@ -466,6 +509,10 @@ class Supervisor:
         ranks: list[Rank] = []
         self._ranks = ranks  # each pid is in it before the reaper may collect an exit
         envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env) for spec in specs]
+        if self._joins:  # they enter the running job's ranks, not the launch's group
+            for env in envs:
+                env[JOIN_ENV] = "1"
+            self._joins, self._awaits_admission = False, True
         # the server imports with what every rank's environment shares: none of them is rank 0
         common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)} if envs else {}
         with self._reaper.starting():
@@ -524,9 +571,10 @@ class Supervisor:
         return kept_signals + signals, kept_exits + exited
 
     def _monitor(self, ranks: list[Rank], wake_r: int,
-                 channel: JobChannel | None = None) -> _Failure | _Stall | _Elsewhere | int | None:
+                 channel: JobChannel | None = None) -> _Failure | _Stall | _Elsewhere | _Refused | int | None:
         """Wait until every rank exited 0 (None), one failed (_Failure), the job stalled (_Stall),
-        another node failed (_Elsewhere), or a stopping signal came (int)."""
+        another node failed (_Elsewhere), this node may not join the running job (_Refused), or a
+        stopping signal came (int)."""
         stall_timeout = self.plan.stall_timeout
         poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
         self._echoes = []
@@ -557,6 +605,8 @@ class Supervisor:
                             "node's ranks follow")
                         self._diagnose_stall(ranks, channel, [])
                     return _Elsewhere()
+                if channel is not None and self._refused(channel):
+                    return _Refused()
         return None
 
     def _stop(self, ranks: list[Rank], signum: int, channel: JobChannel | None) -> None:
@@ -672,7 +722,9 @@ class Supervisor:
         elastic job the master's launcher answers the other nodes' lost ranks and goes on without
         a lost node while enough ranks live; the other launchers leave lost nodes to it."""
         if self._members is not None:
-            self._members.answer()
+            for node in self._members.answer():  # a launcher started again for it: it beats anew
+                self._let_go.discard(node)
+                channel.welcome(node)
         if channel.any_failed():
             return True
         now = time.monotonic()
@@ -695,6 +747,8 @@ class Supervisor:
         channel.finish()
         if not self.plan.hosts_store:
             return None
+        if self._members is not None:  # no node joins ranks that are done
+            self._members.finishing = True
         with Waiter([], wake_r, HANDLED) as waiter:
             while not channel.all_done(self._let_go):
                 signals, _ = waiter.wait(BEAT_S)

@@ -64,13 +64,15 @@ class DDPStrategy(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         if dist.get_world_size() == 1 or not any(p.requires_grad for p in model.parameters()):
             return model
-        if elastic.current() is not None:
+        membership = elastic.current()
+        if membership is not None:
             # DDP's reducer waits for its all-reduces inside torch, where no change of the job's
             # ranks can end the wait: the gradients are all-reduced as under forced_sync instead,
             # through lockstep.dist, whose waits a change ends (lockstep.elastic.membership).
             self.elastic = True
-            for tensor in [*model.parameters(), *model.buffers()]:  # as DDP starts: rank 0's values
-                dist.broadcast(tensor.data, 0)
+            if not membership.fresh:  # a rank that joins the running job takes a peer's state instead
+                for tensor in [*model.parameters(), *model.buffers()]:  # as DDP starts: rank 0's values
+                    dist.broadcast(tensor.data, 0)
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP rebuilds its buckets after the first synchronized backward; never when it finds

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import dist, progress
+from lockstep import dist, elastic, progress
 from lockstep.checkpoint import autoresume, fetch, ignore, loader, remote
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.callbacks.checkpoint_saver import CheckpointSaver as SaverCallback
@@ -186,7 +186,13 @@ def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver:
                   train_dataloader: Any, *, run_name_given: bool) -> dict[str, Any] | None:
     """Autoresume from the run's newest checkpoint, else ``load_path``, else start fresh, and tell
     the saver what the run continues from; returns this rank's RNG and data entry for ``fit`` to
-    apply (None when nothing, or only weights, were loaded)."""
+    apply (None when nothing, or only weights, were loaded). A rank that joins a running elastic
+    job loads nothing: it takes a peer's state once the others make room for it."""
+    membership = elastic.current()
+    if membership is not None and membership.fresh:
+        if saver is not None:
+            saver.join_running()
+        return None
     watch = config.autoresume or config.load_path is not None
     if watch:  # a rank that never comes to the load's agreements is a stall the launcher names
         progress.heartbeat(state.timestamp.batch.value)

@@ -59,11 +59,24 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
             self._installed = True
+        self._agree_over_the_group()
+        return self
+
+    def _agree_over_the_group(self) -> None:
+        """Check at the next step, over the default process group as it is now."""
+        self._tensor, self._group, self._pending = None, None, None
         if dist.get_world_size() > 1 and dist.is_initialized():
             self._group = _agreement.host_group()  # the flag is a CPU tensor: NCCL cannot reduce it
             self._tensor = torch.zeros(2, dtype=torch.int64)  # [any rank stopping, -(next interval)]
+        self._every, self._countdown = 1, 1
         self._checked_at = time.perf_counter()
-        return self
+
+    def regroup(self) -> None:
+        """After an elastic job's ranks changed (on every rank of the new process group): check at
+        the next step, over the new group, as at the start. A rank that joined has none of the
+        others' schedule of checks, and a check in flight on the old group is dropped (this
+        rank's flag goes into the next one)."""
+        self._agree_over_the_group()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._flag = True

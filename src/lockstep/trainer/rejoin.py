@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from lockstep import dist
+from lockstep import _agreement, dist
 from lockstep.state import State
 from lockstep.time import Timestamp
 
 
-def catch_up(state: State, unended: tuple | None) -> tuple[int, tuple | None]:
+def catch_up(state: State, unended: tuple | None, *, fresh: bool = False) -> tuple[int, tuple | None]:
     """Bring every rank to the furthest rank's step (a collective of the new process group): how
     many ranks were behind, and the batch whose optimizer step was taken but whose end (the
     timestamp's move, BATCH_END) was not, if the furthest rank has one (``unended`` is this
-    rank's: ``(samples, tokens, is_last)``)."""
-    progress = 2 * state.timestamp.batch.value + (unended is not None)
-    reached = [int(t) for t in dist.all_gather(torch.tensor([progress], dtype=torch.int64))]
+    rank's: ``(samples, tokens, is_last)``). A ``fresh`` rank (one that joined the running job)
+    is behind every other, whatever its timestamp: its weights are its own script's."""
+    progress = -1 if fresh else 2 * state.timestamp.batch.value + (unended is not None)
+    gathered = dist.all_gather(torch.tensor([progress, _agreement.small_object_room()], dtype=torch.int64))
+    reached = [int(t[0]) for t in gathered]
+    _agreement.widen_small_object_room(max(int(t[1]) for t in gathered))  # the same on every rank
     furthest = max(reached)
     behind = sum(r < furthest for r in reached)
     if not behind:

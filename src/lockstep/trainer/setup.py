@@ -16,7 +16,7 @@ from typing import Any, SupportsInt
 import torch
 from torch import nn
 
-from lockstep import dist
+from lockstep import dist, elastic
 from lockstep.core.callback import Callback
 from lockstep.model import Model
 from lockstep.trainer import data
@@ -150,9 +150,14 @@ def resolve_run_name(run_name: str | None) -> str:
     was made and four random hex digits, so that two runs started in the same second differ."""
     if run_name is not None:
         return run_name
+    membership = elastic.current()
+    if membership is not None and membership.fresh:  # the others agreed on it before this rank joined
+        return membership.shared("run_name")
     names = [datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(names, src=0)
+    if membership is not None and dist.get_global_rank() == 0:
+        membership.share("run_name", names[0])
     return names[0]
 
 

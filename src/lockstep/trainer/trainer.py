@@ -299,6 +299,8 @@ class Trainer:
         self._logging, self._closed, self._fitting, self._check_groups = False, False, False, False
         self._unended: tuple | None = None
         """The batch whose optimizer step ran and whose timestamp has not moved yet: (samples, tokens, is_last)."""
+        self._ended_at_change = False
+        """Whether the latest change of an elastic job's ranks ended such a batch on the new group."""
         self.fit_count = 0
         """How many times ``fit`` ran (a second one that would train nothing is refused, as in Composer)."""
         self._events.index()
@@ -500,7 +502,9 @@ class Trainer:
         if split.copies > 1:
             raise ValueError(f"{elastic.FULL_WORLD_ENV} with tensor parallelism: lockstep does not split a global "
                              f"batch over tensor-parallel groups yet; unset it or train without tensor parallelism")
-        shared = elastic.share_loader(self.train_dataloader, "train_dataloader", full, split.size, split.rank)
+        membership = elastic.current()
+        shared = elastic.share_loader(self.train_dataloader, "train_dataloader", full, split.size, split.rank,
+                                      regrouped=membership is not None and membership.generation > 0)
         if shared is self.train_dataloader:
             return
         if self.parallel.deepspeed_config is not None:  # its engine fixes the microbatches per step
@@ -564,6 +568,12 @@ class Trainer:
         self._run_event(Event.FIT_START)
         with StopSignal() if self.saver else contextlib.nullcontext() as stop:
             started_epoch = None  # the epoch whose EPOCH_START ran (an elastic job may start it over)
+            membership = elastic.current()
+            if membership is not None and membership.fresh:  # joined a running job: the others' step
+                resume = self._rejoin(stop)
+                # the others ran this epoch's EPOCH_START, unless the batch they just ended ended an epoch
+                if s.timestamp.batch_in_epoch.value or not self._ended_at_change:
+                    started_epoch = s.timestamp.epoch.value
             while not is_reached(s.timestamp, s.max_duration):
                 data.set_epoch(self.train_dataloader, s.timestamp.epoch.value)
                 # as in Composer, not when resuming mid-epoch
@@ -605,6 +615,7 @@ class Trainer:
         """On the new process group: the data split over its ranks, and the end of the batch the
         ranks took the optimizer step of, if they did (its timestamp, BATCH_END, ...)."""
         self._unended = unended  # this rank's now, until its end moves the timestamp
+        self._ended_at_change = unended is not None
         split = self.strategy.data_parallel()
         set_data_parallel(split)
         self._data_parallel_size = split.size
@@ -627,13 +638,17 @@ class Trainer:
         batches already trained are read and dropped)."""
         membership = elastic.current()
         assert membership is not None
-        s, started, trained = self.state, time.monotonic(), list(membership.ranks)
+        s, started = self.state, time.monotonic()
+        trained = list(membership.ranks if membership.before is None else membership.before)
         while True:
             try:
                 membership.reform()
                 for optimizer in s.optimizers:  # the abandoned step's partial gradients
                     optimizer.zero_grad(set_to_none=True)
-                behind, unended = rejoin.catch_up(s, self._unended)
+                behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh)
+                membership.caught_up()
+                if stop is not None:
+                    stop.regroup()
                 self._after_change(unended, stop)
                 break
             except (elastic.MembershipChanged, RuntimeError) as error:
