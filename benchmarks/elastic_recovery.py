@@ -47,8 +47,9 @@ def ends(out: Path) -> list[tuple[int, float]]:
     return found
 
 
-def _start(kind: str, out: Path, launcher: list[str], run: str = "run") -> subprocess.Popen[str]:
-    extra = ["--save", str(out / "saves")] if kind == "restart" else []
+def _start(kind: str, out: Path, launcher: list[str], run: str = "run",
+           extra: list[str] | None = None) -> subprocess.Popen[str]:
+    extra = [*(extra or []), *(["--save", str(out / "saves")] if kind == "restart" else [])]
     return subprocess.Popen([sys.executable, "-m", "lockstep", *launcher, "--run_directory", str(out / run),
                              str(JOB), str(out), "--sleep", "0.1", *extra], cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
