@@ -101,7 +101,7 @@ def enter(timeout: float) -> None:
     node in (every rank of the node ready), the default process group of the generation with it."""
     global entered
     store, prefix, launch_rank = client(), os.environ[ELASTIC_ENV], int(os.environ["RANK"])
-    store.add(ready_key(prefix, launch_rank // int(os.environ["LOCAL_WORLD_SIZE"])), 1)
+    store.add(ready_key(prefix, os.environ[JOIN_ENV]), 1)
     deadline = time.monotonic() + timeout
     while launch_rank not in members(store, prefix, newest(store, prefix)):
         if time.monotonic() > deadline:

@@ -4,7 +4,8 @@
 ``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--save FOLDER] [--fsdp]``: the rank
 launched as R SIGKILLs itself after batch B; every rank sleeps S seconds after each batch; with
 ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
-joins); with ``--save``, it
+joins) or OUT/release exists; ``--fail-to-join`` makes a rank that joins a running job exit 3 as
+it starts; with ``--save``, it
 saves every 2 batches to FOLDER and autoresumes from it (a run under --max_restarts); ``--fsdp``
 trains under FSDP. Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
 reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it
@@ -59,8 +60,8 @@ class Record(Callback):
         membership = elastic.current()
         if int(state.timestamp.batch) == self.hold and membership is not None \
                 and len(membership.ranks) < int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"]):
-            deadline = time.monotonic() + 60  # until the ranks change again (a node joins)
-            while not membership.changed() and time.monotonic() < deadline:
+            deadline = time.monotonic() + 60  # until the ranks change again (a node joins), or the test says
+            while not membership.changed() and not (self.out / "release").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
 
 
@@ -83,9 +84,12 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--hold", type=int, default=None,
                         help="after this batch, fewer ranks than the full world wait until the ranks change")
+    parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
     args = parser.parse_args()
+    if args.fail_to_join and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
+        sys.exit(3)
     if args.die_in_reform == int(os.environ["RANK"]):
         die_in_reform()
     kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)

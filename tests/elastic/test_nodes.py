@@ -101,8 +101,15 @@ def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_f
     other.send_signal(signal.SIGKILL)  # its watchdog takes its ranks with it
     other.communicate(timeout=30)
     wait_for(out / "changes0", [master])  # the job went on without node 1
+    if not saving:  # first a launcher whose ranks fail as they start: it takes its request back
+        failing = launch(out, *job, "--fail-to-join", launcher=node_args(port, 1), run="run1-failing")
+        _, said_failing = failing.communicate(timeout=120)
+        assert failing.returncode == 3, said_failing
+        assert "node 1 does not join the running job: rank" in said_failing, said_failing
+        assert "failed before the job let its ranks in" in said_failing, said_failing
     again = launch(out, *job, launcher=node_args(port, 1), run="run1-again")
     said, said_again = finish(master), finish(again)
+    assert "failed" not in said, said  # the failed join never reached the job
     assert "node 1 (ranks 2, 3) left (its launcher silent for" in said, said
     assert "node 1 (ranks 2, 3) joined: 4 of 4 ranks go on at world size 4 (generation 2" in said, said
     assert "node 1 joined the running job in generation 2 of its ranks" in said_again, said_again

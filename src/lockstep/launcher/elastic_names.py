@@ -11,9 +11,9 @@ is (a restart's ranks rendezvous in a fresh store of their own on several nodes)
 FULL_WORLD_ENV = "LOCKSTEP_FULL_WORLD_SIZE"
 """The ranks a global batch is made for (the launcher sets it in an elastic job); fewer may train on it."""
 JOIN_ENV = "LOCKSTEP_ELASTIC_JOIN"
-"""Set (to 1) in the ranks a launcher starts to join a running elastic job (its node was lost, and
-its launcher started again): they enter the first generation with them rather than the launch's
-process group."""
+"""Set in the ranks a launcher starts to join a running elastic job (its node was lost, and its
+launcher started again), to its request's token: they enter the first generation with them rather
+than the launch's process group."""
 
 
 def elastic_prefix(attempt: int) -> str:
@@ -53,16 +53,18 @@ def gone_key(prefix: str, node: int) -> str:
 
 
 def join_key(prefix: str) -> str:
-    """The nodes whose launchers ask to join the running job, one JSON line ``node`` each, for the master's launcher."""
+    """The requests of launchers that ask to join the running job, one JSON line ``[node, token]``
+    each, for the master's launcher (the token names the request's keys)."""
     return f"{prefix}join"
 
 
-def ready_key(prefix: str, node: int) -> str:
-    """The count of node ``node``'s joining ranks ready to enter the job: the master lets the node in
-    once every one is, so that the ranks that train do not wait for the new ones to start."""
-    return f"{prefix}ready{node}"
+def ready_key(prefix: str, token: str) -> str:
+    """The count of a joining node's ranks ready to enter the job: the master lets the node in once
+    every one is, so that the ranks that train do not wait for the new ones to start."""
+    return f"{prefix}ready-{token}"
 
 
-def admit_key(prefix: str, node: int) -> str:
-    """The master's answer to node ``node``'s request to join: the generation it joins in, or ``no: why``."""
-    return f"{prefix}admit{node}"
+def admit_key(prefix: str, token: str) -> str:
+    """The answer to a request to join: the generation the node joins in, or ``no: why`` (the
+    master's refusal, or its launcher's withdrawal, whichever came first)."""
+    return f"{prefix}admit-{token}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -50,8 +51,8 @@ class Members:
         self._full = len(ranks)
         self._answered = 0  # the lines of <prefix>lost already answered
         self._asked = 0  # the lines of <prefix>join already answered
-        self._joining: list[int] = []
-        """The nodes that asked to join, let in once their ranks are ready."""
+        self._joining: list[tuple[int, str]] = []
+        """The requests to join (node, token), each let in once its node's ranks are ready."""
         self.finishing = False
         """Whether this node's ranks finished: no node joins any more."""
 
@@ -71,8 +72,6 @@ class Members:
         goes_on = self._publish(gone, f"node {node} (ranks {', '.join(map(str, gone))})",
                                 f"its launcher silent for {silent_s:.1f} s")
         if goes_on:  # a launcher started again for it joins the running job
-            for key in (admit_key(self._prefix, node), ready_key(self._prefix, node)):  # its earlier launcher's
-                self._store.delete_key(key)
             self._store.set(gone_key(self._prefix, node), "1")
         return goes_on
 
@@ -88,28 +87,53 @@ class Members:
             self._answered = len(lines)
         if self._store.check([join_key(self._prefix)]):
             lines = self._store.get(join_key(self._prefix)).decode().splitlines()
-            self._joining += [node for node in map(json.loads, lines[self._asked:]) if self._may_join(node)]
+            for node, token in map(json.loads, lines[self._asked:]):
+                self._replace_request(node)
+                if self._may_join(node, token):
+                    self._joining.append((node, token))
             self._asked = len(lines)
-        admitted = [node for node in self._joining
-                    if int(self._store.add(ready_key(self._prefix, node), 0)) >= self.per_node]
-        for node in admitted:
-            self._joining.remove(node)
-            self._admit(node)
+        admitted = []
+        for node, token in list(self._joining):
+            if self._answered_already(token):  # its launcher withdrew the request
+                self._joining.remove((node, token))
+            elif self.finishing:
+                self._joining.remove((node, token))
+                self._answer_join(token, "no: the job is finishing")
+            elif int(self._store.add(ready_key(self._prefix, token), 0)) >= self.per_node:
+                self._joining.remove((node, token))
+                if self._admit(node, token):
+                    admitted.append(node)
         return admitted
 
-    def _may_join(self, node: int) -> bool:
+    def _may_join(self, node: int, token: str) -> bool:
         """Whether node ``node``'s launcher, started again, may join (else its answer says why not)."""
         refusal = "the job is finishing" if self.finishing else None
-        if any(r // self.per_node == node for r in self.ranks) or \
-                not self._store.check([gone_key(self._prefix, node)]):
+        if any(r // self.per_node == node for r in self.ranks) or not self._store.check([gone_key(self._prefix, node)]):
             refusal = f"node {node}'s ranks were not let go by the job"
         if refusal is not None:
-            self._store.set(admit_key(self._prefix, node), f"no: {refusal}")
+            self._answer_join(token, f"no: {refusal}")
         return refusal is None
 
-    def _admit(self, node: int) -> None:
+    def _replace_request(self, node: int) -> None:
+        """A newer launcher of node ``node`` asks to join: an earlier one's request that waits (its
+        launcher may have been killed before its ranks were ready) is answered no."""
+        for earlier in [(n, t) for n, t in self._joining if n == node]:
+            self._joining.remove(earlier)
+            self._answer_join(earlier[1], f"no: another launcher of node {node} asked to join after it")
+
+    def _answered_already(self, token: str) -> bool:
+        return bool(self._store.check([admit_key(self._prefix, token)]))
+
+    def _answer_join(self, token: str, answer: str) -> bool:
+        """Answer a request to join, unless its launcher withdrew it first; whether this answer stands."""
+        return self._store.compare_set(admit_key(self._prefix, token), "", answer).decode() == answer
+
+    def _admit(self, node: int, token: str) -> bool:
         """Publish the generation with node ``node``'s ranks back (their launcher was started
-        again, and they are ready), after the ranks that train, which keep their order."""
+        again, and they are ready), after the ranks that train, which keep their order; whether it
+        did (not when the node's launcher withdrew its request meanwhile)."""
+        if not self._answer_join(token, str(self.generation + 1)):
+            return False
         back = [node * self.per_node + local for local in range(self.per_node)]
         started = time.monotonic()
         self.generation += 1
@@ -117,10 +141,10 @@ class Members:
         self._store.delete_key(gone_key(self._prefix, node))
         self._store.set(members_key(self._prefix, self.generation), json.dumps(now))
         self._store.add(generation_key(self._prefix), 1)
-        self._store.set(admit_key(self._prefix, node), str(self.generation))
         self.ranks = now
         say(f"node {node} (ranks {', '.join(map(str, back))}) joined: {len(now)} of {self._full} ranks go on at world "
             f"size {len(now)} (generation {self.generation}, published in {time.monotonic() - started:.2f} s)")
+        return True
 
     def _publish(self, gone: list[int], who: str, why: str) -> bool:
         remaining = [r for r in self.ranks if r not in gone]
@@ -143,20 +167,30 @@ class Members:
         return True
 
 
-def ask_to_join(call: Callable[..., Any], attempt: int, node: int) -> None:
+def ask_to_join(call: Callable[..., Any], attempt: int, node: int) -> str:
     """On a node the running job went on without, whose launcher was started again: ask the
-    master's launcher to let its ranks back in (once they are ready: see :func:`admission`)."""
-    call("append", join_key(elastic_prefix(attempt)), json.dumps(node) + "\n")
+    master's launcher to let its ranks back in (once they are ready: see :func:`admission`); the
+    request's token, which its ranks carry in ``LOCKSTEP_ELASTIC_JOIN``."""
+    token = uuid.uuid4().hex
+    call("append", join_key(elastic_prefix(attempt)), json.dumps([node, token]) + "\n")
+    return token
 
 
-def admission(call: Callable[..., Any], attempt: int, node: int) -> int | str | None:
-    """The master's answer to :func:`ask_to_join`: the generation node ``node``'s ranks joined
-    in, why it refused, or None while it waits for them to be ready."""
-    key = admit_key(elastic_prefix(attempt), node)
+def admission(call: Callable[..., Any], attempt: int, token: str) -> int | str | None:
+    """The answer to :func:`ask_to_join`'s request ``token``: the generation the node's ranks
+    joined in, why not, or None while the master waits for them to be ready."""
+    key = admit_key(elastic_prefix(attempt), token)
     if not call("check", [key]):
         return None
     answer = call("get", key).decode()
     return int(answer) if answer.isdigit() else answer.removeprefix("no: ")
+
+
+def withdraw(call: Callable[..., Any], attempt: int, token: str, why: str) -> bool:
+    """Take back the request to join ``token`` (its launcher is stopping, or a rank of it failed
+    before the master let them in); False where the master answered first (the answer stands)."""
+    key, answer = admit_key(elastic_prefix(attempt), token), f"no: withdrawn ({why})"
+    return call("compare_set", key, "", answer).decode() == answer
 
 
 def was_let_go(call: Callable[..., Any], attempt: int, node: int) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 from lockstep.launcher import resolver
 from lockstep.launcher.elastic_names import JOIN_ENV
 from lockstep.launcher.interface import interface_env
-from lockstep.launcher.membership import Members, admission, ask_master, ask_to_join, was_let_go
+from lockstep.launcher.membership import Members, admission, ask_master, ask_to_join, was_let_go, withdraw
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
@@ -97,7 +97,10 @@ class _Elsewhere:
 
 @dataclass
 class _Refused:
-    """The master's launcher did not let this node's ranks join the running elastic job."""
+    """This node's ranks do not join the running elastic job: the master's launcher refused, or a
+    rank failed before it let them in (``code``: the launcher's exit code)."""
+
+    code: int
 
 
 class Supervisor:
@@ -131,10 +134,11 @@ class Supervisor:
         """An elastic attempt's membership (--min_ranks), kept by the launcher that hosts the store."""
         self._let_go: set[int] = set()
         """The nodes an elastic attempt went on without (the master's launcher)."""
-        self._joins = False
-        """Whether the next ranks join a running elastic job (a launcher started again for a lost node)."""
-        self._awaits_admission = False
-        """Whether those ranks wait for the master's launcher to let them in."""
+        self._rejoining = False
+        """Whether this launcher, started again for a node the running elastic job went on
+        without, asks to join it and was not let in yet: not one of the job's nodes."""
+        self._request: str | None = None
+        """Its request to join (the token its ranks carry), until the master's launcher answers."""
         self._prefork: PreforkServer | None = None
         self._prefork_refused = False
         self._subreaper = False
@@ -273,11 +277,11 @@ class Supervisor:
             if outcome is None:
                 self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
                 return 0, attempt
-            if isinstance(outcome, _Refused):  # its ranks wait to enter: nothing to report
+            if isinstance(outcome, _Refused):  # not one of the job's nodes: nothing to report
                 assert channel is not None
                 self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
                 self._leave(channel, wake_r)
-                return LOST_EXIT_CODE, attempt
+                return outcome.code, attempt
             if isinstance(outcome, int):  # the launcher was signalled
                 self._teardown(ranks, wake_r, watchdog, None)
                 code = signalled_code(ranks, outcome)
@@ -299,6 +303,8 @@ class Supervisor:
         ranks are torn down (the store may not answer, and the grace period is all there is);
         the launcher's exit code."""
         channel, recorded = self._channel, threading.Event()
+        if self._rejoining:  # not one of the job's nodes: nothing to tell it (were its ranks let in
+            channel = None  # meanwhile, the master finds this node lost, as any other)
         if channel is not None and not self._signal_recorded:
             def record() -> None:
                 if self._record_signal(channel, signum, idle):
@@ -390,20 +396,32 @@ class Supervisor:
         """A launcher started again for a node that the running elastic ``attempt`` went on
         without: join that attempt, and ask the master's launcher to let this node's ranks back in
         once they are ready (:meth:`_refused` follows its answer). The attempt and its ranks' store port."""
+        self._rejoining = True
         channel.rejoin(attempt)
-        ask_to_join(channel.call, attempt, self.plan.node_rank)
-        self._joins = True
+        self._request = ask_to_join(channel.call, attempt, self.plan.node_rank)
         return attempt, channel.port(attempt) if attempt else port
+
+    def _outside_the_job(self, channel: JobChannel, why: str) -> bool:
+        """Whether this launcher is not one of the job's nodes (it asked to join, and was not let
+        in): then its request is taken back (said here), and what happens to it is not the job's.
+        False where the master's launcher let its ranks in first (they are the job's now)."""
+        if not self._rejoining:
+            return False
+        if self._request is not None and not withdraw(channel.call, channel.attempt, self._request, why):
+            return False
+        self._rejoining, self._request = False, None
+        say(f"node {self.plan.node_rank} does not join the running job: {why} before the job let its ranks in")
+        return True
 
     def _refused(self, channel: JobChannel) -> bool:
         """Whether the master's launcher refused to let this node's ranks join the running job
         (said here); once it let them in, it says so once."""
-        if not self._awaits_admission:
+        if self._request is None or not self._rejoining:
             return False
-        answer = admission(channel.call, channel.attempt, self.plan.node_rank)
+        answer = admission(channel.call, channel.attempt, self._request)
         if answer is None:
             return False
-        self._awaits_admission = False
+        self._rejoining, self._request = False, None
         if isinstance(answer, str):
             say(f"error: node {self.plan.node_rank} cannot join the running job ({answer}): this launcher stops")
             return True
@@ -509,10 +527,9 @@ class Supervisor:
         ranks: list[Rank] = []
         self._ranks = ranks  # each pid is in it before the reaper may collect an exit
         envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env) for spec in specs]
-        if self._joins:  # they enter the running job's ranks, not the launch's group
+        if self._request is not None:  # they enter the running job's ranks, not the launch's group
             for env in envs:
-                env[JOIN_ENV] = "1"
-            self._joins, self._awaits_admission = False, True
+                env[JOIN_ENV] = self._request
         # the server imports with what every rank's environment shares: none of them is rank 0
         common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)} if envs else {}
         with self._reaper.starting():
@@ -591,6 +608,10 @@ class Supervisor:
                         self._show_stacks(ranks)
                     else:
                         pass_on(ranks, signum)
+                failed = next((r for r in exited if r.returncode not in (None, 0)), None)
+                if channel is not None and failed is not None and \
+                        self._outside_the_job(channel, f"rank {failed.spec.rank} failed"):
+                    return _Refused(shell_code(failed.returncode))
                 failure = self._first_failure(exited, channel)
                 if failure is not None:
                     return failure
@@ -606,7 +627,7 @@ class Supervisor:
                         self._diagnose_stall(ranks, channel, [])
                     return _Elsewhere()
                 if channel is not None and self._refused(channel):
-                    return _Refused()
+                    return _Refused(LOST_EXIT_CODE)
         return None
 
     def _stop(self, ranks: list[Rank], signum: int, channel: JobChannel | None) -> None:
@@ -614,7 +635,9 @@ class Supervisor:
         because of it), then pass it on to this node's ranks."""
         self._signals_seen.append(signum)
         try:
-            if channel is not None:
+            # a node the job has not let in yet takes back its request: the job goes on as it was
+            if channel is not None and not self._outside_the_job(
+                    channel, f"its launcher received {signal.Signals(signum).name}"):
                 self._record_signal(channel, signum)
         finally:  # also at a second signal during the record (Stopped)
             forward(ranks, signum)

@@ -1,0 +1,101 @@
+"""The master's launcher answering a lost node's launcher started again (issue 51, grow), on a real
+c10d store: the node is let in once its ranks are ready, never twice, not after its launcher took
+the request back, not while the job finishes, and a newer launcher's request replaces an older one.
+The whole join, with processes, is in test_nodes.py."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as torch_dist
+
+from lockstep.launcher.elastic_names import elastic_prefix, generation_key, members_key, ready_key
+from lockstep.launcher.membership import Members, admission, ask_to_join, was_let_go, withdraw
+
+PER_NODE = 2
+
+
+@pytest.fixture
+def store() -> Iterator[Any]:
+    server = torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
+    yield server
+
+
+def call(store: Any):
+    """The launchers' ``call(name, *args)`` over a store client."""
+    return lambda name, *args: getattr(store, name)(*args)
+
+
+def two_nodes_after_node_1_was_lost(store: Any) -> Members:
+    members = Members(store, 0, [0, 1, 2, 3], minimum=2, per_node=PER_NODE)
+    store.add(elastic_prefix(0) + "joined", 4)  # every rank follows a change (their Membership says so)
+    assert members.lose_node(1, 3.1)
+    return members
+
+
+def ready(store: Any, token: str, ranks: int = PER_NODE) -> None:
+    store.add(ready_key(elastic_prefix(0), token), ranks)
+
+
+def published(store: Any) -> list[int]:
+    prefix = elastic_prefix(0)
+    return json.loads(store.get(members_key(prefix, int(store.add(generation_key(prefix), 0)))))
+
+
+def test_a_lost_node_is_let_in_once_every_rank_of_its_new_launcher_is_ready(store: Any) -> None:
+    members = two_nodes_after_node_1_was_lost(store)
+    assert was_let_go(call(store), 0, 1) and not was_let_go(call(store), 0, 0)
+    token = ask_to_join(call(store), 0, 1)
+    assert members.answer() == [] and admission(call(store), 0, token) is None
+    ready(store, token, 1)
+    assert members.answer() == [] and published(store) == [0, 1]  # one of its two ranks is not ready
+    ready(store, token, 1)
+    assert members.answer() == [1]
+    assert admission(call(store), 0, token) == 2 and published(store) == [0, 1, 2, 3]
+    assert not was_let_go(call(store), 0, 1)
+    again = ask_to_join(call(store), 0, 1)  # its ranks train: no second launcher joins for it
+    members.answer()
+    assert admission(call(store), 0, again) == "node 1's ranks were not let go by the job"
+
+
+def test_a_request_taken_back_before_the_ranks_were_ready_lets_nothing_in(store: Any) -> None:
+    members = two_nodes_after_node_1_was_lost(store)
+    token = ask_to_join(call(store), 0, 1)
+    members.answer()
+    assert withdraw(call(store), 0, token, "rank 2 failed")
+    ready(store, token)
+    assert members.answer() == [] and published(store) == [0, 1]
+    assert admission(call(store), 0, token) == "withdrawn (rank 2 failed)"
+    later = ask_to_join(call(store), 0, 1)  # the node may still come back
+    ready(store, later)
+    assert members.answer() == [1] and published(store) == [0, 1, 2, 3]
+    assert not withdraw(call(store), 0, later, "too late")  # the master answered first: its ranks are the job's
+
+
+def test_a_newer_launcher_of_the_node_replaces_one_whose_ranks_never_got_ready(store: Any) -> None:
+    members = two_nodes_after_node_1_was_lost(store)
+    killed = ask_to_join(call(store), 0, 1)
+    ready(store, killed, 1)
+    members.answer()
+    newer = ask_to_join(call(store), 0, 1)
+    members.answer()
+    assert admission(call(store), 0, killed) == "another launcher of node 1 asked to join after it"
+    ready(store, newer)
+    assert members.answer() == [1] and admission(call(store), 0, newer) == 2
+
+
+def test_no_node_joins_a_job_whose_master_ranks_finished(store: Any) -> None:
+    members = two_nodes_after_node_1_was_lost(store)
+    waiting = ask_to_join(call(store), 0, 1)
+    members.answer()
+    members.finishing = True
+    ready(store, waiting)
+    assert members.answer() == [] and published(store) == [0, 1]
+    assert admission(call(store), 0, waiting) == "the job is finishing"
+    late = ask_to_join(call(store), 0, 1)
+    members.answer()
+    assert admission(call(store), 0, late) == "the job is finishing"
