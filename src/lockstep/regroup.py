@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,12 +25,23 @@ from lockstep.launcher.elastic_names import (
     ELASTIC_ENV,
     ELASTIC_STORE_ENV,
     JOIN_ENV,
+    finished_key,
     generation_key,
     members_key,
     ready_key,
 )
 
 POLL_S = 0.05
+
+
+class JobFinished(SystemExit):
+    """The job's ranks finished training while this rank waited to form a process group with them
+    (it was let in just before): it exits 0, saying so."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+        print(message, file=sys.stderr, flush=True)
 
 
 def client() -> Any:
@@ -80,6 +92,9 @@ def _all_arrived(store: Any, prefix: str, generation: int, world: int, timeout: 
     while int(store.add(key, 0)) < world:
         if newest_seen() > generation:
             return False
+        if store.check([finished_key(prefix)]):
+            raise JobFinished(f"lockstep: rank {os.environ.get('RANK')} was let into the running job as its ranks "
+                              f"finished training: nothing is left to train, it exits")
         if time.monotonic() > deadline:
             raise RuntimeError(f"not every rank of generation {generation} of the job's ranks arrived to form "
                                f"its process group within {timeout:g} s (dist_timeout)")

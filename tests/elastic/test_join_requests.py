@@ -1,18 +1,21 @@
 """The master's launcher answering a lost node's launcher started again (issue 51, grow), on a real
 c10d store: the node is let in once its ranks are ready, never twice, not after its launcher took
-the request back, not while the job finishes, and a newer launcher's request replaces an older one.
+the request back, not while the job finishes (and ranks let in just before leave), and a newer
+launcher's request replaces an older one.
 The whole join, with processes, is in test_nodes.py."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch.distributed as torch_dist
 
+from lockstep import regroup
 from lockstep.launcher.elastic_names import elastic_prefix, generation_key, members_key, ready_key
 from lockstep.launcher.membership import Members, admission, ask_to_join, was_let_go, withdraw
 
@@ -99,3 +102,18 @@ def test_no_node_joins_a_job_whose_master_ranks_finished(store: Any) -> None:
     late = ask_to_join(call(store), 0, 1)
     members.answer()
     assert admission(call(store), 0, late) == "the job is finishing"
+
+
+def test_ranks_let_in_as_the_job_finishes_leave_at_once_and_well(store: Any) -> None:
+    """The master's ranks finished training just after it let a node in: the node's ranks, waiting
+    for the others to form the new group, exit 0 instead of waiting ``dist_timeout`` for them."""
+    members = two_nodes_after_node_1_was_lost(store)
+    token = ask_to_join(call(store), 0, 1)
+    ready(store, token)
+    assert members.answer() == [1]
+    members.finish()
+    started = time.monotonic()
+    with pytest.raises(regroup.JobFinished) as left:
+        regroup._all_arrived(store, elastic_prefix(0), 2, 4, 300.0, lambda: 2)
+    assert left.value.code == 0 and "nothing is left to train" in left.value.message
+    assert time.monotonic() - started < 5

@@ -58,6 +58,12 @@ def join_key(prefix: str) -> str:
     return f"{prefix}join"
 
 
+def finished_key(prefix: str) -> str:
+    """Set once the master's ranks finished training: ranks that were let in to join just before
+    leave instead of waiting for a process group the others never form."""
+    return f"{prefix}finished"
+
+
 def ready_key(prefix: str, token: str) -> str:
     """The count of a joining node's ranks ready to enter the job: the master lets the node in once
     every one is, so that the ranks that train do not wait for the new ones to start."""

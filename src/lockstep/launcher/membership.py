@@ -27,6 +27,7 @@ from lockstep.launcher.elastic_names import (
     admit_key,
     answer_key,
     elastic_prefix,
+    finished_key,
     generation_key,
     gone_key,
     join_key,
@@ -74,6 +75,12 @@ class Members:
         if goes_on:  # a launcher started again for it joins the running job
             self._store.set(gone_key(self._prefix, node), "1")
         return goes_on
+
+    def finish(self) -> None:
+        """This node's ranks finished training: no node joins any more, and ranks let in just
+        before leave (:mod:`lockstep.regroup`)."""
+        self.finishing = True
+        self._store.set(finished_key(self._prefix), "1")
 
     def answer(self) -> list[int]:
         """Decide on the ranks other nodes lost since the last call, and answer each node; let in

@@ -770,8 +770,9 @@ class Supervisor:
         channel.finish()
         if not self.plan.hosts_store:
             return None
-        if self._members is not None:  # no node joins ranks that are done
-            self._members.finishing = True
+        # no node joins ranks done training (not ranks all lost: the others may still train)
+        if self._members is not None and any(r.returncode == 0 for r in ranks):
+            self._members.finish()
         with Waiter([], wake_r, HANDLED) as waiter:
             while not channel.all_done(self._let_go):
                 signals, _ = waiter.wait(BEAT_S)
