@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,10 @@ class ProtocolMismatch(ConnectionError):
     """The server did not answer a PING as c10d's store does."""
 
 
+class _Closed(ConnectionError):
+    """The server closed the connection."""
+
+
 class WireStore:
     """The calls of torch's ``TCPStore`` that the launchers make (``set``, ``get``, ``add``,
     ``check``, ``compare_set``, ``append``, ``multi_get``), with the same arguments and results.
@@ -41,13 +46,33 @@ class WireStore:
 
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.timeout = timeout
-        self._sock = socket.create_connection((host, port), timeout=timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = int.from_bytes(os.urandom(4), "little")
-        self._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
-        if struct.unpack("<I", self._recv(4))[0] != nonce:
+        deadline, pause = time.monotonic() + timeout, 0.05
+        while True:
+            try:
+                self._handshake(host, port)
+                return
+            except ProtocolMismatch:
+                raise
+            except (ConnectionResetError, BrokenPipeError, _Closed):
+                # c10d's server may drop a connection as it is made on a loaded machine; torch's
+                # client connects again, and so does this one (nothing was asked yet)
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
+
+    def _handshake(self, host: str, port: int) -> None:
+        """Connect, validate and ping; the socket is closed if any of it fails."""
+        self._sock = socket.create_connection((host, port), timeout=self.timeout)
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = int.from_bytes(os.urandom(4), "little")
+            self._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
+            if struct.unpack("<I", self._recv(4))[0] != nonce:
+                raise ProtocolMismatch(f"{host}:{port} did not answer a c10d PING")
+        except BaseException:
             self._sock.close()
-            raise ProtocolMismatch(f"{host}:{port} did not answer a c10d PING")
+            raise
 
     def set(self, key: str, value: str | bytes) -> None:
         self._send(bytes([_SET]) + _key(key) + _bytes(value))
@@ -103,7 +128,7 @@ class WireStore:
         while len(data) < n:
             chunk = self._sock.recv(n - len(data))
             if not chunk:
-                raise ConnectionError("the store closed the connection")
+                raise _Closed("the store closed the connection")
             data += chunk
         return data
 
