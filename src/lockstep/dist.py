@@ -312,6 +312,12 @@ def initialize_dist(device: Any = None, timeout: float = 300.0, *,
         _register_destroy_at_exit()
         return
     _require_rendezvous_env(world_size)
+    _rendezvous(device, backend, world_size, rank, timeout)
+    _register_destroy_at_exit()
+
+
+def _rendezvous(device: Any, backend: str, world_size: int, rank: int, timeout: float) -> None:
+    """The default process group through the ``env://`` rendezvous, naming the ranks that never came."""
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -328,7 +334,6 @@ def initialize_dist(device: Any = None, timeout: float = 300.0, *,
         if not missing:
             raise
         raise torch_dist.DistStoreError(_not_joined(missing, timeout)) from None
-    _register_destroy_at_exit()
 
 
 def ranks_waited_for(error: str) -> list[int]:
