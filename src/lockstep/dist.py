@@ -64,6 +64,7 @@ __all__ = [
     "is_available",
     "is_initialized",
     "local_rank_zero_download_and_wait",
+    "run_collective",
     "run_local_rank_zero_first",
     "write_signal_file",
 ]
@@ -178,8 +179,22 @@ def get_global_rank(group: torch_dist.ProcessGroup | None = None) -> int:
     return rank
 
 
+_local_world_size_now: int | None = None
+"""This node's ranks that train now, in an elastic job whose ranks changed (:func:`set_local_world_size`)."""
+
+
+def set_local_world_size(ranks: int | None) -> None:
+    """Have :func:`get_local_world_size` return ``ranks``: an elastic job's membership tells how
+    many of this node's ranks train after a change, which the launch's ``LOCAL_WORLD_SIZE`` no
+    longer says (``LOCAL_RANK`` stays the rank's device index)."""
+    global _local_world_size_now
+    _local_world_size_now = ranks
+
+
 def get_local_world_size() -> int:
     """Return the number of processes on this node (1 outside a distributed run)."""
+    if _local_world_size_now is not None:
+        return _local_world_size_now
     local_world_size = _env_int("LOCAL_WORLD_SIZE")
     world_size = get_world_size()
     if local_world_size is None:
@@ -404,7 +419,9 @@ def set_collective_waiter(waiter: Callable[[Any], None] | None) -> None:
     _waiter = waiter
 
 
-def _run(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+def run_collective(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Run torch's ``collective`` as this module's own collectives run: waited for through the
+    waiter of :func:`set_collective_waiter` where one is set (an elastic job), else inside torch."""
     if _waiter is None:
         collective(*args, **kwargs)
     else:
@@ -414,7 +431,7 @@ def _run(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
 def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
     """Wait until every rank (of ``group``, if given) reaches this call (no-op at world size 1)."""
     if _group_ready("barrier", group):
-        _run(torch_dist.barrier, group=group)
+        run_collective(torch_dist.barrier, group=group)
 
 
 def _reduce_op_name(tensor: torch.Tensor, reduce_operation: str) -> str:
@@ -458,7 +475,7 @@ def all_reduce(
         return tensor
     # gloo has no AVG reduction: sum, then divide by the group's size.
     torch_op = torch_dist.ReduceOp.SUM if op_name == "AVG" else getattr(torch_dist.ReduceOp, op_name)
-    _run(torch_dist.all_reduce, tensor, op=torch_op, group=group)
+    run_collective(torch_dist.all_reduce, tensor, op=torch_op, group=group)
     if op_name == "AVG":
         tensor.div_(torch_dist.get_world_size(group))
     return tensor
@@ -471,7 +488,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: torch_dist.ProcessGroup | N
     """
     _check_src(src, "broadcast")
     if _group_ready("broadcast", group):
-        _run(torch_dist.broadcast, tensor, src=src, group=group)
+        run_collective(torch_dist.broadcast, tensor, src=src, group=group)
     return tensor
 
 
@@ -498,7 +515,7 @@ def all_gather(tensor: torch.Tensor, group: torch_dist.ProcessGroup | None = Non
         return [tensor]
     tensor = tensor.contiguous()
     gathered = [torch.empty_like(tensor) for _ in range(torch_dist.get_world_size(group))]
-    _run(torch_dist.all_gather, gathered, tensor, group=group)
+    run_collective(torch_dist.all_gather, gathered, tensor, group=group)
     return gathered
 
 

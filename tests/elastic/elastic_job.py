@@ -1,16 +1,17 @@
 """The job of the elastic tests, run under the launcher: DDP over 44 indexed samples, 3 per rank,
 2 epochs (8 global batches of a 4-rank world).
 
-``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--save FOLDER] [--fsdp]``: the rank
-launched as R SIGKILLs itself after batch B; every rank sleeps S seconds after each batch; with
-``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
-joins) or OUT/release exists; ``--fail-to-join`` makes a rank that joins a running job exit 3 as
-it starts; with ``--save``, it
-saves every 2 batches to FOLDER and autoresumes from it (a run under --max_restarts); ``--fsdp``
-trains under FSDP. Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
-reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it
-ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it is told of a
-JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters to OUT/params.pt."""
+``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--save FOLDER] [--fsdp [TYPE]]``: the
+rank launched as R SIGKILLs itself after batch B; every rank sleeps S seconds after each batch;
+with ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a
+node joins) or OUT/release exists; ``--fail-to-join`` makes a rank that joins a running job exit 3
+as it starts; with ``--save``, it saves every 2 batches to FOLDER and autoresumes from it (a run
+under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead, saving checkpoints of that
+``state_dict_type`` (full). Each rank writes its pid to OUT/pid<launch rank>; appends for each
+batch it reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each
+batch it ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it
+is told of a JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters of
+``trainer.state.model`` (under FSDP a change of the ranks makes a new model) to OUT/params.pt."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def main() -> None:
     parser.add_argument("kills", nargs="*")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--save", default=None)
-    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--fsdp", nargs="?", const="full", default=None, help="FSDP, with this state_dict_type")
     parser.add_argument("--hold", type=int, default=None,
                         help="after this batch, fewer ranks than the full world wait until the ranks change")
     parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
@@ -100,10 +101,11 @@ def main() -> None:
                       train_dataloader=DataLoader(data, batch_size=PER_RANK_BATCH,
                                                   sampler=dist.get_sampler(data, shuffle=True)),
                       seed=7, progress_bar=False, callbacks=[Record(args.out, kills, args.sleep, args.hold)],
-                      fsdp_config={} if args.fsdp else None, **saving)
+                      fsdp_config={"state_dict_type": args.fsdp} if args.fsdp else None, **saving)
     trainer.fit()
+    params = full_params(trainer.state.model)  # under FSDP a collective, and a new model after a change
     if dist.get_global_rank() == 0:
-        torch.save(full_params(model), args.out / "params.pt")
+        torch.save(params, args.out / "params.pt")
 
 
 if __name__ == "__main__":

@@ -89,15 +89,18 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
     assert after and after[0] - killed < 10, (delay, after[:1], killed)  # the goal: under 10 s
 
 
-@pytest.mark.parametrize("saving", [False, True], ids=["no-checkpoint", "saving"])
+@pytest.mark.parametrize("saving,fsdp", [(False, False), (True, False), (True, True)],
+                         ids=["no-checkpoint", "saving", "fsdp"])
 def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_four_ranks_would(
-        tmp_path: Path, reference, saving: bool) -> None:
+        tmp_path: Path, reference, saving: bool, fsdp: bool) -> None:
     port, out = str(free_port()), tmp_path / "out"
     # while two ranks train, they wait after batch 5 for the node to join; with saving, a
-    # checkpoint every 2 batches, whose agreements the joined ranks take part in from batch 6
-    job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()))
+    # checkpoint every 2 batches, whose agreements the joined ranks take part in from batch 6;
+    # under FSDP every rank shards the model anew over four and loads the batch-4 checkpoint
+    job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()), *(("--fsdp",) if fsdp else ()))
     master, other = [launch(out, *job, launcher=node_args(port, node), run=f"run{node}") for node in (0, 1)]
-    wait_for(out / "ends0", [master, other], lines=2)
+    # under FSDP after batch 3, once the batch-2 checkpoint (the first) is there to go on from
+    wait_for(out / "ends0", [master, other], lines=3 if fsdp else 2)
     other.send_signal(signal.SIGKILL)  # its watchdog takes its ranks with it
     other.communicate(timeout=30)
     wait_for(out / "changes0", [master])  # the job went on without node 1
@@ -122,7 +125,10 @@ def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_f
         [(2, 4, 2, [2, 3])], joined
     changes = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
     assert [(c["left"], c["joined"]) for c in changes] == [([2, 3], []), ([], [2, 3])], changes
-    assert changes[1]["batch"] >= 5, changes  # the joined ranks trained from the step the others reached
+    if fsdp:  # every rank from the last checkpoint, resharded over four: batch 5 again
+        assert (changes[1]["batch"], changes[1]["trained_again"]) == (4, 1), changes
+    else:
+        assert changes[1]["batch"] >= 5, changes  # the joined ranks trained from the step the others reached
 
 
 def test_below_the_minimum_of_nodes_the_job_stops_on_every_node(tmp_path: Path) -> None:

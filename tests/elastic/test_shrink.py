@@ -1,6 +1,7 @@
 """A lost rank costs one step, not a restart (issue 51, one node): under ``--min_ranks`` the
 ranks left go on from the step in flight, without a checkpoint, training the same global batches
-as the uninterrupted 4-rank run and ending within 1e-5 of its parameters."""
+as the uninterrupted 4-rank run and ending within 1e-5 of its parameters. Under FSDP, whose lost
+shards are nowhere else, they go on from the last checkpoint, resharded over themselves."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, launch
+from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, global_batches, launch
+from tests.trainer.common import assert_same_params
 
 pytestmark = pytest.mark.timeout(150)
+
 
 def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_as_four_would(
         tmp_path: Path, reference) -> None:
@@ -130,11 +134,39 @@ def test_an_elastic_rank_is_told_its_attempts_membership_keys_and_the_full_world
                                                  {}).worker_env(1, 29500, 0, {})
 
 
-def test_fsdp_under_min_ranks_is_refused_in_one_line_before_training(tmp_path: Path) -> None:
-    proc = launch(tmp_path / "out", "--fsdp", launcher=("-n", "2", "--min_ranks", "1"))
+def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_ends_as_four_ranks_would(
+        tmp_path: Path, reference) -> None:
+    # rank 2 is killed after batch 3; its shards are nowhere else, so the three ranks left shard
+    # the model anew over themselves and load the batch-2 checkpoint into it: batch 3 again
+    out = tmp_path / "out"
+    err = finish(launch(out, "2:3", "--fsdp", "--save", str(tmp_path / "ck")))
+    assert "rank 2 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
+    assert ("rank 2 (at launch) left: the job goes on at world size 3 (was 4; generation 1) from batch 2, "
+            in err), err
+    assert "1 finished step(s) are trained again (from the last checkpoint, resharded)" in err, err
+    params, batches = reference
+    assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
+    assert global_batches(out) == batches  # each step's samples as the generation that finished it read them
+    for rank in (0, 1, 3):
+        told = [json.loads(line) for line in (out / f"changes{rank}").read_text().splitlines()]
+        assert [(c["generation"], c["world_size"], c["left"], c["batch"], c["trained_again"]) for c in told] \
+            == [(1, 3, [2], 2, 1)], told
+    assert sorted(p.name for p in (tmp_path / "ck").glob("ep*")) == \
+        ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]
+
+
+@pytest.mark.parametrize("args,said", [
+    ([], "under FSDP goes on from the last checkpoint, resharded over the ranks left (a lost rank's shards "
+         "are nowhere else): give save_folder and save_interval"),
+    (["sharded", "--save", "CK"], "a full one (state_dict_type 'full', the default) for now, not 'sharded'"),
+])
+def test_fsdp_under_min_ranks_without_what_it_goes_on_from_is_refused_in_one_line_before_training(
+        tmp_path: Path, args: list[str], said: str) -> None:
+    args = [str(tmp_path / "ck") if a == "CK" else a for a in args]
+    proc = launch(tmp_path / "out", "--fsdp", *args, launcher=("-n", "2", "--min_ranks", "1"))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "--min_ranks (an elastic job) goes on after a lost rank under DDP only, for now" in err, err
+    assert said in err, err
     assert not (tmp_path / "out" / "ends0").exists()
 
 

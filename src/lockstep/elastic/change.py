@@ -15,7 +15,8 @@ class RanksChanged:
     Ranks are named by the rank each had at launch. ``batch`` is the batch the job goes on at:
     the step that was in flight is trained again on the ranks left, and no finished step is (the
     ranks first take the furthest rank's weights); ``ranks_behind`` is how many ranks had not
-    taken that furthest step. ``seconds`` runs from this rank's noticing the change to the new
+    taken that furthest step. Under FSDP the lost ranks' shards exist nowhere else: the job goes on
+    from its last checkpoint, resharded, and ``trained_again`` finished steps are trained again. ``seconds`` runs from this rank's noticing the change to the new
     process group's first step being ready.
     """
 
@@ -27,6 +28,7 @@ class RanksChanged:
     batch: int
     seconds: float
     ranks_behind: int
+    trained_again: int = 0
 
     def describe(self) -> str:
         """The console line."""
@@ -36,15 +38,17 @@ class RanksChanged:
         if self.joined:
             who.append(f"rank{'s' * (len(self.joined) > 1)} {_names(self.joined)} joined")
         behind = f"; {self.ranks_behind} rank(s) took the furthest rank's step" if self.ranks_behind else ""
+        again = (f"{self.trained_again} finished step(s) are trained again (from the last checkpoint, resharded)"
+                 if self.trained_again else "no finished step is trained again")
         return (f"lockstep: {' and '.join(who) or 'the ranks changed'}: the job goes on at world size "
                 f"{self.world_size} (was {self.previous_world_size}; generation {self.generation}) from batch "
-                f"{self.batch}, {self.seconds:.2f} s after the change; no finished step is trained again{behind}")
+                f"{self.batch}, {self.seconds:.2f} s after the change; {again}{behind}")
 
     def metrics(self) -> dict[str, float]:
         """For ``logger.log_metrics``: numbers a dashboard can plot against the step."""
         return {"elastic/world_size": self.world_size, "elastic/generation": self.generation,
                 "elastic/ranks_left": len(self.left), "elastic/ranks_joined": len(self.joined),
-                "elastic/seconds": self.seconds}
+                "elastic/seconds": self.seconds, "elastic/trained_again": self.trained_again}
 
     def record(self) -> dict[str, Any]:
         """The run folder's ``metrics.jsonl`` record (``kind`` ``"ranks"``)."""

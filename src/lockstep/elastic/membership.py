@@ -50,6 +50,8 @@ class Membership:
             self.generation, self.ranks = regroup.entered
             self.before = regroup.members(self._store, prefix, self.generation - 1)
         self.fresh = self.before is not None
+        self._per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.ranks)))  # at launch
+        self._tell_local_world()
         """Whether this rank joined the running job and has yet to take a peer's state (``catch_up``)."""
         self._newest = self.generation
         self._store.add(joined_key(prefix), 1)  # the launcher shrinks only a job whose every rank follows
@@ -75,11 +77,17 @@ class Membership:
         self._done.set()
         self._watcher.join(timeout=5)
 
+    def _node_ranks(self) -> list[int]:
+        """The launch ranks of this rank's node that train now."""
+        node = self.launch_rank // self._per_node
+        return [r for r in self.ranks if r // self._per_node == node]
+
+    def _tell_local_world(self) -> None:
+        dist.set_local_world_size(len(self._node_ranks()) if self.generation else None)
+
     def leads_node(self) -> bool:
         """Whether this rank is its node's lowest rank that trains now (the one that speaks for it)."""
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.ranks)))
-        node = self.launch_rank // per_node
-        return min(r for r in self.ranks if r // per_node == node) == self.launch_rank
+        return min(self._node_ranks()) == self.launch_rank
 
     def share(self, name: str, value: str) -> None:
         """Keep ``value`` for a rank that joins the running job later (:meth:`shared`): what the
@@ -138,6 +146,7 @@ class Membership:
         _abandon_default_group()
         self.generation, self.ranks = regroup.form(self._store, self.prefix, self.launch_rank, self.timeout,
                                                    lambda: self._newest)  # the watcher reads the counter
+        self._tell_local_world()
 
 
 def _abandon_default_group() -> None:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lockstep import dist
+from lockstep import dist, elastic
+from lockstep.parallel import fsdp_elastic
 from lockstep.parallel.fsdp_sharding import FSDPSetup, prepare_fsdp
 from lockstep.parallel.fsdp_config import FSDPConfig
 from lockstep.parallel.mesh import DataParallel, MeshShape, resolve_shape
@@ -26,6 +27,7 @@ class FSDPStrategy(Strategy):
 
     gathers_in_forward = True
     needs_process_group = True
+    shards_state = True
 
     def __init__(self, device: torch.device, precision: str, config: FSDPConfig,
                  tp: TensorParallel | None = None) -> None:
@@ -35,12 +37,33 @@ class FSDPStrategy(Strategy):
         """The job's mesh (Composer's degrees, tensor parallelism); None: the sharding strategy's own."""
         self.fsdp = FSDPSetup()
         """The units and checkpointed modules :func:`prepare_fsdp` made."""
+        self._skeleton: nn.Module | None = None
+        """An elastic job's model before sharding, on the meta device (:meth:`reshard`)."""
+        self._names: list[list[list[str]]] = []
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        model.to(self.device)
+        if elastic.current() is not None:
+            self._skeleton = fsdp_elastic.skeleton(model)
+            self._names = fsdp_elastic.parameter_names(model, optimizers)
+        self._shard(model.to(self.device), optimizers)
+
+    def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         self.fsdp = prepare_fsdp(model, self.config, self.precision, self.device, optimizers, self.shape, self.tp)
         self.model = self.module = model
         self.optimizers = optimizers
+        if self._skeleton is not None:
+            fsdp_elastic.wait_through_lockstep([u.module for u in self.fsdp.units])
+
+    def reshard(self) -> nn.Module:
+        """After an elastic job's ranks changed, on the new process group: a new model from the
+        skeleton, sharded over the ranks now in the job, and the optimizers (the same objects)
+        pointed at its parameters, with no state. Its parameters and the optimizers' state are
+        for a checkpoint to fill; the model it replaces is left to be freed."""
+        assert self._skeleton is not None, "reshard() is for an elastic job's FSDP strategy"
+        model = fsdp_elastic.materialize(self._skeleton, self.device, self.model)
+        fsdp_elastic.point_optimizers(model, self.optimizers, self._names)
+        self._shard(model, self.optimizers)
+        return model
 
     def data_parallel(self) -> DataParallel:
         if self.tp is None:

@@ -45,6 +45,10 @@ class Strategy:
     must run every forward, also in evaluation."""
     needs_process_group = False
     """Whether the backend needs a process group at world size 1 too."""
+    shards_state = False
+    """Whether each rank holds only a shard of the model and optimizer state (FSDP): then a rank
+    lost in an elastic job takes state no other rank has, and the job goes on from :meth:`reshard`
+    and the last checkpoint instead of from a peer's state."""
 
     def __init__(self, device: torch.device, precision: str) -> None:
         self.device, self.precision = device, precision
@@ -62,6 +66,10 @@ class Strategy:
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def reshard(self) -> nn.Module:
+        """A backend that :attr:`shards_state`: the model sharded anew over the ranks now in the job."""
+        raise NotImplementedError(f"{type(self).__name__} keeps the whole state on every rank")
 
     def data_parallel(self) -> DataParallel:
         """How the data is split among the ranks: every rank trains on its own share, unless

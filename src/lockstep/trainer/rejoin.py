@@ -16,6 +16,14 @@ from lockstep.state import State
 from lockstep.time import Timestamp
 
 
+def agree_room() -> None:
+    """Widen every rank's room for small objects (:mod:`lockstep._agreement`) to the widest, so
+    that their gathers match on the new process group: a collective of it. ``catch_up`` does this
+    too; a backend that reloads a checkpoint after the change instead (FSDP) calls this first."""
+    rooms = dist.all_gather(torch.tensor([_agreement.small_object_room()], dtype=torch.int64))
+    _agreement.widen_small_object_room(max(int(t[0]) for t in rooms))
+
+
 def catch_up(state: State, unended: tuple | None, *, fresh: bool = False) -> tuple[int, tuple | None]:
     """Bring every rank to the furthest rank's step (a collective of the new process group): how
     many ranks were behind, and the batch whose optimizer step was taken but whose end (the

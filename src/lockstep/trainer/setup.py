@@ -308,6 +308,29 @@ def check_auto_microbatching(parallel: Any) -> None:
                          "FSDP or DeepSpeed give the microbatch size as an int")
 
 
+def check_elastic(strategy: Any, parallel: Any, save_folder: str | None) -> None:
+    """What an elastic job (the launcher's ``--min_ranks``) goes on with after a lost rank: DDP,
+    whose every rank holds the whole state, or FSDP over one mesh of all the ranks, from the last
+    checkpoint in ``save_folder`` resharded (the lost ranks' shards are nowhere else)."""
+    prefix = "the launcher's --min_ranks (an elastic job)"
+    if parallel.deepspeed_config is not None:
+        raise ValueError(f"{prefix} goes on after a lost rank under DDP and FSDP, not DeepSpeed, whose engine "
+                         "cannot move its ZeRO shards onto fewer ranks: drop --min_ranks, or shard with fsdp_config")
+    if not strategy.shards_state:
+        return
+    config = strategy.config
+    if strategy.shape is not None or config.sharding_strategy == "HYBRID_SHARD":
+        raise ValueError(f"{prefix} under FSDP shards over all the ranks, whatever their number: drop "
+                         "HYBRID_SHARD, the mesh degrees and tensor parallelism, or drop --min_ranks")
+    if config.state_dict_type != "full":
+        raise ValueError(f"{prefix} under FSDP goes on from the last checkpoint, resharded: a full one "
+                         f"(state_dict_type 'full', the default) for now, not {config.state_dict_type!r}, "
+                         "whose writes meet in collectives that a rank lost during them would stall")
+    if save_folder is None:
+        raise ValueError(f"{prefix} under FSDP goes on from the last checkpoint, resharded over the ranks left "
+                         "(a lost rank's shards are nowhere else): give save_folder and save_interval")
+
+
 def split_schedulers(schedulers: list[Any], every_batch: bool | None) -> tuple[list[Any], list[Any]]:
     """(stepped after every batch, stepped after every epoch), with Composer's rule: lockstep's
     schedules of training time step every batch; torch schedulers step every epoch unless

@@ -404,11 +404,8 @@ class Trainer:
         """Join the process group, seed, and prepare the model on every rank (collectives)."""
         loop = self.loop
         dist.initialize_dist(loop.device, dist_timeout, single_process_group=self.strategy.needs_process_group)
-        if elastic.join(dist_timeout) is not None and (self.parallel.fsdp_config is not None
-                                                        or self.parallel.deepspeed_config is not None):
-            raise ValueError("the launcher's --min_ranks (an elastic job) goes on after a lost rank under DDP only, "
-                             "for now: a lost FSDP or DeepSpeed shard would need a copy; drop --min_ranks, or "
-                             "train without fsdp_config/deepspeed_config")
+        if elastic.join(dist_timeout) is not None:
+            setup.check_elastic(self.strategy, self.parallel, self.checkpoints.save_folder)
         split = self.strategy.data_parallel()
         set_data_parallel(split)
         if loop.seed is not None:  # the ranks of a tensor-parallel group draw the same numbers
@@ -640,12 +637,18 @@ class Trainer:
         assert membership is not None
         s, started = self.state, time.monotonic()
         trained = list(membership.ranks if membership.before is None else membership.before)
+        reached = s.timestamp.batch.value
         while True:
             try:
                 membership.reform()
                 for optimizer in s.optimizers:  # the abandoned step's partial gradients
                     optimizer.zero_grad(set_to_none=True)
-                behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh)
+                reloaded = None
+                if self.strategy.shards_state:  # the lost ranks' shards are nowhere else
+                    rejoin.agree_room()
+                    behind, unended, reloaded = 0, None, self._reshard_from_checkpoint()
+                else:
+                    behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh)
                 membership.caught_up()
                 if stop is not None:
                     stop.regroup()
@@ -659,9 +662,24 @@ class Trainer:
         self._tell_ranks_changed(elastic.RanksChanged(
             generation=membership.generation, world_size=len(now), previous_world_size=len(trained),
             left=tuple(r for r in trained if r not in now), joined=tuple(r for r in now if r not in trained),
-            batch=s.timestamp.batch.value, seconds=round(time.monotonic() - started, 3), ranks_behind=behind))
+            batch=s.timestamp.batch.value, seconds=round(time.monotonic() - started, 3), ranks_behind=behind,
+            trained_again=max(0, reached - s.timestamp.batch.value)))
+        if reloaded is not None:
+            return reloaded
         done = s.timestamp.batch_in_epoch.value
         return data.DataPosition(skip=done) if done else None
+
+    def _reshard_from_checkpoint(self) -> data.DataPosition | None:
+        """On the new process group of a backend that :attr:`~Strategy.shards_state` (FSDP): the
+        model sharded anew over the ranks now in the job and the newest checkpoint of
+        ``save_folder`` loaded into it, resharded; where the data goes on. The model object is a
+        new one (``state.model``): FSDP cannot move the old one's shards onto another group."""
+        s = self.state
+        s.model = self.layout.model = self.strategy.reshard()
+        if self.parallel.compile_config is not None:
+            self.strategy.compile(self.parallel.compile_config)
+        entry = checkpointing.load_after_change(self.checkpoints, s, self.layout, self.saver)
+        return data.resume_position(entry, s.timestamp.batch_in_epoch.value, self._position)
 
     def _tell_ranks_changed(self, change: elastic.RanksChanged) -> None:
         """A change of an elastic job's ranks: a line from each node's lowest rank left, the
