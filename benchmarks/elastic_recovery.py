@@ -3,24 +3,27 @@ restarts every rank from its newest checkpoint (``--max_restarts 1``, a save eve
 
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --nodes
+    .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --fsdp
 
 With ``--nodes``, two launchers on this machine are two nodes of 2 ranks, and node 1's launcher is
 SIGKILLed (its ranks die with it): the elastic job (``--nnodes 1:2``) goes on with node 0's ranks;
 the restarting one (``--nnodes 2 --max_restarts 1``) gets a new node 1 launcher at once, as if a
-scheduler replaced the node without delay.
+scheduler replaced the node without delay. With ``--fsdp`` both train under FSDP and save every 2
+batches: the elastic job goes on from its last checkpoint, resharded over the ranks left.
 
 Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended), and runs both
 jobs (tests/elastic/elastic_job.py, 0.1 s of sleep after each batch so that the moment falls
 anywhere in a step), SIGKILLing that rank at that moment in each. From the batch-end times every
 rank records it reports, per job, the seconds from the kill to the first finish of the next batch
 (past the newest any rank had finished; under restarts, the first batch finished after the kill),
-and the batches trained again (the newest batch finished before the kill, less the one the job
-went on from). A second rank lost after the kill fails the trial. It prints each trial and the medians; every run must end with exit code 0.
+and the batches trained again (under restarts the newest batch finished before the kill, less the
+one the job went on from; in the elastic job what its change record says). A second rank lost after the kill fails the trial. It prints each trial and the medians; every run must end with exit code 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -49,7 +52,8 @@ def ends(out: Path) -> list[tuple[int, float]]:
 
 def _start(kind: str, out: Path, launcher: list[str], run: str = "run",
            extra: list[str] | None = None) -> subprocess.Popen[str]:
-    extra = [*(extra or []), *(["--save", str(out / "saves")] if kind == "restart" else [])]
+    extra = extra or []
+    extra = [*extra, *(["--save", str(out / "saves")] if kind == "restart" or "--fsdp" in extra else [])]
     return subprocess.Popen([sys.executable, "-m", "lockstep", *launcher, "--run_directory", str(out / run),
                              str(JOB), str(out), "--sleep", "0.1", *extra], cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
@@ -62,7 +66,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def trial(kind: str, rank: int | None, delay: float, tmp: Path) -> tuple[float, int]:
+def trained_again(out: Path) -> int:
+    """The finished steps an elastic job trained again, as its ranks' change records say."""
+    return max((json.loads(line)["trained_again"] for log in out.glob("changes*")
+                for line in log.read_text().splitlines()), default=0)
+
+
+def trial(kind: str, rank: int | None, delay: float, tmp: Path, extra: list[str]) -> tuple[float, int]:
     """One job of ``kind``; ``rank`` is SIGKILLed, or (None) node 1's launcher of two nodes of 2 ranks,
     which under restarts a new launcher replaces at once."""
     out = tmp / kind
@@ -71,9 +81,9 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path) -> tuple[float, 
         port = str(_free_port())
         node = ["--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_timeout", "60",
                 *NODE_JOBS[kind]]
-        procs = [_start(kind, out, [*node, "--node_rank", str(n)], f"run{n}") for n in (0, 1)]
+        procs = [_start(kind, out, [*node, "--node_rank", str(n)], f"run{n}", extra) for n in (0, 1)]
     else:
-        procs = [_start(kind, out, ["-n", "4", *JOBS[kind]])]
+        procs = [_start(kind, out, ["-n", "4", *JOBS[kind]], extra=extra)]
     while not (out / "ends0").exists():
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("".join(p.communicate()[1] for p in procs))
@@ -83,7 +93,8 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path) -> tuple[float, 
     if rank is None:
         procs[1].kill()
         procs[1].communicate()
-        procs[1] = _start(kind, out, [*node, "--node_rank", "1"], "run1-again") if kind == "restart" else procs[0]
+        procs[1] = _start(kind, out, [*node, "--node_rank", "1"], "run1-again", extra) if kind == "restart" \
+            else procs[0]
     else:
         os.kill(int((out / f"pid{rank}").read_text()), signal.SIGKILL)
     err = ""
@@ -98,19 +109,23 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path) -> tuple[float, 
     when = min(t for b, t in recorded if b == batch and t > killed)
     if "SIGABRT" in err or err.count(" left (") > 1:
         raise RuntimeError(f"a rank was lost after the kill:\n{err}")
-    return when - killed, before - (batch - 1)
+    if kind == "restart":
+        return when - killed, before - (batch - 1)
+    nexts = min(t for b, t in recorded if b == before + 1 and t > killed)
+    return nexts - killed, trained_again(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--nodes", action="store_true", help="kill node 1's launcher of two nodes of 2 ranks")
+    parser.add_argument("--fsdp", action="store_true", help="train under FSDP, saving every 2 batches")
     args = parser.parse_args()
     results: dict[str, list[tuple[float, int]]] = {kind: [] for kind in JOBS}
     for n in range(args.trials):
         rank, delay = None if args.nodes else random.randrange(4), random.uniform(0.0, 0.6)
         with tempfile.TemporaryDirectory() as tmp:
-            row = {kind: trial(kind, rank, delay, Path(tmp)) for kind in JOBS}
+            row = {kind: trial(kind, rank, delay, Path(tmp), ["--fsdp"] if args.fsdp else []) for kind in JOBS}
         for kind, value in row.items():
             results[kind].append(value)
         print(f"trial {n + 1}: {'node 1' if rank is None else f'rank {rank}'} at {delay:.2f} s: " + ", ".join(
