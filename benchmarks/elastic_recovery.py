@@ -11,13 +11,15 @@ the restarting one (``--nnodes 2 --max_restarts 1``) gets a new node 1 launcher 
 scheduler replaced the node without delay. With ``--fsdp`` both train under FSDP and save every 2
 batches: the elastic job goes on from its last checkpoint, resharded over the ranks left.
 
-Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended), and runs both
-jobs (tests/elastic/elastic_job.py, 0.1 s of sleep after each batch so that the moment falls
-anywhere in a step), SIGKILLing that rank at that moment in each. From the batch-end times every
-rank records it reports, per job, the seconds from the kill to the first finish of the next batch
-(past the newest any rank had finished; under restarts, the first batch finished after the kill),
-and the batches trained again (under restarts the newest batch finished before the kill, less the
-one the job went on from; in the elastic job what its change record says). A second rank lost after the kill fails the trial. It prints each trial and the medians; every run must end with exit code 0.
+Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended; under FSDP,
+after the first checkpoint was published), and runs both jobs (tests/elastic/elastic_job.py, 0.1 s
+of sleep after each batch so that the moment falls anywhere in a step), SIGKILLing that rank at
+that moment in each. From the batch-end times every rank records it reports, per job, the seconds
+from the kill to the first finish of the next batch (past the newest any rank had finished; under
+restarts, the first batch finished after the kill), and the batches trained again (under restarts
+the newest batch finished before the kill, less the one the job went on from; in the elastic job
+what its change records say). A second rank lost after the kill fails the trial. It prints each
+trial and the medians; every run must end with exit code 0.
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path, extra: list[str]
         procs = [_start(kind, out, [*node, "--node_rank", str(n)], f"run{n}", extra) for n in (0, 1)]
     else:
         procs = [_start(kind, out, ["-n", "4", *JOBS[kind]], extra=extra)]
-    while not (out / "ends0").exists():
+    # under FSDP the elastic job goes on from a checkpoint: from the first one on
+    first = out / "saves" / "latest-rank0.pt" if "--fsdp" in extra else out / "ends0"
+    while not (first.is_symlink() or first.exists()):
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("".join(p.communicate()[1] for p in procs))
         time.sleep(0.01)

@@ -160,18 +160,21 @@ def long_io() -> Iterator[None]:
 def wait(work: Any) -> None:
     """Wait for the async collective ``work``; while some rank of the job is in :func:`long_io`,
     this rank's progress reports are paused (a wait for a peer's write is not a stall), and
-    otherwise they are not (a wait for a peer that stopped is the stall to catch)."""
-    store = _store()
-    if store is None:
+    otherwise they are not (a wait for a peer that stopped is the stall to catch). In an elastic
+    job a change of its ranks ends the wait (:func:`lockstep.dist.collective_interrupt` raises)."""
+    store, interrupt = _store(), dist.collective_interrupt()
+    if store is None and interrupt is None:
         work.wait()
         return
     began, delay = time.monotonic(), _POLL_S[0]
     paused: contextlib.ExitStack | None = None
     try:
         while not work.is_completed():
+            if interrupt is not None:
+                interrupt()
             time.sleep(delay)
             delay = min(2 * delay, _POLL_S[1])
-            if time.monotonic() - began < _ASK_AFTER_S:
+            if store is None or time.monotonic() - began < _ASK_AFTER_S:
                 continue
             writing = store.add(_IO_KEY, 0) > 0
             if writing and paused is None:

@@ -412,11 +412,23 @@ _waiter: Callable[[Any], None] | None = None
 """How this module's tensor collectives wait, when not inside torch (an elastic job's membership)."""
 
 
-def set_collective_waiter(waiter: Callable[[Any], None] | None) -> None:
+_interrupt: Callable[[], None] | None = None
+"""What a wait that polls a collective itself calls between polls (:func:`set_collective_waiter`)."""
+
+
+def set_collective_waiter(waiter: Callable[[Any], None] | None,
+                          interrupt: Callable[[], None] | None = None) -> None:
     """Have :func:`barrier`, :func:`all_reduce`, :func:`broadcast` and :func:`all_gather` issue
-    their collective asynchronously and hand its work object to ``waiter`` (None: wait in torch)."""
-    global _waiter
-    _waiter = waiter
+    their collective asynchronously and hand its work object to ``waiter`` (None: wait in torch);
+    ``interrupt`` raises to end such a wait (an elastic job's change of ranks), for the waits that
+    poll a collective themselves (:func:`collective_interrupt`)."""
+    global _waiter, _interrupt
+    _waiter, _interrupt = waiter, interrupt
+
+
+def collective_interrupt() -> Callable[[], None] | None:
+    """What :func:`set_collective_waiter` was given to end a wait early; None when nothing ends one."""
+    return _interrupt
 
 
 def run_collective(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

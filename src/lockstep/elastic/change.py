@@ -16,8 +16,9 @@ class RanksChanged:
     the step that was in flight is trained again on the ranks left, and no finished step is (the
     ranks first take the furthest rank's weights); ``ranks_behind`` is how many ranks had not
     taken that furthest step. Under FSDP the lost ranks' shards exist nowhere else: the job goes on
-    from its last checkpoint, resharded, and ``trained_again`` finished steps are trained again. ``seconds`` runs from this rank's noticing the change to the new
-    process group's first step being ready.
+    from its last checkpoint, resharded, and ``trained_again`` finished steps are trained again.
+    ``seconds`` runs from this rank's noticing the change to the new process group's first step
+    being ready.
     """
 
     generation: int

@@ -105,14 +105,19 @@ class Membership:
     def changed(self) -> bool:
         return self._newest > self.generation
 
+    def check(self) -> None:
+        """:class:`MembershipChanged` if the membership changed: what a wait that polls a
+        collective itself calls between polls (those of ``lockstep._agreement``)."""
+        if self.changed():
+            raise MembershipChanged(f"the job's ranks changed (generation {self._newest})")
+
     def wait(self, work: Any) -> None:
         """Wait for a collective's ``work``, polling it: :class:`MembershipChanged` as soon as the
         membership changes, or when the collective failed (a peer died) and the launcher
         publishes the change within a minute (else the collective's own error)."""
         pause = 0.0002
         while not work.is_completed():
-            if self.changed():
-                raise MembershipChanged(f"the job's ranks changed (generation {self._newest})")
+            self.check()
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
         try:
@@ -176,7 +181,7 @@ def join(timeout: float = 300.0) -> Membership | None:
         return None
     if _membership is None:
         _membership = Membership(prefix, int(os.environ["RANK"]), timeout)
-        dist.set_collective_waiter(_membership.wait)
+        dist.set_collective_waiter(_membership.wait, _membership.check)
     return _membership
 
 
