@@ -115,7 +115,9 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path, extra: list[str]
         raise RuntimeError(f"a rank was lost after the kill:\n{err}")
     if kind == "restart":
         return when - killed, before - (batch - 1)
-    nexts = min(t for b, t in recorded if b == before + 1 and t > killed)
+    # after the batches trained again (from a checkpoint: under FSDP), or finished late by a rank
+    since = max((t for b, t in recorded if b <= before and t > killed), default=killed)
+    nexts = min(t for b, t in recorded if b == before + 1 and t > since)
     return nexts - killed, trained_again(out)
 
 

@@ -134,23 +134,26 @@ def test_an_elastic_rank_is_told_its_attempts_membership_keys_and_the_full_world
                                                  {}).worker_env(1, 29500, 0, {})
 
 
+@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-save", "2:4"]], ids=["after-batch-3", "in-the-batch-4-save"])
 def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_ends_as_four_ranks_would(
-        tmp_path: Path, reference) -> None:
-    # rank 2 is killed after batch 3; its shards are nowhere else, so the three ranks left shard
-    # the model anew over themselves and load the batch-2 checkpoint into it: batch 3 again
+        tmp_path: Path, reference, kill: list[str]) -> None:
+    # rank 2 is killed after batch 3 (or as the others wait for it in the agreement of the batch-4
+    # checkpoint, which is never written); its shards are nowhere else, so the three ranks left
+    # shard the model anew over themselves and load the batch-2 checkpoint into it
     out = tmp_path / "out"
-    err = finish(launch(out, "2:3", "--fsdp", "--save", str(tmp_path / "ck")))
+    err = finish(launch(out, *kill, "--fsdp", "--save", str(tmp_path / "ck")))
+    again = 1 if kill == ["2:3"] else 2
     assert "rank 2 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
     assert ("rank 2 (at launch) left: the job goes on at world size 3 (was 4; generation 1) from batch 2, "
             in err), err
-    assert "1 finished step(s) are trained again (from the last checkpoint, resharded)" in err, err
+    assert f"{again} finished step(s) are trained again (from the last checkpoint, resharded)" in err, err
     params, batches = reference
     assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
     assert global_batches(out) == batches  # each step's samples as the generation that finished it read them
     for rank in (0, 1, 3):
         told = [json.loads(line) for line in (out / f"changes{rank}").read_text().splitlines()]
         assert [(c["generation"], c["world_size"], c["left"], c["batch"], c["trained_again"]) for c in told] \
-            == [(1, 3, [2], 2, 1)], told
+            == [(1, 3, [2], 2, again)], told
     assert sorted(p.name for p in (tmp_path / "ck").glob("ep*")) == \
         ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]
 
