@@ -76,19 +76,28 @@ def die_in_reform() -> None:
     Membership.reform = doomed
 
 
-def die_in_save(batch: int) -> None:
-    """SIGKILL this rank as it comes to the agreement of the checkpoint of ``batch`` (the others
-    wait for it there, in a collective of the group it leaves)."""
+def die_in_save(batch: int, where: str) -> None:
+    """SIGKILL this rank as the checkpoint of ``batch`` begins (``agree``: its agreement) or as it
+    gathers FSDP's full state for it (``gather``); the others wait for it there, in collectives
+    of the group it leaves."""
+    from lockstep.checkpoint.fsdp_states import FullLayout
     from lockstep.checkpoint.writer import CheckpointWriter
 
-    agree = CheckpointWriter._agree
+    agree, gather = CheckpointWriter._agree, FullLayout.gather
+    saving = [0]
 
-    def doomed(self, path, name, rank_entry):
-        if f"-ba{batch}-" in name:
+    def doomed_agree(self, path, name, rank_entry):
+        saving[0] = int(name.split("-ba", 1)[1].split("-")[0])
+        if where == "agree" and saving[0] == batch:
             os.kill(os.getpid(), signal.SIGKILL)
         return agree(self, path, name, rank_entry)
 
-    CheckpointWriter._agree = doomed
+    def doomed_gather(self):
+        if where == "gather" and saving[0] == batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return gather(self)
+
+    CheckpointWriter._agree, FullLayout.gather = doomed_agree, doomed_gather
 
 
 def main() -> None:
@@ -103,14 +112,16 @@ def main() -> None:
     parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
-    parser.add_argument("--die-in-save", default=None, help="R:B: launch rank R is killed as the batch-B save begins")
+    parser.add_argument("--die-in-save", default=None,
+                        help="R:B:agree|gather: launch rank R is killed in that part of the batch-B save")
     args = parser.parse_args()
     if args.fail_to_join and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
         sys.exit(3)
     if args.die_in_reform == int(os.environ["RANK"]):
         die_in_reform()
     if args.die_in_save is not None and int(args.die_in_save.split(":")[0]) == int(os.environ["RANK"]):
-        die_in_save(int(args.die_in_save.split(":")[1]))
+        _, batch, where = args.die_in_save.split(":")
+        die_in_save(int(batch), where)
     kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
     model, data = MLP(train_accuracy=True), _Indexed()
     saving = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \

@@ -134,12 +134,14 @@ def test_an_elastic_rank_is_told_its_attempts_membership_keys_and_the_full_world
                                                  {}).worker_env(1, 29500, 0, {})
 
 
-@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-save", "2:4"]], ids=["after-batch-3", "in-the-batch-4-save"])
+@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-save", "2:4:agree"], ["--die-in-save", "2:4:gather"]],
+                         ids=["after-batch-3", "in-the-batch-4-agreement", "in-the-batch-4-gather"])
 def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_ends_as_four_ranks_would(
         tmp_path: Path, reference, kill: list[str]) -> None:
     # rank 2 is killed after batch 3 (or as the others wait for it in the agreement of the batch-4
-    # checkpoint, which is never written); its shards are nowhere else, so the three ranks left
-    # shard the model anew over themselves and load the batch-2 checkpoint into it
+    # checkpoint, or in its gather of the full state: that checkpoint is never written); its
+    # shards are nowhere else, so the three ranks left shard the model anew over themselves and
+    # load the batch-2 checkpoint into it
     out = tmp_path / "out"
     err = finish(launch(out, *kill, "--fsdp", "--save", str(tmp_path / "ck")))
     again = 1 if kill == ["2:3"] else 2
@@ -156,6 +158,8 @@ def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_e
             == [(1, 3, [2], 2, again)], told
     assert sorted(p.name for p in (tmp_path / "ck").glob("ep*")) == \
         ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]
+    last = torch.load(tmp_path / "ck" / "ep2-ba8-rank0.pt", weights_only=False)["state"]["model"]
+    assert_same_params(last, params, atol=1e-5)  # the full state the three gathered for the last save
 
 
 @pytest.mark.parametrize("args,said", [

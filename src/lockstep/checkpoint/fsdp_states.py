@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from lockstep import dist
 from lockstep.checkpoint import integrity
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.layout import LOCAL, NAME, SHARDED, SHARDED_META, FolderLayout
@@ -48,8 +50,20 @@ class FullLayout(_OwnBuffers):
     _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if dist.collective_interrupt() is not None:  # an elastic job: gathers that a change of its ranks ends
+            return self._gather_through_lockstep()
         model = self._restore_buffer_dtypes(get_model_state_dict(self.model, options=self._SAVE))
         return model, [get_optimizer_state_dict(self.model, o, options=self._SAVE) for o in self.optimizers]
+
+    def _gather_through_lockstep(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """What :meth:`gather` returns, with every shard gathered through :mod:`lockstep.dist`
+        rather than by DTensor, which waits inside torch: there a rank lost during the save would
+        hold the others until the process group's timeout."""
+        model = _full_on_rank_0(get_model_state_dict(self.model))
+        optimizers = [_full_on_rank_0(get_optimizer_state_dict(self.model, o)) for o in self.optimizers]
+        if dist.get_global_rank() != 0:  # as torch's cpu_offload: only rank 0 keeps the full state
+            return {}, [{} for _ in self.optimizers]
+        return self._restore_buffer_dtypes(model), optimizers
 
     def load_model(self, weights: dict[str, Any], path: Path, strict: bool) -> None:
         try:  # every rank read the file, so each takes its own shards: nothing is broadcast
@@ -64,6 +78,30 @@ class FullLayout(_OwnBuffers):
                 set_optimizer_state_dict(self.model, optimizer, sd, options=options)
             except (RuntimeError, KeyError, ValueError) as e:
                 raise optimizer_misfit(path, i, optimizer, e) from None
+
+
+def _full_on_rank_0(state: Any) -> Any:
+    """``state`` (a sharded state dict) with each DTensor gathered whole; on rank 0 on the CPU."""
+    keep = dist.get_global_rank() == 0
+
+    def whole(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            value = _gathered(value)
+        return value.detach().cpu() if keep and isinstance(value, torch.Tensor) else value
+
+    return pytree.tree_map(whole, state)
+
+
+def _gathered(value: DTensor) -> torch.Tensor:
+    """The full tensor of FSDP's dim-0 shards (``torch.chunk``'s sizes, padded to one for the
+    all-gather), gathered through :func:`lockstep.dist.all_gather`."""
+    if len(value.placements) != 1 or not value.placements[0].is_shard(0):
+        return value.full_tensor()  # not FSDP's plain sharding (an elastic job refuses those)
+    local, rows = value.to_local(), value.shape[0]
+    group = value.device_mesh.get_group()
+    padded = local.new_zeros((-(-rows // group.size()), *value.shape[1:]))
+    padded[:local.shape[0]] = local
+    return torch.cat(dist.all_gather(padded, group=group))[:rows]
 
 
 def _gathering_reader(self: ReplicatedLayout) -> ReplicatedLayout:
