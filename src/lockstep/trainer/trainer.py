@@ -631,8 +631,8 @@ class Trainer:
     def _rejoin(self, stop: StopSignal | None) -> data.DataPosition | None:
         """After the job's ranks changed (an elastic job): a process group of the ranks left, every
         rank at the step the furthest reached (ending together a batch whose optimizer step was
-        taken), the global batch split over them; where the epoch's data starts again (its global
-        batches already trained are read and dropped)."""
+        taken) or, under FSDP, at the last checkpoint's, the global batch split over them; where
+        the epoch's data starts again (its global batches already trained are read and dropped)."""
         membership = elastic.current()
         assert membership is not None
         s, started = self.state, time.monotonic()
