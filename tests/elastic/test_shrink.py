@@ -162,18 +162,12 @@ def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_e
     assert_same_params(last, params, atol=1e-5)  # the full state the three gathered for the last save
 
 
-@pytest.mark.parametrize("args,said", [
-    ([], "under FSDP goes on from the last checkpoint, resharded over the ranks left (a lost rank's shards "
-         "are nowhere else): give save_folder and save_interval"),
-    (["sharded", "--save", "CK"], "a full one (state_dict_type 'full', the default) for now, not 'sharded'"),
-])
-def test_fsdp_under_min_ranks_without_what_it_goes_on_from_is_refused_in_one_line_before_training(
-        tmp_path: Path, args: list[str], said: str) -> None:
-    args = [str(tmp_path / "ck") if a == "CK" else a for a in args]
-    proc = launch(tmp_path / "out", "--fsdp", *args, launcher=("-n", "2", "--min_ranks", "1"))
+def test_fsdp_under_min_ranks_without_a_save_folder_is_refused_in_one_line_before_training(tmp_path: Path) -> None:
+    proc = launch(tmp_path / "out", "--fsdp", launcher=("-n", "2", "--min_ranks", "1"))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert said in err, err
+    assert ("under FSDP goes on from the last checkpoint, resharded over the ranks left (a lost rank's shards "
+            "are nowhere else): give save_folder and save_interval") in err, err
     assert not (tmp_path / "out" / "ends0").exists()
 
 
@@ -191,3 +185,30 @@ def test_a_script_whose_ranks_do_not_follow_a_change_stops_at_a_lost_rank(tmp_pa
     assert done.returncode == 3, done.stderr
     assert "rank 1 was lost (exit code 3) and not every rank follows a change of the job's ranks" in done.stderr
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("parallel,save_folder,said", [
+    ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, "ck",
+     "under DDP and FSDP, not DeepSpeed, whose engine cannot move its ZeRO shards onto fewer ranks"),
+    ({"fsdp_config": {"sharding_strategy": "HYBRID_SHARD"}}, "ck", "drop HYBRID_SHARD, the mesh degrees"),
+    ({"fsdp_config": {"state_dict_type": "local"}}, "ck", "not 'local'"),
+    ({"fsdp_config": {}}, None, "give save_folder and save_interval"),
+    ({"fsdp_config": {}}, "ck", None),
+    ({}, None, None),
+])
+def test_what_an_elastic_job_cannot_go_on_with_is_refused_in_one_line(
+        parallel: dict, save_folder: str | None, said: str | None) -> None:
+    from lockstep.parallel.config import ParallelConfig
+    from lockstep.parallel.ddp import DDPStrategy
+    from lockstep.parallel.fsdp import FSDPStrategy
+    from lockstep.trainer.setup import check_elastic
+
+    config = ParallelConfig(**parallel)
+    strategy = FSDPStrategy(torch.device("cpu"), "fp32", config.fsdp_config) if config.fsdp_config is not None \
+        else DDPStrategy(torch.device("cpu"), "fp32", sync_strategy=config.ddp_sync_strategy)  # DeepSpeed's too
+    if said is None:
+        check_elastic(strategy, config, save_folder)
+        return
+    with pytest.raises(ValueError) as error:
+        check_elastic(strategy, config, save_folder)
+    assert said in str(error.value) and "\n" not in str(error.value), error.value
