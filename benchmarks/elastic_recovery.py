@@ -43,13 +43,22 @@ JOBS = {"elastic": ["--min_ranks", "3"], "restart": ["--max_restarts", "1"]}
 NODE_JOBS = {"elastic": ["--nnodes", "1:2"], "restart": ["--nnodes", "2", "--max_restarts", "1"]}
 
 
+def ends_of(log: Path) -> list[tuple[int, float]]:
+    """(batch, wall-clock time) of each batch end one rank recorded."""
+    return [(int(b), float(t)) for b, t in (line.split() for line in log.read_text().splitlines())]
+
+
 def ends(out: Path) -> list[tuple[int, float]]:
-    found = []
-    for log in out.glob("ends*"):
-        for line in log.read_text().splitlines():
-            batch, when = line.split()
-            found.append((int(batch), float(when)))
-    return found
+    """Every rank's batch ends."""
+    return [end for log in out.glob("ends*") for end in ends_of(log)]
+
+
+def await_file(path: Path, procs: list[subprocess.Popen[str]]) -> None:
+    """Until ``path`` (a file or a symlink) exists; every launcher in ``procs`` must stay up meanwhile."""
+    while not (path.is_symlink() or path.exists()):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("".join(p.communicate()[1] for p in procs))
+        time.sleep(0.01)
 
 
 def _start(kind: str, out: Path, launcher: list[str], run: str = "run",
@@ -87,11 +96,7 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path, extra: list[str]
     else:
         procs = [_start(kind, out, ["-n", "4", *JOBS[kind]], extra=extra)]
     # under FSDP the elastic job goes on from a checkpoint: from the first one on
-    first = out / "saves" / "latest-rank0.pt" if "--fsdp" in extra else out / "ends0"
-    while not (first.is_symlink() or first.exists()):
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("".join(p.communicate()[1] for p in procs))
-        time.sleep(0.01)
+    await_file(out / "saves" / "latest-rank0.pt" if "--fsdp" in extra else out / "ends0", procs)
     time.sleep(delay)
     killed = time.time()
     if rank is None:
@@ -106,19 +111,17 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path, extra: list[str]
         err += proc.communicate(timeout=300)[1]
         if proc.returncode != 0:
             raise RuntimeError(err)
-    recorded = ends(out)
-    before = max(b for b, t in recorded if t < killed)
-    # the first batch past the newest one any rank had finished, and the first finish of it
-    batch = min(b for b, t in recorded if t > killed and (b > before or kind == "restart"))
-    when = min(t for b, t in recorded if b == batch and t > killed)
     if "SIGABRT" in err or err.count(" left (") > 1:
         raise RuntimeError(f"a rank was lost after the kill:\n{err}")
-    if kind == "restart":
-        return when - killed, before - (batch - 1)
-    # after the batches trained again (from a checkpoint: under FSDP), or finished late by a rank
+    recorded = ends(out)
+    before = max(b for b, t in recorded if t < killed)  # the newest batch any rank had finished
+    if kind == "restart":  # the first batch finished after the kill, and its first finish
+        batch = min(b for b, t in recorded if t > killed)
+        return min(t for b, t in recorded if b == batch and t > killed) - killed, before - (batch - 1)
+    # the first finish of the next batch after those trained again (from a checkpoint: under
+    # FSDP), or finished late by a rank
     since = max((t for b, t in recorded if b <= before and t > killed), default=killed)
-    nexts = min(t for b, t in recorded if b == before + 1 and t > since)
-    return nexts - killed, trained_again(out)
+    return min(t for b, t in recorded if b == before + 1 and t > since) - killed, trained_again(out)
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from elastic_recovery import _free_port, _start  # noqa: E402
+from elastic_recovery import _free_port, _start, await_file, ends_of  # noqa: E402
 
 
 def trial(delay: float, out: Path) -> tuple[float, float, int]:
@@ -40,11 +40,11 @@ def trial(delay: float, out: Path) -> tuple[float, float, int]:
     node = ["--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_timeout", "60",
             "--nnodes", "1:2"]
     procs = [_start("elastic", out, [*node, "--node_rank", str(n)], f"run{n}", extra=["--hold", "5"]) for n in (0, 1)]
-    _await(out / "ends0", procs)
+    await_file(out / "ends0", procs)
     time.sleep(delay)
     procs[1].kill()
     procs[1].communicate()
-    _await(out / "changes0", procs[:1])
+    await_file(out / "changes0", procs[:1])
     started = time.time()
     procs[1] = _start("elastic", out, [*node, "--node_rank", "1"], "run1-again", extra=["--hold", "5"])
     err = ""
@@ -52,23 +52,12 @@ def trial(delay: float, out: Path) -> tuple[float, float, int]:
         err += proc.communicate(timeout=300)[1]
         if proc.returncode != 0:
             raise RuntimeError(err)
-    first = min(t for log in ("ends2", "ends3") for b, t in _ends_of(out / log) if t > started)
+    first = min(t for log in ("ends2", "ends3") for b, t in ends_of(out / log) if t > started)
     joined = [json.loads(line) for line in (out / "changes0").read_text().splitlines()][-1]
     # a batch a rank's file records twice was trained again (node 1's files hold both its launchers' ranks)
     again = max(len(batches) - len(set(batches)) for batches in
-                ([b for b, _ in _ends_of(log)] for log in out.glob("ends*")))
+                ([b for b, _ in ends_of(log)] for log in out.glob("ends*")))
     return first - started, joined["seconds"], again
-
-
-def _ends_of(log: Path) -> list[tuple[int, float]]:
-    return [(int(b), float(t)) for b, t in (line.split() for line in log.read_text().splitlines())]
-
-
-def _await(path: Path, procs: list) -> None:
-    while not path.exists():
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("".join(p.communicate()[1] for p in procs))
-        time.sleep(0.01)
 
 
 def main() -> None:

@@ -73,10 +73,7 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
     delay = random.Random().uniform(0.0, 0.6)
     out = tmp_path / "out"
     master, other = two_nodes(out, "--sleep", "0.1")
-    deadline = time.monotonic() + 90
-    while not (out / "ends0").exists():
-        assert master.poll() is None and other.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(out / "ends0", [master, other])
     time.sleep(delay)
     killed = time.time()
     other.send_signal(signal.SIGKILL)  # its watchdog takes its ranks with it

@@ -34,23 +34,24 @@ _WRAPPED = "_checkpoint_wrapped_module."
 """The name part an activation-checkpointing wrapper adds (state dicts leave it out)."""
 
 
-class WaitedAllGather:
-    """FSDP's all-gather (the ``AllGather`` interface of ``FSDPModule.set_custom_all_gather``),
-    waited for through :func:`lockstep.dist.run_collective`; done when it returns."""
+class _PlainBuffers:
+    """The buffers of FSDP's ``Comm`` interface: plain tensors, as FSDP's default collectives use."""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class WaitedAllGather(_PlainBuffers):
+    """FSDP's all-gather (the ``AllGather`` interface of ``FSDPModule.set_custom_all_gather``),
+    waited for through :func:`lockstep.dist.run_collective`; done when it returns."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> None:
         dist.run_collective(_ALL_GATHER, output_tensor, input_tensor, group=group)
 
 
-class WaitedReduceScatter:
+class WaitedReduceScatter(_PlainBuffers):
     """FSDP's reduce-scatter, waited for as :class:`WaitedAllGather` is."""
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> None:
