@@ -145,9 +145,19 @@ def _wait_for(paths: list[Path], nodes: list[Node], timeout: float = 90) -> None
 
 def _cut_mid_run(hosts: Hosts, tmp: Path, nodes: list[Node], host: int) -> float:
     """Wait until both ranks train, tell them, cut ``host``'s link; when it was cut."""
+    _out_of_their_loop(tmp, nodes)
+    return _cut(hosts, tmp, host)
+
+
+def _out_of_their_loop(tmp: Path, nodes: list[Node]) -> None:
+    """Wait until both ranks train, then until both left their loop of all-reduces."""
     _wait_for([tmp / "training0", tmp / "training1"], nodes)
     (tmp / "cut").touch()
-    _wait_for([tmp / "left0", tmp / "left1"], nodes)  # out of their loop of all-reduces
+    _wait_for([tmp / "left0", tmp / "left1"], nodes)
+
+
+def _cut(hosts: Hosts, tmp: Path, host: int) -> float:
+    """Cut ``host``'s link and tell the ranks; when it was cut."""
     hosts.cut(host)
     cut_at = time.monotonic()
     (tmp / "down").touch()
@@ -210,8 +220,12 @@ def test_sigterm_ends_a_node_cut_off_from_the_master_in_its_grace_period_and_one
     retries.mkdir()
     waiting = _start(hosts, waits, env={"IGNORE_TERM": "1"}, first=0)
     retrying = _start(hosts, retries, ["--max_restarts", "1", "--rdzv_timeout", "120"], first=2)
-    _cut_mid_run(hosts, waits, waiting, 1)
-    _cut_mid_run(hosts, retries, retrying, 3)
+    # both jobs out of their loops before either link is cut: a cut node stops waiting for the
+    # store after about 10 s, and the second job may take that long to start on a busy machine
+    _out_of_their_loop(waits, waiting)
+    _out_of_their_loop(retries, retrying)
+    _cut(hosts, waits, 1)
+    _cut(hosts, retries, 3)
     deadline = time.monotonic() + 40
 
     time.sleep(1.0)  # node 1's launcher now waits for an answer from the store that will not come

@@ -94,10 +94,28 @@ def test_the_server_follows_the_scripts_own_modules_for_what_they_import(tmp_pat
     (tmp_path / "helpers").mkdir()
     (tmp_path / "helpers" / "__init__.py").write_text("")
     (tmp_path / "helpers" / "data.py").write_text("from lockstep import dist\nimport requests\n")
-    (tmp_path / "yaml.py").write_text("this is not python\n")  # unreadable: skipped, never run
+    (tmp_path / "yaml.py").write_text("def (:\n")  # unreadable: skipped, never run
     assert preload_list({}, str(tmp_path / "train.py")) == (
         "torch", "torch.distributed", "torch._dynamo", "lockstep", "lockstep:dist", "torchmetrics",
         "torchmetrics.classification", "torchmetrics.classification:MulticlassAccuracy")
+
+
+def test_a_script_of_the_standard_library_and_its_own_modules_alone_starts_without_a_server(
+        tmp_path: Path) -> None:
+    (tmp_path / "plain.py").write_text("import os, sys\nfrom json import dumps\nimport helpers.io\n"
+                                       "from mine import thing\n")
+    (tmp_path / "mine.py").write_text("import time\nimport plain  # a circle: read once\n")
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "io.py").write_text("from collections import deque\n")
+    assert preload_list({}, str(tmp_path / "plain.py")) == ()
+    # anything else may import torch: the server preloads it as before
+    (tmp_path / "mine.py").write_text("import time\nimport numpy\n")
+    assert preload_list({}, str(tmp_path / "plain.py")) == ("torch", "torch.distributed", "torch._dynamo")
+    (tmp_path / "mine.py").write_text("from . import sibling\n")  # relative: not followed
+    assert preload_list({}, str(tmp_path / "plain.py")) == ("torch", "torch.distributed", "torch._dynamo")
+    (tmp_path / "mine.py").write_text("def (:\n")  # not python: cannot be read
+    assert preload_list({}, str(tmp_path / "plain.py")) == ("torch", "torch.distributed", "torch._dynamo")
+    assert preload_list({"LOCKSTEP_PREFORK": "torch"}, str(tmp_path / "helpers" / "io.py")) == ("torch",)
 
 
 def test_the_rank_whose_script_failed_is_named_not_the_peer_its_exit_broke(tmp_path: Path, write_script) -> None:
@@ -130,6 +148,7 @@ def _job_processes(marker: str) -> list[int]:
 def test_sigkill_of_the_launcher_leaves_neither_the_server_nor_a_rank(tmp_path: Path, write_script) -> None:
     script = write_script("sleeper.py", textwrap.dedent("""
         import os, sys, time
+        import torch  # a script of the standard library alone starts its ranks without a server
         open(os.path.join(sys.argv[1], "ready" + os.environ["RANK"]), "w").write(str(os.getpid()))
         time.sleep(120)
     """))

@@ -5,7 +5,9 @@ first line runs; eight ranks on a node spend sixteen, all at once, and a restart
 elastic job pays it again. The launcher instead starts one *prefork server* per attempt, which
 imports torch (:data:`DEFAULT_PRELOAD`) and what the script, and the modules of its folder that it
 imports, import of torch, lockstep and torchmetrics (read from their source, never run), or the
-modules ``LOCKSTEP_PREFORK`` names, and then forks each rank from that state. A rank then runs the
+modules ``LOCKSTEP_PREFORK`` names, and then forks each rank from that state (a script that, with
+the modules of its folder, imports only the standard library has nothing to share: its ranks start
+as fresh interpreters, in milliseconds, with no server). A rank then runs the
 same worker bootstrap (:mod:`worker`) as a fresh one, with its own environment, working directory,
 standard streams, passed descriptors and signal dispositions, and numpy's global generator seeded
 anew (a fork would copy it).
@@ -64,10 +66,14 @@ def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple
     """What a server imports: the modules ``LOCKSTEP_PREFORK`` names (comma-separated; ``0`` or
     empty: none, and ranks start as fresh interpreters); unset or ``1``: torch and what ``script``
     imports of torch, lockstep and torchmetrics (:func:`script_imports`; ``module`` or
-    ``module:name`` for ``from module import name``)."""
+    ``module:name`` for ``from module import name``), or none for a script of the standard
+    library and its own modules alone."""
     value = environ.get(PREFORK_ENV)
     if value is None or value.strip() == "1":
-        return DEFAULT_PRELOAD + tuple(n for n in script_imports(script) if n not in DEFAULT_PRELOAD)
+        found, stdlib_only = _read_imports(script)
+        if stdlib_only:  # no torch to share: fresh interpreters start in milliseconds
+            return ()
+        return DEFAULT_PRELOAD + tuple(n for n in found if n not in DEFAULT_PRELOAD)
     return tuple(name.strip() for name in value.split(",") if name.strip() not in ("", "0"))
 
 
@@ -76,41 +82,59 @@ def script_imports(script: str | None) -> tuple[str, ...]:
     from its source, and those that the modules of its own folder it imports do (``from mymodels
     import Net`` whose ``mymodels.py`` imports torchmetrics), each file read once. Only files are
     read: none of them runs here."""
+    return _read_imports(script)[0]
+
+
+def _read_imports(script: str | None) -> tuple[tuple[str, ...], bool]:
+    """:func:`script_imports`, and whether every file read imports only the standard library and
+    the script's own modules (so that no rank can import torch, short of importing it by name at
+    run time); False for a file that cannot be read or parsed, or where more than
+    :data:`_MAX_FILES` would have to be."""
     if script is None or not script.endswith(".py"):
-        return ()
+        return (), False
     folder = os.path.dirname(os.path.abspath(script))
     found: dict[str, None] = {}
-    todo, read = [os.path.abspath(script)], set()
-    while todo and len(read) < _MAX_FILES:
+    todo, read, stdlib_only = [os.path.abspath(script)], set(), True
+    while todo:
         path = todo.pop()
         if path in read:
             continue
+        if len(read) >= _MAX_FILES:
+            return tuple(found), False
         read.add(path)
-        for name, own in _imports(path):
-            if name.split(":")[0].split(".")[0] in _SAFE_ROOTS:
+        imports = _imports(path)
+        stdlib_only = stdlib_only and imports is not None
+        for name, own in imports or ():
+            root = name.split(":")[0].split(".")[0]
+            if root in _SAFE_ROOTS:
                 found[name] = None
-            elif own:
-                todo.extend(_own_files(folder, name))
-    return tuple(found)
+            own_files = _own_files(folder, name) if own else []
+            todo.extend(own_files)
+            if not own_files and root not in sys.stdlib_module_names and not _is_own(folder, root):
+                stdlib_only = False  # a relative import's root is "": never the standard library's
+    return tuple(found), stdlib_only
 
 
 _MAX_FILES = 50
 """The most files :func:`script_imports` reads for one script."""
 
 
-def _imports(path: str) -> list[tuple[str, bool]]:
+def _imports(path: str) -> list[tuple[str, bool]] | None:
     """(module, or ``module:name`` for ``from module import name``; whether it may be one of the
-    script's own modules) for each absolute import in the file, in order."""
+    script's own modules) for each absolute import in the file, in order, and ``("", False)`` for
+    each relative one; None for a file that cannot be read or parsed."""
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
-        return []
+        return None
     out: list[tuple[str, bool]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.extend((a.name, True) for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            out.append(("", False))  # relative to a package: not followed
+        elif isinstance(node, ast.ImportFrom) and node.module:
             out.append((node.module, True))
             out.extend((f"{node.module}:{a.name}", False) for a in node.names if a.name != "*")
             out.extend((f"{node.module}.{a.name}", True) for a in node.names
@@ -123,6 +147,11 @@ def _own_files(folder: str, module: str) -> list[str]:
     ``__init__.py``), where it is one of the script's own."""
     base = os.path.join(folder, *module.split("."))
     return [path for path in (base + ".py", os.path.join(base, "__init__.py")) if os.path.isfile(path)]
+
+
+def _is_own(folder: str, root: str) -> bool:
+    """Whether the top-level module ``root`` is one of the script's own (a module or package of its folder)."""
+    return bool(root) and (os.path.isfile(os.path.join(folder, root + ".py")) or os.path.isdir(os.path.join(folder, root)))
 
 
 def _preload(name: str) -> None:
