@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lockstep import Callback, Trainer, dist, elastic  # noqa: E402
 from tests.elastic.test_global_batch import PER_RANK_BATCH, _Indexed  # noqa: E402
-from tests.trainer.common import MLP, full_params  # noqa: E402
+from tests.trainer.common import MLP, dataset, full_params  # noqa: E402
+
+EVAL_SAMPLES = 37
+"""Not a multiple of 4 or 3 ranks: the samplers pad each split differently."""
 
 
 class Record(Callback):
@@ -64,6 +67,30 @@ class Record(Callback):
             deadline = time.monotonic() + 60  # until the ranks change again (a node joins), or the test says
             while not membership.changed() and not (self.out / "release").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
+
+
+class RecordEvals(Callback):
+    """At the end of each evaluation, the rank that is rank 0 now writes the batch, the world size
+    and the metrics to OUT/evals, and the parameters evaluated to OUT/eval<batch>.params; with
+    ``die_in`` (launch rank, batch), that rank is killed in the evaluation at that batch."""
+
+    def __init__(self, out: Path, die_in: tuple[int, int] | None) -> None:
+        self.out, self.die_in = out, die_in
+        self.launch_rank = int(os.environ["RANK"])  # RANK follows the rank's place in the job
+
+    def eval_batch_end(self, state, logger) -> None:
+        if (self.launch_rank, int(state.timestamp.batch)) == self.die_in and \
+                int(os.environ["LOCKSTEP_RESTART_COUNT"]) == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def eval_end(self, state, logger) -> None:
+        if dist.get_global_rank() != 0:
+            return
+        batch = int(state.timestamp.batch)
+        values = {name: float(metric.compute()) for name, metric in state.eval_metrics["eval"].items()}
+        torch.save(full_params(state.model), self.out / f"eval{batch}.params")
+        with open(self.out / "evals", "a") as f:
+            f.write(json.dumps({"batch": batch, "world": dist.get_world_size(), **values}) + "\n")
 
 
 def die_in_reform() -> None:
@@ -109,6 +136,9 @@ def main() -> None:
     parser.add_argument("--fsdp", nargs="?", const="full", default=None, help="FSDP, with this state_dict_type")
     parser.add_argument("--hold", type=int, default=None,
                         help="after this batch, fewer ranks than the full world wait until the ranks change")
+    parser.add_argument("--eval", action="store_true", help="evaluate on EVAL_SAMPLES samples every 2 batches")
+    parser.add_argument("--die-in-eval", default=None,
+                        help="R:B: launch rank R is killed after its first batch of the evaluation at batch B")
     parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
@@ -124,13 +154,20 @@ def main() -> None:
         die_in_save(int(batch), where)
     kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
     model, data = MLP(train_accuracy=True), _Indexed()
-    saving = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
+    options = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
         if args.save else {}
+    callbacks = [Record(args.out, kills, args.sleep, args.hold)]
+    if args.eval:
+        held_out = dataset(EVAL_SAMPLES)
+        options.update(eval_interval="2ba", eval_dataloader=DataLoader(held_out, batch_size=4,
+                                                                      sampler=dist.get_sampler(held_out)))
+        die_in = tuple(int(x) for x in args.die_in_eval.split(":")) if args.die_in_eval else None
+        callbacks.append(RecordEvals(args.out, die_in))
     trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",
                       train_dataloader=DataLoader(data, batch_size=PER_RANK_BATCH,
                                                   sampler=dist.get_sampler(data, shuffle=True)),
-                      seed=7, progress_bar=False, callbacks=[Record(args.out, kills, args.sleep, args.hold)],
-                      fsdp_config={"state_dict_type": args.fsdp} if args.fsdp else None, **saving)
+                      seed=7, progress_bar=False, callbacks=callbacks,
+                      fsdp_config={"state_dict_type": args.fsdp} if args.fsdp else None, **options)
     trainer.fit()
     params = full_params(trainer.state.model)  # under FSDP a collective, and a new model after a change
     if dist.get_global_rank() == 0:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, global_batches, launch
-from tests.trainer.common import assert_same_params
+from tests.elastic.elastic_job import EVAL_SAMPLES
+from tests.trainer.common import MLP, assert_same_params, dataset
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -50,6 +51,27 @@ def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_
     # every batch once: rank 0 writes each record at once in an elastic job, and the new rank 0
     # (launched as 1) writes the file from the change on
     assert [r["batch"] for r in records if r["kind"] == "train"] == list(range(1, 9)), records
+
+
+@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-eval", "2:4"]], ids=["after-batch-3", "in-the-batch-4-evaluation"])
+def test_after_a_lost_rank_each_evaluation_counts_every_held_out_sample_once(
+        tmp_path: Path, reference, kill: list[str]) -> None:
+    # 37 held-out samples, evaluated every 2 batches; rank 2 is lost after batch 3, or after its
+    # first batch of the batch-4 evaluation (the epoch's last batch: the epoch ends after it); the
+    # evaluations of batches 4 (again), 6 and 8 run on 3 ranks, whose sampler was made for 4
+    out = tmp_path / "out"
+    finish(launch(out, *kill, "--eval"))
+    assert_as_uninterrupted(out, reference)
+    evals = [json.loads(line) for line in (out / "evals").read_text().splitlines()]
+    assert [(e["batch"], e["world"]) for e in evals] == [(2, 4), (4, 3), (6, 3), (8, 3)], evals
+    x, y = dataset(EVAL_SAMPLES).tensors
+    for e in evals:  # one process over the whole held-out set, with the parameters evaluated
+        model = MLP()
+        model.load_state_dict(torch.load(out / f"eval{e['batch']}.params", weights_only=True))
+        with torch.no_grad():
+            outputs = model((x, y))
+        assert e["accuracy"] == pytest.approx(float((outputs.argmax(dim=1) == y).double().mean()), abs=1e-6), e
+        assert e["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(outputs, y)), abs=1e-5), e
 
 
 def test_a_rank_lost_while_the_others_form_the_new_group_costs_seconds_not_the_dist_timeout(

@@ -93,6 +93,18 @@ def split_over_data_parallel(loader: Any, name: str) -> None:
     _resplit(sampler, split.size, split.rank)
 
 
+def split_over_the_ranks_now(loader: Any) -> None:
+    """In an elastic job, an eval loader's DistributedSampler, made for the ranks the job started
+    with, is split over the ranks there are now (after a change, so that every sample is still
+    evaluated once; the padding is left out as before)."""
+    sampler = _sampler(loader)
+    if not isinstance(sampler, DistributedSampler) or data_parallel().copies != 1:
+        return
+    now = (dist.get_world_size(), dist.get_global_rank())
+    if (sampler.num_replicas, sampler.rank) != now:
+        _resplit(sampler, *now)
+
+
 _MADE_FOR = "_lockstep_made_for"
 """The (num_replicas, rank) a sampler had before :func:`split_over_data_parallel` changed it."""
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from lockstep import dist, progress
+from lockstep import dist, elastic, progress
 from lockstep.batch import take
 from lockstep.core.data_spec import DataSpec
 from lockstep.core.eval_metrics import LOSS, value_of
 from lockstep.core.evaluator import Evaluator, ensure_evaluator, select_metrics
+from lockstep.elastic.collectives import gather_all_tensors
 from lockstep.core.event import Event
 from lockstep.loggers.logger import Logger
 from lockstep.model import Model
@@ -56,6 +57,9 @@ def build_evaluators(eval_dataloader: Any, model: Model, device: torch.device, e
             from lockstep.core.eval_loss import EvalLoss  # only with evaluators: it imports torchmetrics
             chosen[LOSS] = EvalLoss()
         metrics[evaluator.label] = {name: m.to(device) for name, m in chosen.items()}
+        if elastic.current() is not None:  # gathered so that a change of the job's ranks ends the wait
+            for metric in metrics[evaluator.label].values():
+                metric.dist_sync_fn = gather_all_tensors
     return evaluators, metrics
 
 
@@ -101,6 +105,17 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
     state.set_dataloader(spec.dataloader, evaluator.label, -1 if limit is None else limit)
     state.eval_timestamp = Timestamp()
     state.model.eval()
+    try:  # a change of an elastic job's ranks may end it early: the training state is put back
+        return _evaluate(state, strategy, evaluator, metrics, limit, run_event, logger)
+    finally:
+        state.model.train(was_training)
+        state.batch, state.outputs = training_batch, None
+        state.restore_dataloader(outer)
+
+
+def _evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: dict[str, Any], limit: int | None,
+              run_event: Callable[[Event], None], logger: Logger) -> dict[str, float]:
+    spec = evaluator.dataloader
     run_event(Event.EVAL_START)
     for metric in metrics.values():
         metric.reset()
@@ -112,22 +127,21 @@ def evaluate(state: State, strategy: Strategy, evaluator: Evaluator, metrics: di
         if not evaluated:  # said once, here, instead of torchmetrics' warning for each metric
             warnings.warn(f"evaluator {evaluator.label!r} had no batch to evaluate on rank {dist.get_global_rank()}: "
                           f"its dataloader yields none here (check its dataset, batch_size and sampler); its "
-                          f"metrics count the other ranks' samples only", UserWarning, stacklevel=3)
+                          f"metrics count the other ranks' samples only", UserWarning, stacklevel=4)
             warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric .* before the ``update``")
         results = {name: value_of(m) for name, m in metrics.items()}  # every rank: compute() gathers
     from lockstep.core.eval_loss import EvalLoss  # imported by now: the evaluators made one
     logger.log_metrics({f"metrics/{evaluator.label}/{name}": value for name, value in results.items()
                         if name != LOSS or not isinstance(metrics[name], EvalLoss)})
     run_event(Event.EVAL_END)
-    state.model.train(was_training)
-    state.batch, state.outputs = training_batch, None
-    state.restore_dataloader(outer)
     return results
 
 
 def _real_batches(state: State, strategy: Strategy, spec: DataSpec, limit: int | None) -> Any:
     """This rank's prepared batches and their sample counts, cut where the sampler's padding starts."""
     dataloader = spec.dataloader
+    if elastic.current() is not None:
+        data.split_over_the_ranks_now(dataloader)
     data.set_epoch(dataloader, int(state.timestamp.batch))  # as Composer: a shuffling sampler's order moves on
     remaining = data.real_eval_samples(dataloader)
     module = strategy.eval_module

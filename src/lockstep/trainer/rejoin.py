@@ -24,6 +24,20 @@ def agree_room() -> None:
     _agreement.widen_small_object_room(max(int(t[0]) for t in rooms))
 
 
+def end_pending(pending: bool, batch: int) -> bool:
+    """Whether the ranks go on with the end of ``batch`` that the change interrupted after its
+    BATCH_END (a collective of the new process group): all of them, or none, have it to do. A
+    RuntimeError where only some have: the others passed the batch's last collective, and what
+    they would do next no longer matches."""
+    flags = dist.all_reduce(torch.tensor([int(pending), -int(pending)], dtype=torch.int64), "MAX").tolist()
+    some, every = flags[0] == 1, flags[1] == -1  # the most, and minus the least
+    if some and not every:
+        raise RuntimeError(f"the ranks left disagree on whether batch {batch}'s end (its evaluations, checkpoint "
+                           f"and epoch end) is done, after a change of the job's ranks: the job cannot go on "
+                           f"exactly; run it again with autoresume")
+    return every
+
+
 def catch_up(state: State, unended: tuple | None, *, fresh: bool = False) -> tuple[int, tuple | None]:
     """Bring every rank to the furthest rank's step (a collective of the new process group): how
     many ranks were behind, and the batch whose optimizer step was taken but whose end (the

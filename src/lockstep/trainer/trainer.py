@@ -298,6 +298,8 @@ class Trainer:
         self._microbatches.spec = self._train_spec
         self._logging, self._closed, self._fitting, self._check_groups = False, False, False, False
         self._unended: tuple | None = None
+        self._tail: tuple | None = None
+        """(timestamp before, after, is_last, loud) of the batch whose end after BATCH_END is under way."""
         """The batch whose optimizer step ran and whose timestamp has not moved yet: (samples, tokens, is_last)."""
         self._ended_at_change = False
         """Whether the latest change of an elastic job's ranks ended such a batch on the new group."""
@@ -567,7 +569,7 @@ class Trainer:
             started_epoch = None  # the epoch whose EPOCH_START ran (an elastic job may start it over)
             membership = elastic.current()
             if membership is not None and membership.fresh:  # joined a running job: the others' step
-                resume = self._rejoin(stop)
+                resume = self._rejoin_and_end(stop)
                 # the others ran this epoch's EPOCH_START, unless the batch they just ended ended an epoch
                 if s.timestamp.batch_in_epoch.value or not self._ended_at_change:
                     started_epoch = s.timestamp.epoch.value
@@ -603,10 +605,29 @@ class Trainer:
         except (elastic.MembershipChanged, RuntimeError) as error:
             if not self._after_a_change(error):
                 raise
-            return self._rejoin(stop)  # the step in flight again, on the ranks left
+            return self._rejoin_and_end(stop)  # the step in flight again, on the ranks left
         finally:
             batches.close()  # puts back a sampler the resume skipped through
         return None
+
+    def _rejoin_and_end(self, stop: StopSignal | None) -> data.DataPosition | None:
+        """:meth:`_rejoin`, and then the end of the batch the change interrupted after its
+        BATCH_END (its evaluations, saves, its epoch's end), on the new process group, where every
+        rank left had it to do; again after each change meanwhile. Where the epoch goes on."""
+        while True:
+            resume = self._rejoin(stop)
+            pending = self._tail is not None and not self.strategy.shards_state  # FSDP: an older step now
+            if not rejoin.end_pending(pending, self.state.timestamp.batch.value):
+                self._tail = None
+                return resume
+            try:
+                self._end_tail()
+            except (elastic.MembershipChanged, RuntimeError) as error:
+                if not self._after_a_change(error):
+                    raise
+                continue
+            done = self.state.timestamp.batch_in_epoch.value
+            return data.DataPosition(skip=done) if done else None
 
     def _after_change(self, unended: tuple | None, stop: StopSignal | None) -> None:
         """On the new process group: the data split over its ranks, and the end of the batch the
@@ -742,6 +763,17 @@ class Trainer:
         if self._logging:
             self._log_batch(trained)
         self._run_event(Event.BATCH_END)
+        self._tail = (before, after, is_last, loud)
+        self._end_tail()
+        if stop and stop.agreed():
+            self._preempt()
+
+    def _end_tail(self) -> None:
+        """The rest of a batch's end, after BATCH_END (``self._tail``): evaluate and save when due,
+        BATCH_CHECKPOINT, and the epoch's end after its last batch. A change of an elastic job's
+        ranks meanwhile leaves it to be done again on the new process group (:meth:`_rejoin_and_end`)."""
+        assert self._tail is not None
+        before, after, is_last, loud = self._tail
         if self.evaluators:
             self._evaluate_due(before, Event.BATCH_END)
         # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
@@ -753,8 +785,7 @@ class Trainer:
             if loud:
                 self._run_event(Event.BEFORE_DATALOADER)
             self._end_epoch(before)
-        if stop and stop.agreed():
-            self._preempt()
+        self._tail = None
 
     def _end_epoch(self, before_batch: Timestamp) -> None:
         """After the epoch's last batch: the timestamp counts the epoch, the per-epoch schedulers
