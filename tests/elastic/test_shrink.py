@@ -74,6 +74,17 @@ def test_after_a_lost_rank_each_evaluation_counts_every_held_out_sample_once(
         assert e["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(outputs, y)), abs=1e-5), e
 
 
+def test_a_rank_lost_in_the_epoch_end_checkpoint_has_the_others_save_it_and_count_the_epoch_once(
+        tmp_path: Path, reference) -> None:
+    # under DDP, rank 2 dies in the agreement of the batch-4 checkpoint, which is saved after the
+    # epoch's end: the three left save it on their new group, and neither the epoch nor its data repeats
+    out, save = tmp_path / "out", tmp_path / "save"
+    finish(launch(out, "--save", str(save), "--die-in-save", "2:4:agree"))
+    assert_as_uninterrupted(out, reference)
+    assert sorted(p.name for p in save.glob("ep*")) == \
+        ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]
+
+
 def test_a_rank_lost_while_the_others_form_the_new_group_costs_seconds_not_the_dist_timeout(
         tmp_path: Path, reference) -> None:
     # rank 0 is killed after batch 2; rank 3 dies as it starts to form generation 1's group, which

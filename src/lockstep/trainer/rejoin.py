@@ -24,18 +24,22 @@ def agree_room() -> None:
     _agreement.widen_small_object_room(max(int(t[0]) for t in rooms))
 
 
-def end_pending(pending: bool, batch: int) -> bool:
-    """Whether the ranks go on with the end of ``batch`` that the change interrupted after its
-    BATCH_END (a collective of the new process group): all of them, or none, have it to do. A
-    RuntimeError where only some have: the others passed the batch's last collective, and what
-    they would do next no longer matches."""
-    flags = dist.all_reduce(torch.tensor([int(pending), -int(pending)], dtype=torch.int64), "MAX").tolist()
-    some, every = flags[0] == 1, flags[1] == -1  # the most, and minus the least
-    if some and not every:
-        raise RuntimeError(f"the ranks left disagree on whether batch {batch}'s end (its evaluations, checkpoint "
-                           f"and epoch end) is done, after a change of the job's ranks: the job cannot go on "
-                           f"exactly; run it again with autoresume")
-    return every
+def end_pending(taken: int, ends_epoch: bool, batch: int) -> bool:
+    """Whether the ranks take up the end of ``batch`` that the change interrupted after its
+    BATCH_END (a collective of the new process group): ``taken`` is how many of its steps this
+    rank took (:class:`~lockstep.trainer.batch_end.BatchEnd`; -1: none to take up). Where the
+    ranks differ (a rank that took the batch's optimizer step alone, whose peers catch up
+    without its end), none takes it up, as before; unless it ends an epoch, which must then be
+    counted on every rank: a RuntimeError instead of training that epoch twice."""
+    flags = torch.tensor([taken, -taken, int(ends_epoch)], dtype=torch.int64)
+    most, minus_least, epoch = (int(v) for v in dist.all_reduce(flags, "MAX").tolist())
+    if most == -minus_least:
+        return most >= 0
+    if epoch:
+        raise RuntimeError(f"the ranks left are at different steps of the end of batch {batch}, the last of its "
+                           f"epoch, after a change of the job's ranks: the job cannot go on exactly; run it "
+                           f"again with autoresume")
+    return False
 
 
 def catch_up(state: State, unended: tuple | None, *, fresh: bool = False) -> tuple[int, tuple | None]:

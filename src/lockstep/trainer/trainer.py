@@ -33,6 +33,7 @@ from lockstep.state import State
 from lockstep.time import Time, Timestamp, TimeUnit, is_reached
 from lockstep.trainer import (
     checkpointing, data, evaluation, fit_arguments, microbatch, options, predict, rejoin, setup, train_metrics)
+from lockstep.trainer.batch_end import BatchEnd
 from lockstep.trainer.config import LoopConfig, subset
 from lockstep.trainer.events import Events
 from lockstep.trainer.preemption import Preempted, StopSignal
@@ -298,8 +299,8 @@ class Trainer:
         self._microbatches.spec = self._train_spec
         self._logging, self._closed, self._fitting, self._check_groups = False, False, False, False
         self._unended: tuple | None = None
-        self._tail: tuple | None = None
-        """(timestamp before, after, is_last, loud) of the batch whose end after BATCH_END is under way."""
+        self._tail: BatchEnd | None = None
+        """The end of a batch after its BATCH_END, while under way."""
         """The batch whose optimizer step ran and whose timestamp has not moved yet: (samples, tokens, is_last)."""
         self._ended_at_change = False
         """Whether the latest change of an elastic job's ranks ended such a batch on the new group."""
@@ -616,16 +617,18 @@ class Trainer:
         rank left had it to do; again after each change meanwhile. Where the epoch goes on."""
         while True:
             resume = self._rejoin(stop)
-            pending = self._tail is not None and not self.strategy.shards_state  # FSDP: an older step now
-            if not rejoin.end_pending(pending, self.state.timestamp.batch.value):
+            tail = None if self.strategy.shards_state else self._tail  # FSDP: back at the checkpoint's step
+            if not rejoin.end_pending(-1 if tail is None else tail.taken, tail is not None and tail.ends_epoch,
+                                      self.state.timestamp.batch.value):
                 self._tail = None
                 return resume
             try:
-                self._end_tail()
+                self._tail.run()  # type: ignore[union-attr]
             except (elastic.MembershipChanged, RuntimeError) as error:
                 if not self._after_a_change(error):
                     raise
                 continue
+            self._tail = None
             done = self.state.timestamp.batch_in_epoch.value
             return data.DataPosition(skip=done) if done else None
 
@@ -744,7 +747,7 @@ class Trainer:
         """After a step, in Composer's order: move the timestamp and the schedules, log, then
         BATCH_END, evaluate and save when due, BATCH_CHECKPOINT; after the epoch's last batch,
         BEFORE_DATALOADER once more (Composer asks its exhausted dataloader for one more batch) and
-        the epoch's turn (:meth:`_end_epoch`); then stop if SIGTERM arrived."""
+        the epoch's turn (:meth:`_tail_steps`); then stop if SIGTERM arrived."""
         s = self.state
         before = s.timestamp
         tokens = int(tokens)  # a sum over the ranks may still be on its way
@@ -763,45 +766,46 @@ class Trainer:
         if self._logging:
             self._log_batch(trained)
         self._run_event(Event.BATCH_END)
-        self._tail = (before, after, is_last, loud)
-        self._end_tail()
+        self._tail = BatchEnd(self._tail_steps(before, after, is_last, loud), is_last)
+        self._tail.run()
+        self._tail = None
         if stop and stop.agreed():
             self._preempt()
 
-    def _end_tail(self) -> None:
-        """The rest of a batch's end, after BATCH_END (``self._tail``): evaluate and save when due,
-        BATCH_CHECKPOINT, and the epoch's end after its last batch. A change of an elastic job's
-        ranks meanwhile leaves it to be done again on the new process group (:meth:`_rejoin_and_end`)."""
-        assert self._tail is not None
-        before, after, is_last, loud = self._tail
+    def _tail_steps(self, before: Timestamp, after: Timestamp, is_last: bool, loud: bool) -> list[Callable[[], object]]:
+        """The rest of a batch's end, after BATCH_END, as steps (:class:`BatchEnd`): evaluate and
+        save when due, BATCH_CHECKPOINT; after the epoch's last batch, BEFORE_DATALOADER once more
+        and the epoch's turn (:meth:`_epoch_end_steps`). An elastic job takes a step interrupted by
+        a change of its ranks up again on the new process group (:meth:`_rejoin_and_end`)."""
+        steps: list[Callable[[], object]] = []
         if self.evaluators:
-            self._evaluate_due(before, Event.BATCH_END)
-        # The epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch.
-        if not is_last:
-            for saves in self._every_save:
-                saves.after_batch(before, after)
-        self._run_event(Event.BATCH_CHECKPOINT)
+            steps.append(functools.partial(self._evaluate_due, before, Event.BATCH_END))
+        if not is_last:  # the epoch's last batch saves after the epoch ends, so that {epoch} counts that epoch
+            steps += [functools.partial(saves.after_batch, before, after) for saves in self._every_save]
+        steps.append(functools.partial(self._run_event, Event.BATCH_CHECKPOINT))
         if is_last:
             if loud:
-                self._run_event(Event.BEFORE_DATALOADER)
-            self._end_epoch(before)
-        self._tail = None
+                steps.append(functools.partial(self._run_event, Event.BEFORE_DATALOADER))
+            steps += self._epoch_end_steps(before, after)
+        return steps
 
-    def _end_epoch(self, before_batch: Timestamp) -> None:
-        """After the epoch's last batch: the timestamp counts the epoch, the per-epoch schedulers
-        step, EPOCH_END, evaluate and save when due (a save the last batch was due included),
-        EPOCH_CHECKPOINT."""
+    def _epoch_end_steps(self, before_batch: Timestamp, after_batch: Timestamp) -> list[Callable[[], object]]:
+        """After the epoch's last batch: the timestamp counts the epoch and the per-epoch schedulers
+        step (one step: no collective in it), EPOCH_END, evaluate and save when due (a save the
+        last batch was due included), EPOCH_CHECKPOINT."""
         s = self.state
-        s.previous_timestamp = after_batch = s.timestamp
-        s.timestamp = s.timestamp.to_next_epoch()
-        for scheduler in self._epoch_schedulers:
-            scheduler.step()
-        self._run_event(Event.EPOCH_END)
+
+        def count() -> None:
+            s.previous_timestamp = after_batch
+            s.timestamp = after_batch.to_next_epoch()
+            for scheduler in self._epoch_schedulers:
+                scheduler.step()
+        steps: list[Callable[[], object]] = [count, functools.partial(self._run_event, Event.EPOCH_END)]
         if self.evaluators:
-            self._evaluate_due(after_batch, Event.EPOCH_END)
-        for saves in self._every_save:
-            saves.after_epoch(before_batch)
-        self._run_event(Event.EPOCH_CHECKPOINT)
+            steps.append(functools.partial(self._evaluate_due, after_batch, Event.EPOCH_END))
+        steps += [functools.partial(saves.after_epoch, before_batch) for saves in self._every_save]
+        steps.append(functools.partial(self._run_event, Event.EPOCH_CHECKPOINT))
+        return steps
 
     def _train_batch(self, batch: Any, global_samples: int, global_tokens: SupportsInt, loud: bool) -> torch.Tensor:
         """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync).
