@@ -53,7 +53,8 @@ def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_
     assert [r["batch"] for r in records if r["kind"] == "train"] == list(range(1, 9)), records
 
 
-@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-eval", "2:4"]], ids=["after-batch-3", "in-the-batch-4-evaluation"])
+@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-eval", "2:4"]],
+                         ids=["after-batch-3", "in-the-batch-4-evaluation"])
 def test_after_a_lost_rank_each_evaluation_counts_every_held_out_sample_once(
         tmp_path: Path, reference, kill: list[str]) -> None:
     # 37 held-out samples, evaluated every 2 batches; rank 2 is lost after batch 3, or after its

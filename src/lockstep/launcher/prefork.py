@@ -151,7 +151,8 @@ def _own_files(folder: str, module: str) -> list[str]:
 
 def _is_own(folder: str, root: str) -> bool:
     """Whether the top-level module ``root`` is one of the script's own (a module or package of its folder)."""
-    return bool(root) and (os.path.isfile(os.path.join(folder, root + ".py")) or os.path.isdir(os.path.join(folder, root)))
+    base = os.path.join(folder, root)
+    return bool(root) and (os.path.isfile(base + ".py") or os.path.isdir(base))
 
 
 def _preload(name: str) -> None:

@@ -299,9 +299,9 @@ class Trainer:
         self._microbatches.spec = self._train_spec
         self._logging, self._closed, self._fitting, self._check_groups = False, False, False, False
         self._unended: tuple | None = None
+        """The batch whose optimizer step ran and whose timestamp has not moved yet: (samples, tokens, is_last)."""
         self._tail: BatchEnd | None = None
         """The end of a batch after its BATCH_END, while under way."""
-        """The batch whose optimizer step ran and whose timestamp has not moved yet: (samples, tokens, is_last)."""
         self._ended_at_change = False
         """Whether the latest change of an elastic job's ranks ended such a batch on the new group."""
         self.fit_count = 0
@@ -796,8 +796,8 @@ class Trainer:
         s = self.state
 
         def count() -> None:
-            s.previous_timestamp = after_batch
-            s.timestamp = after_batch.to_next_epoch()
+            s.previous_timestamp = s.timestamp
+            s.timestamp = s.timestamp.to_next_epoch()
             for scheduler in self._epoch_schedulers:
                 scheduler.step()
         steps: list[Callable[[], object]] = [count, functools.partial(self._run_event, Event.EPOCH_END)]
