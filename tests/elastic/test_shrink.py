@@ -63,16 +63,23 @@ def test_after_a_lost_rank_each_evaluation_counts_every_held_out_sample_once(
     out = tmp_path / "out"
     finish(launch(out, *kill, "--eval"))
     assert_as_uninterrupted(out, reference)
-    evals = [json.loads(line) for line in (out / "evals").read_text().splitlines()]
+    evals = _evaluations_as_one_process_over_every_sample(out)
     assert [(e["batch"], e["world"]) for e in evals] == [(2, 4), (4, 3), (6, 3), (8, 3)], evals
+
+
+def _evaluations_as_one_process_over_every_sample(out: Path) -> list[dict]:
+    """The job's evaluations (``--eval``), each checked against one process over the whole
+    held-out set with the parameters it evaluated."""
+    evals = [json.loads(line) for line in (out / "evals").read_text().splitlines()]
     x, y = dataset(EVAL_SAMPLES).tensors
-    for e in evals:  # one process over the whole held-out set, with the parameters evaluated
+    for e in evals:
         model = MLP()
         model.load_state_dict(torch.load(out / f"eval{e['batch']}.params", weights_only=True))
         with torch.no_grad():
             outputs = model((x, y))
         assert e["accuracy"] == pytest.approx(float((outputs.argmax(dim=1) == y).double().mean()), abs=1e-6), e
         assert e["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(outputs, y)), abs=1e-5), e
+    return evals
 
 
 def test_a_rank_lost_in_the_epoch_end_checkpoint_has_the_others_save_it_and_count_the_epoch_once(
@@ -108,7 +115,7 @@ def test_a_rank_killed_from_outside_at_a_random_moment_costs_no_sample_and_no_ex
     chosen = random.Random()
     rank, delay = chosen.randrange(4), chosen.uniform(0.0, 0.6)
     out = tmp_path / "out"
-    proc = launch(out, "--sleep", "0.1")
+    proc = launch(out, "--sleep", "0.1", "--eval")  # a kill may come during an evaluation too
     deadline = time.monotonic() + 90
     while not (out / "ends0").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -118,6 +125,7 @@ def test_a_rank_killed_from_outside_at_a_random_moment_costs_no_sample_and_no_ex
     err = finish(proc)
     assert f"rank {rank} left (signal SIGKILL): 3 of 4 ranks go on" in err, (rank, delay, err)
     assert_as_uninterrupted(out, reference)
+    assert [e["batch"] for e in _evaluations_as_one_process_over_every_sample(out)] == [2, 4, 6, 8]
 
 
 def test_below_min_ranks_the_job_stops_as_without_it(tmp_path: Path) -> None:
