@@ -84,11 +84,12 @@ class RecordEvals(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def eval_end(self, state, logger) -> None:
+        params = full_params(state.model)  # under FSDP a collective
         if dist.get_global_rank() != 0:
             return
         batch = int(state.timestamp.batch)
         values = {name: float(metric.compute()) for name, metric in state.eval_metrics["eval"].items()}
-        torch.save(full_params(state.model), self.out / f"eval{batch}.params")
+        torch.save(params, self.out / f"eval{batch}.params")
         with open(self.out / "evals", "a") as f:
             f.write(json.dumps({"batch": batch, "world": dist.get_world_size(), **values}) + "\n")
 

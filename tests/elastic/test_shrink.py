@@ -53,15 +53,17 @@ def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_
     assert [r["batch"] for r in records if r["kind"] == "train"] == list(range(1, 9)), records
 
 
-@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-eval", "2:4"]],
-                         ids=["after-batch-3", "in-the-batch-4-evaluation"])
+@pytest.mark.parametrize("kill,fsdp", [(["2:3"], False), (["--die-in-eval", "2:4"], False),
+                                       (["--die-in-eval", "2:4"], True)],
+                         ids=["after-batch-3", "in-the-batch-4-evaluation", "fsdp-in-the-batch-4-evaluation"])
 def test_after_a_lost_rank_each_evaluation_counts_every_held_out_sample_once(
-        tmp_path: Path, reference, kill: list[str]) -> None:
+        tmp_path: Path, reference, kill: list[str], fsdp: bool) -> None:
     # 37 held-out samples, evaluated every 2 batches; rank 2 is lost after batch 3, or after its
     # first batch of the batch-4 evaluation (the epoch's last batch: the epoch ends after it); the
-    # evaluations of batches 4 (again), 6 and 8 run on 3 ranks, whose sampler was made for 4
+    # evaluations of batches 4 (again), 6 and 8 run on 3 ranks, whose sampler was made for 4.
+    # Under FSDP the three go back to the batch-2 checkpoint, resharded, and train batches 3 and 4 again
     out = tmp_path / "out"
-    finish(launch(out, *kill, "--eval"))
+    finish(launch(out, *kill, "--eval", *(("--fsdp", "--save", str(tmp_path / "save")) if fsdp else ())))
     assert_as_uninterrupted(out, reference)
     evals = _evaluations_as_one_process_over_every_sample(out)
     assert [(e["batch"], e["world"]) for e in evals] == [(2, 4), (4, 3), (6, 3), (8, 3)], evals
