@@ -3,11 +3,13 @@ waits the membership watches (:mod:`lockstep.elastic.membership`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from lockstep import dist
+from lockstep.elastic.membership import current
 
 
 def gather_all_tensors(result: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
@@ -23,3 +25,11 @@ def gather_all_tensors(result: torch.Tensor, group: Any = None) -> list[torch.Te
     padded[tuple(slice(0, n) for n in result.shape)] = result
     gathered = dist.all_gather(padded, group)
     return [g[tuple(slice(0, n) for n in s)] for g, s in zip(gathered, shapes)]
+
+
+def gather_metrics_through_lockstep(metrics: Iterable[Any]) -> None:
+    """In an elastic job, have each torchmetrics ``Metric`` of ``metrics`` gather with
+    :func:`gather_all_tensors`, so that a change of the job's ranks ends its wait; else nothing."""
+    if current() is not None:
+        for metric in metrics:
+            metric.dist_sync_fn = gather_all_tensors

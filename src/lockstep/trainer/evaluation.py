@@ -17,7 +17,7 @@ from lockstep.batch import take
 from lockstep.core.data_spec import DataSpec
 from lockstep.core.eval_metrics import LOSS, value_of
 from lockstep.core.evaluator import Evaluator, ensure_evaluator, select_metrics
-from lockstep.elastic.collectives import gather_all_tensors
+from lockstep.elastic.collectives import gather_metrics_through_lockstep
 from lockstep.core.event import Event
 from lockstep.loggers.logger import Logger
 from lockstep.model import Model
@@ -57,9 +57,7 @@ def build_evaluators(eval_dataloader: Any, model: Model, device: torch.device, e
             from lockstep.core.eval_loss import EvalLoss  # only with evaluators: it imports torchmetrics
             chosen[LOSS] = EvalLoss()
         metrics[evaluator.label] = {name: m.to(device) for name, m in chosen.items()}
-        if elastic.current() is not None:  # gathered so that a change of the job's ranks ends the wait
-            for metric in metrics[evaluator.label].values():
-                metric.dist_sync_fn = gather_all_tensors
+        gather_metrics_through_lockstep(metrics[evaluator.label].values())
     return evaluators, metrics
 
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from lockstep import elastic
-from lockstep.elastic.collectives import gather_all_tensors
+from lockstep.elastic.collectives import gather_metrics_through_lockstep
 from lockstep.core.state import State
 from lockstep.utils.misc import model_eval_mode
 
@@ -23,9 +22,7 @@ def build(state: State) -> None:
     metrics = model.get_metrics(is_train=True) if hasattr(model, "get_metrics") else {}
     device = state.device.torch_device
     state.train_metrics = {name: copy.deepcopy(metric).to(device) for name, metric in (metrics or {}).items()}
-    if elastic.current() is not None:  # gathered so that a change of the job's ranks ends the wait
-        for metric in state.train_metrics.values():
-            metric.dist_sync_fn = gather_all_tensors
+    gather_metrics_through_lockstep(state.train_metrics.values())
 
 
 def reset(state: State) -> None:

@@ -629,8 +629,7 @@ class Trainer:
                     raise
                 continue
             self._tail = None
-            done = self.state.timestamp.batch_in_epoch.value
-            return data.DataPosition(skip=done) if done else None
+            return self._where_the_epoch_goes_on()
 
     def _after_change(self, unended: tuple | None, stop: StopSignal | None) -> None:
         """On the new process group: the data split over its ranks, and the end of the batch the
@@ -688,9 +687,11 @@ class Trainer:
             left=tuple(r for r in trained if r not in now), joined=tuple(r for r in now if r not in trained),
             batch=s.timestamp.batch.value, seconds=round(time.monotonic() - started, 3), ranks_behind=behind,
             trained_again=max(0, reached - s.timestamp.batch.value)))
-        if reloaded is not None:
-            return reloaded
-        done = s.timestamp.batch_in_epoch.value
+        return reloaded if reloaded is not None else self._where_the_epoch_goes_on()
+
+    def _where_the_epoch_goes_on(self) -> data.DataPosition | None:
+        """After a change of an elastic job's ranks: the epoch's batches already trained, skipped."""
+        done = self.state.timestamp.batch_in_epoch.value
         return data.DataPosition(skip=done) if done else None
 
     def _reshard_from_checkpoint(self) -> data.DataPosition | None:
