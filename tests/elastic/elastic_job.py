@@ -28,6 +28,7 @@ import torch
 # prefork server loads torchmetrics once, not every rank
 import torchmetrics  # noqa: F401
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--fsdp", nargs="?", const="full", default=None, help="FSDP, with this state_dict_type")
     parser.add_argument("--hold", type=int, default=None,
                         help="after this batch, fewer ranks than the full world wait until the ranks change")
+    parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader for training")
     parser.add_argument("--eval", action="store_true", help="evaluate on EVAL_SAMPLES samples every 2 batches")
     parser.add_argument("--die-in-eval", default=None,
                         help="R:B: launch rank R is killed after its first batch of the evaluation at batch B")
@@ -165,11 +167,12 @@ def main() -> None:
         die_in = tuple(int(x) for x in args.die_in_eval.split(":")) if args.die_in_eval else None
         callbacks.append(RecordEvals(args.out, die_in))
     trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",
-                      train_dataloader=DataLoader(data, batch_size=PER_RANK_BATCH,
-                                                  sampler=dist.get_sampler(data, shuffle=True)),
+                      train_dataloader=(StatefulDataLoader if args.stateful else DataLoader)(
+                          data, batch_size=PER_RANK_BATCH, sampler=dist.get_sampler(data, shuffle=True)),
                       seed=7, progress_bar=False, callbacks=callbacks,
                       fsdp_config={"state_dict_type": args.fsdp} if args.fsdp else None, **options)
     trainer.fit()
+    assert not args.stateful or isinstance(trainer.train_dataloader, StatefulDataLoader)  # split or not
     params = full_params(trainer.state.model)  # under FSDP a collective, and a new model after a change
     if dist.get_global_rank() == 0:
         torch.save(params, args.out / "params.pt")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lockstep import Callback, Trainer, dist
 from lockstep.elastic import FULL_WORLD_ENV, GlobalBatchSampler, full_world_size, share_loader
@@ -109,15 +110,18 @@ class _Log(Callback):
 SHARDED = {"fsdp_config": {"sharding_strategy": "FULL_SHARD", "state_dict_type": "sharded"}}
 
 
-def _train(folder: str, load: str | None, sharded: bool = False) -> tuple[dict[str, torch.Tensor], dict[int, list[int]], int]:
+def _train(folder: str, load: str | None, sharded: bool = False,
+           stateful: bool = False) -> tuple[dict[str, torch.Tensor], dict[int, list[int]], int]:
     model, data, log = MLP(), _Indexed(), _Log()
+    loader = StatefulDataLoader if stateful else DataLoader
     trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",
-                      train_dataloader=DataLoader(data, batch_size=PER_RANK_BATCH,
-                                                  sampler=dist.get_sampler(data, shuffle=True)),
+                      train_dataloader=loader(data, batch_size=PER_RANK_BATCH,
+                                              sampler=dist.get_sampler(data, shuffle=True)),
                       seed=7, progress_bar=False, callbacks=[log], save_folder=folder, save_interval="3ba",
                       save_filename="ep{epoch}-ba{batch}" + ("" if sharded else "-rank{rank}.pt"), load_path=load,
                       **(SHARDED if sharded else {}))
     trainer.fit()
+    assert isinstance(trainer.train_dataloader, loader)
     return full_params(model), log.steps, log.largest
 
 
@@ -130,18 +134,27 @@ def _global_batches(results: list[tuple]) -> dict[int, list[int]]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader", "StatefulDataLoader"])
 def test_fewer_ranks_train_the_full_worlds_global_batches_from_the_start_or_a_mid_epoch_checkpoint(
-        tmp_path: Path) -> None:
+        tmp_path: Path, stateful: bool) -> None:
+    """A StatefulDataLoader stays one when it is split into shares of the global batch, and the
+    state a rank of 4 saved (its count of batches, one per global batch) puts a rank of 3 at the
+    same global batch."""
     env = {"OMP_NUM_THREADS": "1"}
-    full = run_distributed(_train, world_size=FULL_WORLD, args=(str(tmp_path / "full"), None), env=env, timeout=200)
+    full = run_distributed(_train, world_size=FULL_WORLD, args=(str(tmp_path / "full"), None, False, stateful),
+                           env=env, timeout=200)
     reference, reference_batches = full[0][0], _global_batches(full)
     assert len(reference_batches) == 8  # 4 global batches an epoch, 2 epochs
     for epoch in (range(4), range(4, 8)):  # every sample once an epoch
         assert sorted(itertools.chain(*(reference_batches[s] for s in epoch))) == list(range(SAMPLES))
     elastic = {**env, FULL_WORLD_ENV: str(FULL_WORLD)}
-    fresh = run_distributed(_train, world_size=2, args=(str(tmp_path / "two"), None), env=elastic, timeout=200)
+    fresh = run_distributed(_train, world_size=2, args=(str(tmp_path / "two"), None, False, stateful), env=elastic,
+                            timeout=200)
     load = str(tmp_path / "full" / "ep0-ba3-rank{rank}.pt")
-    resumed = run_distributed(_train, world_size=3, args=(str(tmp_path / "three"), load), env=elastic, timeout=200)
+    if stateful:  # what each rank of 4 saved
+        assert all(entry["loader_state"] for entry in torch.load(load.format(rank=0), weights_only=False)["ranks"])
+    resumed = run_distributed(_train, world_size=3, args=(str(tmp_path / "three"), load, False, stateful), env=elastic,
+                              timeout=200)
     for results, world, first in ((fresh, 2, 0), (resumed, 3, 3)):
         assert {step: samples for step, samples in reference_batches.items() if step >= first} \
             == _global_batches(results), world

@@ -178,17 +178,19 @@ def test_an_elastic_rank_is_told_its_attempts_membership_keys_and_the_full_world
                                                  {}).worker_env(1, 29500, 0, {})
 
 
-@pytest.mark.parametrize("kill", [["2:3"], ["--die-in-save", "2:4:agree"], ["--die-in-save", "2:4:gather"]],
-                         ids=["after-batch-3", "in-the-batch-4-agreement", "in-the-batch-4-gather"])
+@pytest.mark.parametrize("kill", [["2:3", "--stateful"], ["--die-in-save", "2:4:agree"],
+                                  ["--die-in-save", "2:4:gather"]],
+                         ids=["after-batch-3-stateful-loader", "in-the-batch-4-agreement", "in-the-batch-4-gather"])
 def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_ends_as_four_ranks_would(
         tmp_path: Path, reference, kill: list[str]) -> None:
     # rank 2 is killed after batch 3 (or as the others wait for it in the agreement of the batch-4
     # checkpoint, or in its gather of the full state: that checkpoint is never written); its
     # shards are nowhere else, so the three ranks left shard the model anew over themselves and
-    # load the batch-2 checkpoint into it
+    # load the batch-2 checkpoint into it (with a StatefulDataLoader, the position its state saved
+    # by a rank of 4 gives a rank of 3's share of the global batches)
     out = tmp_path / "out"
     err = finish(launch(out, *kill, "--fsdp", "--save", str(tmp_path / "ck")))
-    again = 1 if kill == ["2:3"] else 2
+    again = 1 if kill[0] == "2:3" else 2
     assert "rank 2 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
     assert ("rank 2 (at launch) left: the job goes on at world size 3 (was 4; generation 1) from batch 2, "
             in err), err

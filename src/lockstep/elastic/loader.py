@@ -27,9 +27,10 @@ def full_world_size() -> int | None:
 
 
 def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int, *, regrouped: bool = False) -> Any:
-    """``loader``, or a DataLoader over the same data and with the same settings, that gives rank
-    ``rank`` of ``world`` its share of each global batch of ``full_world`` ranks (the loader's
-    ``batch_size`` samples per full-world rank, drawn as its DistributedSampler draws them).
+    """``loader``, or a DataLoader (a StatefulDataLoader for one) over the same data and with the
+    same settings, that gives rank ``rank`` of ``world`` its share of each global batch of
+    ``full_world`` ranks (the loader's ``batch_size`` samples per full-world rank, drawn as its
+    DistributedSampler draws them).
     A loader made by this function is re-split in place; with the full world there, and a loader
     never split, the loader is returned as it is: its batches are the global batch's shares. Not
     once the ranks ``regrouped`` (a rank joined the running job): the others' loaders split the
@@ -52,9 +53,20 @@ def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int,
                                 drop_last=sampler.drop_last, drop_last_batch=loader.drop_last)
     shares.set_epoch(sampler.epoch)
     workers = loader.num_workers
-    return DataLoader(loader.dataset, batch_sampler=shares, num_workers=workers, collate_fn=loader.collate_fn,
-                      pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-                      prefetch_factor=loader.prefetch_factor if workers else None,
-                      persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
-                      in_order=loader.in_order)
+    settings: dict[str, Any] = dict(
+        batch_sampler=shares, num_workers=workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None, persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device, in_order=loader.in_order)
+    stateful = _stateful_dataloader_class(loader)
+    if stateful is not None:  # it stays one, saving its dataset's state into each checkpoint
+        return stateful(loader.dataset, snapshot_every_n_steps=loader.snapshot_every_n_steps, **settings)
+    return DataLoader(loader.dataset, **settings)
+
+
+def _stateful_dataloader_class(loader: DataLoader) -> type | None:
+    """torchdata's StatefulDataLoader where ``loader`` is one (found without importing torchdata,
+    which is optional)."""
+    return next((c for c in type(loader).__mro__
+                 if c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")), None)
