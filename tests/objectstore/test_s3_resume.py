@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,34 +59,42 @@ BATCHES = ["--batches", "12"]  # saves at batches 4, 8 and 12
 KINDS = {"ddp": [], "sharded": ["--sharded"], "local": ["--local"], "zero2": ["--zero", "2"]}
 
 
-@pytest.fixture(scope="module")
-def reference(request, tmp_path_factory):
-    """The uninterrupted job's parameters for a kind (DDP, FSDP sharded or local, DeepSpeed ZeRO-2), saved to
-    a local folder: one launch trains every kind that the selected tests need, each in turn (once
-    for every worker)."""
-    tmp, found = tmp_path_factory.mktemp("reference"), {}
-    kill_test = test_kill_9_during_uploads_then_autoresume_on_other_nodes_is_exact
-    wanted = {item.callspec.params["kind"] for item in request.session.items if getattr(item, "function", None) is kill_test}
-    if importlib.util.find_spec("deepspeed") is None:
-        wanted.discard("zero2")
+@pytest.fixture
+def saved(s3_server, s3_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One uninterrupted one-node job of two ranks per kind (DDP, FSDP sharded and local, and
+    DeepSpeed ZeRO-2 where installed), saved at batches 4, 8 and 12 through the bucket: made by one
+    launch once for every worker (``shared_run``), it is what the tests set a bucket and a staging
+    folder up from (:func:`_restore`) and the parameters they compare with. Each kind's objects
+    (keys under ``runs/job/<kind>/``) are kept as files, since each worker has a server of its own."""
+    kinds = [k for k in KINDS if k != "zero2" or importlib.util.find_spec("deepspeed") is not None]
 
-    def every_wanted(cwd: Path) -> dict[str, dict[str, torch.Tensor]]:
-        kinds = [k for k in KINDS if k in wanted]
-        result = job(cwd, str(cwd / "ckpt"), cwd / "clean.pt", "--layouts", ",".join(kinds))
-        assert result.returncode == 0, result.stderr
-        return {k: torch.load(cwd / f"clean.pt.{k}", weights_only=True) for k in kinds}
+    def every_kind(cwd: Path) -> dict[str, Any]:
+        bucket = s3_server.create_bucket(f"saved-{os.getpid()}")
+        result = job(cwd / "node", f"s3://{bucket}/runs/job", cwd / "clean.pt", "--layouts", ",".join(kinds))
+        assert result.returncode == 0, result.stderr[-3000:]
+        store = S3ObjectStore(bucket)
+        for key in store.list_objects("runs/job/"):
+            store.download_object(key, cwd / "objects" / key)
+        return {"folder": str(cwd), "bucket": bucket,
+                "params": {k: torch.load(cwd / f"clean.pt.{k}", weights_only=True) for k in kinds}}
+    return shared_run(tmp_path_factory, "s3-resume-saved-" + "-".join(kinds), every_kind)
 
-    def of(kind: str) -> dict[str, torch.Tensor]:
-        if not found and kind in wanted:
-            found.update(shared_run(tmp_path_factory, "s3-resume-reference-" + "-".join(sorted(wanted)),
-                                    every_wanted))
-        if kind not in found:
-            kinds, cwd = [k for k in KINDS if k == kind or (k in wanted and k not in found)], tmp / kind
-            result = job(cwd, str(cwd / "ckpt"), cwd / "clean.pt", "--layouts", ",".join(kinds))
-            assert result.returncode == 0, result.stderr
-            found.update({k: torch.load(cwd / f"clean.pt.{k}", weights_only=True) for k in kinds})
-        return found[kind]
-    return of
+
+def _restore(saved: dict[str, Any], kind: str, store: S3ObjectStore, cwd: Path | None = None) -> Path | None:
+    """The saved job of ``kind`` put into ``store``'s bucket under ``runs/job/`` (its pointers
+    naming the new keys), and with ``cwd``, into that node's staging folder as the job left it
+    there; the staging folder."""
+    objects, prefix = Path(saved["folder"]) / "objects" / "runs" / "job" / kind, f"runs/job/{kind}/"
+    for path in sorted(p for p in objects.rglob("*") if p.is_file()):
+        key = "runs/job/" + path.relative_to(objects).as_posix()
+        data = path.read_bytes()
+        store.upload_bytes(key, data.replace(prefix.encode(), b"runs/job/") if key.endswith(".symlink") else data)
+    if cwd is None:
+        return None
+    staged = cwd / ".lockstep" / "s3" / store.bucket / "runs" / "job"
+    shutil.copytree(Path(saved["folder"]) / "node" / ".lockstep" / "s3" / saved["bucket"] / "runs" / "job" / kind,
+                    staged, symlinks=True)
+    return staged
 
 
 def _nodes(cwds: tuple[Path, Path], folder: str, out: Path, *extra: str, per_node: int = 2,
@@ -156,8 +165,8 @@ def _temp_folders(cwd: Path) -> list[Path]:
 
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_kill_9_during_uploads_then_autoresume_on_other_nodes_is_exact(reference, bucket: str, tmp_path: Path,
-                                                                       kind: str) -> None:
+def test_kill_9_during_uploads_then_autoresume_on_other_nodes_is_exact(saved: dict[str, Any], bucket: str,
+                                                                       tmp_path: Path, kind: str) -> None:
     """Two nodes of one rank each (no shared disk) are killed with kill -9 while their uploads run;
     the job comes back with node 1 on a fresh disk (and node 0 on its old one, whose copy of a folder
     checkpoint lacks node 1's parts; under DDP on a fresh one too), and ends exact."""
@@ -179,7 +188,7 @@ def test_kill_9_during_uploads_then_autoresume_on_other_nodes_is_exact(reference
     out = _finish(_nodes((node0, tmp_path / "b1"), folder, tmp_path / "second.pt", *extra, per_node=1))
     # node 1 has no local files: both take the bucket's newest complete checkpoint
     assert f"attempt 0 resumed at batch {int(pointer.rsplit('-ba', 1)[1].split('-')[0])}" in out, out
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), reference(kind))
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"][kind])
     assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
     if kind == "ddp":  # each node downloaded rank 0's file for its own ranks
         for node in ("b0", "b1"):
@@ -228,7 +237,7 @@ def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("kind", ["sharded"])  # DeepSpeed ZeRO-2 passes too; one kind keeps the suite short
 def test_killed_before_the_bucket_held_a_checkpoint_starts_fresh_and_cleans_every_node(
-        reference, bucket: str, tmp_path: Path, kind: str) -> None:
+        saved: dict[str, Any], bucket: str, tmp_path: Path, kind: str) -> None:
     """Two nodes of one rank (no shared disk) are killed once node 0 has published its first
     checkpoint locally and before any checkpoint is complete in the bucket (no pointer there): node
     0's staging folder holds a copy without node 1's parts, node 1's none. Restarted on the same
@@ -265,7 +274,7 @@ def test_killed_before_the_bucket_held_a_checkpoint_starts_fresh_and_cleans_ever
 
     out = _finish(_nodes(disks, folder, tmp_path / "second.pt", *extra, per_node=1))
     assert "attempt 0 resumed at batch 0" in out, out
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), reference(kind))
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"][kind])
     assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
     assert not _temp_folders(disks[1]) and not any(p.exists() for p in downloading)
     assert (published / "lockstep.pt").read_bytes() == b"kept"
@@ -282,7 +291,7 @@ def _succeed(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.timeout(300)
-def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(reference, bucket: str,
+def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(saved: dict[str, Any], bucket: str,
                                                                     tmp_path: Path) -> None:
     """Two nodes of one rank, each holding in its staging folder its own copy of what its rank
     reads of a sharded checkpoint (as a resume from the bucket leaves it). Both ranks read DCP's
@@ -290,9 +299,9 @@ def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(reference, 
     in transit (one flipped byte), is caught by node 1 before anything loads, naming the file;
     then each node sets its copy aside and downloads the bucket's, and the run ends exact."""
     folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
-    saved = job(tmp_path / "saver", folder, tmp_path / "saved.pt", "--sharded", "--batches", "4")
-    assert saved.returncode == 0, saved.stderr
-    key = store.read_bytes("runs/job/latest-rank0.pt.symlink").decode()
+    _restore(saved, "sharded", store)
+    key = next(k.rsplit("/", 1)[0] for k in store.list_objects("runs/job/") if k.endswith("-ba4-rank0.pt/lockstep.pt"))
+    store.upload_bytes("runs/job/latest-rank0.pt.symlink", key.encode())  # as if the job had stopped after batch 4
     header = store.read_bytes(f"{key}/lockstep.pt")
     meta = torch.load(io.BytesIO(header), weights_only=False)["lockstep"]
     sizes = {name: size for name, (size, _) in meta["parts"].items()}
@@ -316,19 +325,20 @@ def test_each_node_checks_its_own_copy_of_the_files_every_rank_reads(reference, 
     assert "attempt 0 resumed at batch 4" in out, out
     assert re.search(r"autoresume found the local copy of the newest checkpoint damaged \(rank 1: checkpoint \S+ is "
                      r"damaged: \.metadata fails its CRC32 check.*downloaded the bucket's copy", err), err[-3000:]
-    assert_bitwise(torch.load(tmp_path / "out.pt", weights_only=True), reference("sharded"))
+    assert_bitwise(torch.load(tmp_path / "out.pt", weights_only=True), saved["params"]["sharded"])
     for node in (0, 1):  # each disk held a copy of that checkpoint
         assert (tmp_path / f"n{node}" / ".lockstep" / "s3" / bucket / f"{key}.damaged").is_dir()
 
 
 @pytest.mark.timeout(300)
-def test_a_single_file_copy_on_another_node_gives_way_to_the_bucket(bucket: str, tmp_path: Path) -> None:
+def test_a_single_file_copy_on_another_node_gives_way_to_the_bucket(saved: dict[str, Any], bucket: str,
+                                                                   tmp_path: Path) -> None:
     """Two nodes of one rank (DDP, single-file checkpoints): node 1 keeps, from an earlier resume,
     its copy of the bucket's batch-4 checkpoint and the local pointer to it; rank 0's node is fresh.
     Autoresume takes the bucket's checkpoint on both nodes (rank 0 has nothing to send) and ends
     with the uninterrupted run's parameters."""
     folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
-    _finish(_nodes((tmp_path / "a0", tmp_path / "a1"), folder, tmp_path / "clean.pt", per_node=1))
+    _restore(saved, "ddp", store)
     name = next(k.split("/")[2] for k in store.list_objects("runs/job/") if "-ba4-" in k)
     store.upload_bytes("runs/job/latest-rank0.pt.symlink", f"runs/job/{name}".encode())
     kept = tmp_path / "b1" / ".lockstep" / "s3" / bucket / "runs" / "job"
@@ -337,8 +347,7 @@ def test_a_single_file_copy_on_another_node_gives_way_to_the_bucket(bucket: str,
     (kept / "latest-rank0.pt").symlink_to(name)
     out = _finish(_nodes((tmp_path / "b0", tmp_path / "b1"), folder, tmp_path / "second.pt", per_node=1))
     assert "attempt 0 resumed at batch 4" in out, out
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
-                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"]["ddp"])
 
 
 def _flip_a_byte(path: Path) -> bytes:
@@ -348,16 +357,15 @@ def _flip_a_byte(path: Path) -> bytes:
     return bytes(data)
 
 
-def _stopped_after_batch_8(store: S3ObjectStore, cwd: Path, folder: str, out: Path, bucket: str,
-                           extra: list[str], *, bucket_too: bool = True) -> tuple[Path, str]:
-    """A one-node job of two ranks saved at batches 4, 8 and 12 to the bucket, then set back as if it
-    had stopped after batch 8: both pointers (the bucket's, the staging folder's) name the batch-8
-    checkpoint, and the local batch-12 one is gone. Without ``bucket_too`` only the staging folder
-    is set back (a disk the job left after batch 8, while it went on elsewhere). The staging folder
-    and the batch-8 checkpoint's name."""
-    first = job(cwd, folder, out, *extra)
-    assert first.returncode == 0, first.stderr[-3000:]
-    staged = cwd / ".lockstep" / "s3" / bucket / "runs" / "job"
+def _stopped_after_batch_8(saved: dict[str, Any], kind: str, store: S3ObjectStore, cwd: Path, *,
+                           bucket_too: bool = True) -> tuple[Path, str]:
+    """The saved one-node job of two ranks (checkpoints at batches 4, 8 and 12 in the bucket and in
+    the staging folder of the node in ``cwd``), set back as if it had stopped after batch 8: both
+    pointers (the bucket's, the staging folder's) name the batch-8 checkpoint, and the local
+    batch-12 one is gone. Without ``bucket_too`` only the staging folder is set back (a disk the
+    job left after batch 8, while it went on elsewhere). The staging folder and the batch-8
+    checkpoint's name."""
+    staged = _restore(saved, kind, store, cwd)
     name = next(p.name for p in staged.glob("*-ba8-rank0.pt"))
     for newer in staged.glob("*-ba12-rank*.pt"):
         files.remove(newer)
@@ -376,8 +384,8 @@ def _stopped_after_batch_8(store: S3ObjectStore, cwd: Path, folder: str, out: Pa
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind, damaged", [("ddp", ""), ("sharded", "__1_0.distcp"), ("local", ""),
                                            ("zero2", "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt")])
-def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, tmp_path: Path, kind: str,
-                                                                 damaged: str) -> None:
+def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(saved: dict[str, Any], bucket: str, tmp_path: Path,
+                                                                 kind: str, damaged: str) -> None:
     """One node of two ranks saves to the bucket through its staging folder; as if it had stopped
     after batch 8 (both pointers set back to the batch-8 checkpoint, the local batch-12 one gone),
     a byte is flipped in the local copy of a file a rank reads (the single file under DDP, rank 1's
@@ -388,7 +396,7 @@ def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, t
     _skip_without_deepspeed(kind)
     folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
     cwd = tmp_path / "node"
-    staged, name = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, extra)
+    staged, name = _stopped_after_batch_8(saved, kind, store, cwd)
     if kind == "local":  # rank 1's own file
         _flip_a_byte(staged / name.replace("-rank0.pt", "-rank1.pt"))
     else:
@@ -397,8 +405,7 @@ def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, t
     again = job(cwd, folder, tmp_path / "second.pt", *extra)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "attempt 0 resumed at batch 8" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
-                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"][kind])
     said = re.findall(r"autoresume found the local copy of the newest checkpoint damaged \(.*\); set it aside as "
                       rf"\S+/{re.escape(name)}\.damaged(, \S+\.damaged)*, downloaded the bucket's copy "
                       rf"s3://{bucket}/runs/job/{re.escape(name)}( \(each rank its own file\))? again and "
@@ -411,20 +418,19 @@ def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(bucket: str, t
 
 @pytest.mark.timeout(300)
 def test_when_the_bucket_copy_is_damaged_too_autoresume_falls_back_to_an_older_local_one(
-        bucket: str, tmp_path: Path) -> None:
+        saved: dict[str, Any], bucket: str, tmp_path: Path) -> None:
     """As above (DDP), with the same byte flipped in the bucket's copy too: the download does not
     load either, so autoresume falls back to the local batch-4 checkpoint, saying both, and still
     ends with the uninterrupted run's parameters."""
     folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
     cwd = tmp_path / "node"
-    staged, name = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, [])
+    staged, name = _stopped_after_batch_8(saved, "ddp", store, cwd)
     store.upload_bytes(f"runs/job/{name}", _flip_a_byte(staged / name))
 
     again = job(cwd, folder, tmp_path / "second.pt")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "attempt 0 resumed at batch 4" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
-                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"]["ddp"])
     assert len(re.findall(rf"the copy downloaded again from s3://{bucket}/runs/job/{re.escape(name)} does not "
                           r"load either", again.stderr)) == 1, again.stderr[-3000:]
     assert len(re.findall(r"autoresume skipped the newest checkpoint, which does not load .*; resumed from "
@@ -432,7 +438,8 @@ def test_when_the_bucket_copy_is_damaged_too_autoresume_falls_back_to_an_older_l
 
 
 @pytest.mark.timeout(300)
-def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(bucket: str, tmp_path: Path) -> None:
+def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(saved: dict[str, Any], bucket: str,
+                                                                           tmp_path: Path) -> None:
     """FSDP sharded, as above: rank 1's local shard of the batch-8 checkpoint is damaged, and the
     bucket has lost that shard, so downloading the checkpoint again fails after rank 0 fetched its
     own. Autoresume says so once, leaves no folder of that download behind, keeps the damaged copy
@@ -440,14 +447,13 @@ def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(buck
     run's parameters."""
     folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
     cwd = tmp_path / "node"
-    staged, name = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, KINDS["sharded"])
+    staged, name = _stopped_after_batch_8(saved, "sharded", store, cwd)
     flipped = _flip_a_byte(staged / name / "__1_0.distcp")
     store.delete_object(f"runs/job/{name}/__1_0.distcp")
     again = job(cwd, folder, tmp_path / "second.pt", *KINDS["sharded"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "attempt 0 resumed at batch 4" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
-                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"]["sharded"])
     said = re.findall(rf"could not download it again from s3://{bucket}/runs/job \(.*__1_0\.distcp.*\); trying older "
                       r"local checkpoints", again.stderr)
     assert len(said) == 1, again.stderr[-3000:]
@@ -460,20 +466,19 @@ def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(buck
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["ddp", "sharded", "local"])
-def test_an_older_local_copy_gives_way_to_a_newer_checkpoint_in_the_bucket(bucket: str, tmp_path: Path,
-                                                                           kind: str) -> None:
+def test_an_older_local_copy_gives_way_to_a_newer_checkpoint_in_the_bucket(saved: dict[str, Any], bucket: str,
+                                                                           tmp_path: Path, kind: str) -> None:
     """The job saved at batches 4, 8 and 12, and this disk's staging folder holds its checkpoints only
     up to batch 8 (the job went on elsewhere): autoresume takes the bucket's batch-12 checkpoint,
     not the older local one that serves every rank."""
     folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
     cwd = tmp_path / "node"
-    staged, _ = _stopped_after_batch_8(store, cwd, folder, tmp_path / "clean.pt", bucket, extra, bucket_too=False)
+    staged, _ = _stopped_after_batch_8(saved, kind, store, cwd, bucket_too=False)
     assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
     again = job(cwd, folder, tmp_path / "second.pt", *extra)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "attempt 0 resumed at batch 12" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True),
-                   torch.load(tmp_path / "clean.pt", weights_only=True))
+    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"][kind])
     assert os.readlink(staged / "latest-rank0.pt").endswith("-ba12-rank0.pt")
 
 
