@@ -316,6 +316,10 @@ def initialize_dist(device: Any = None, timeout: float = 300.0, *,
         regroup.enter(timeout)
         _register_destroy_at_exit()
         return
+    if regroup.starting():  # an elastic job started without some nodes: the group of the ranks there are
+        regroup.start(timeout)
+        _register_destroy_at_exit()
+        return
     world_size, rank = get_world_size(), get_global_rank()
     if world_size == 1 and not os.environ.get("MASTER_ADDR"):
         if not single_process_group:

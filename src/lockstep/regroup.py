@@ -25,6 +25,7 @@ from lockstep.launcher.elastic_names import (
     ELASTIC_ENV,
     ELASTIC_STORE_ENV,
     JOIN_ENV,
+    START_ENV,
     finished_key,
     generation_key,
     members_key,
@@ -103,12 +104,29 @@ def _all_arrived(store: Any, prefix: str, generation: int, world: int, timeout: 
 
 
 entered: tuple[int, list[int]] | None = None
-"""The generation, and its ranks, that this process joined the running job in (see :func:`enter`)."""
+"""The generation, and its ranks, that this process joined the running job in (see :func:`enter`),
+or started in (see :func:`start`)."""
+started = False
+"""Whether :data:`entered` is the generation the job started in, without some of its nodes."""
 
 
 def joining() -> bool:
     """Whether this rank was started to join a running elastic job (its launcher rejoined it)."""
     return bool(os.environ.get(JOIN_ENV)) and bool(os.environ.get(ELASTIC_ENV))
+
+
+def starting() -> bool:
+    """Whether this rank's job started without some of its nodes (``LOCKSTEP_ELASTIC_START``)."""
+    return bool(os.environ.get(START_ENV)) and bool(os.environ.get(ELASTIC_ENV))
+
+
+def start(timeout: float) -> None:
+    """The default process group of the newest generation, which the job started in without some
+    of its nodes: every rank of it starts here, and no rank has trained yet."""
+    global entered, started
+    store, prefix = client(), os.environ[ELASTIC_ENV]
+    entered = form(store, prefix, int(os.environ["RANK"]), timeout, lambda: newest(store, prefix))
+    started = True
 
 
 def enter(timeout: float) -> None:

@@ -65,7 +65,9 @@ class Record(Callback):
         membership = elastic.current()
         if int(state.timestamp.batch) == self.hold and membership is not None \
                 and len(membership.ranks) < int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"]):
-            deadline = time.monotonic() + 60  # until the ranks change again (a node joins), or the test says
+            # until the ranks change again (a node joins), or the test says; long enough for two
+            # launchers to start one after the other on a loaded machine (the first may fail to join)
+            deadline = time.monotonic() + 150
             while not membership.changed() and not (self.out / "release").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
 

@@ -1,13 +1,16 @@
 """The master's launcher answering a lost node's launcher started again (issue 51, grow), on a real
 c10d store: the node is let in once its ranks are ready, never twice, not after its launcher took
 the request back, not while the job finishes (and ranks let in just before leave), and a newer
-launcher's request replaces an older one.
+launcher's request replaces an older one. A job that starts without a node late for the last
+call: every launcher follows the master's decision, and the late node is let in once the ranks
+the job started with follow its membership.
 The whole join, with processes, is in test_nodes.py."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +20,7 @@ import torch.distributed as torch_dist
 
 from lockstep import regroup
 from lockstep.launcher.elastic_names import elastic_prefix, generation_key, members_key, ready_key
+from lockstep.launcher.job import JobChannel
 from lockstep.launcher.membership import Members, admission, ask_to_join, was_let_go, withdraw
 
 PER_NODE = 2
@@ -117,3 +121,35 @@ def test_ranks_let_in_as_the_job_finishes_leave_at_once_and_well(store: Any) -> 
         regroup._all_arrived(store, elastic_prefix(0), 2, 4, 300.0, lambda: 2)
     assert left.value.code == 0 and "nothing is left to train" in left.value.message
     assert time.monotonic() - started < 5
+
+
+def test_the_master_starts_without_a_node_late_for_the_last_call_and_lets_it_in_once_the_others_follow(
+        store: Any) -> None:
+    channels = [JobChannel.connect("127.0.0.1", store.port, node, 3, server=store if node == 0 else None)
+                for node in range(3)]
+    begun: dict[int, list[int]] = {}
+    enough = {"enough": lambda nodes: nodes >= 2, "last_call": 0.5}  # the master's, of --nnodes 2:3
+    threads = [threading.Thread(target=lambda n=n, kw=kw: begun.update({n: channels[n].begin(0, 30, **kw)}))
+               for n, kw in ((0, enough), (1, {}))]
+    try:
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert begun == {0: [], 1: []} and time.monotonic() - started >= 0.5
+        assert channels[0].without == channels[1].without == [2]
+        assert channels[2].begin(0, 30) == [] and channels[2].without == [2]  # late: it joins the running job
+        assert channels[0]._counts()[0][2] >= 0  # the late node's counters exist (a read would wait for them)
+    finally:
+        for channel in channels:
+            channel.close()
+    members = Members(store, 0, list(range(6)), minimum=2, per_node=PER_NODE)
+    members.start_without([2], 0.5)
+    assert published(store) == [0, 1, 2, 3] and was_let_go(call(store), 0, 2)
+    token = ask_to_join(call(store), 0, 2)
+    ready(store, token)
+    assert members.answer() == []  # the ranks the job started with do not follow its membership yet
+    store.add(elastic_prefix(0) + "joined", 4)
+    assert members.answer() == [2] and published(store) == [0, 1, 2, 3, 4, 5]
+    assert admission(call(store), 0, token) == 2

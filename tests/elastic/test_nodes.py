@@ -86,6 +86,7 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
     assert after and after[0] - killed < 10, (delay, after[:1], killed)  # the issue's goal: under 10 s
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("saving,fsdp", [(False, False), (True, False), (True, True)],
                          ids=["no-checkpoint", "saving", "fsdp"])
 def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_four_ranks_would(
@@ -165,3 +166,29 @@ def test_a_partition_leaves_the_masters_side_training_as_four_would_and_the_othe
     assert "node 1 (ranks 2, 3) left (its launcher silent for" in said[0], said[0]
     assert "lost the master" in said[1], said[1]
     assert_as_uninterrupted(out, reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_starts_without_a_node_that_is_late_and_it_joins_later_ending_as_four_ranks_would(
+        tmp_path: Path, reference) -> None:
+    """Node 0 starts alone: after 2 s of last call it trains at world size 2 on the full world's
+    global batches (its ranks form the first generation's group, not the launch's of 4); node 1,
+    started once node 0 trained 2 batches, joins the running job from a peer (no checkpoint), and
+    the run ends as the uninterrupted 4-rank one."""
+    port, out = str(free_port()), tmp_path / "out"
+    last_call = ("--rdzv_last_call", "2")
+    master = launch(out, "--hold", "5", launcher=(*node_args(port, 0), *last_call), run="run0")
+    wait_for(out / "ends0", [master], lines=2)
+    late = launch(out, "--hold", "5", launcher=(*node_args(port, 1), *last_call), run="run1")
+    said, said_late = finish(master), finish(late)
+    assert "node(s) 1 (ranks 2, 3) did not join within 2 s of enough nodes (--rdzv_last_call): 2 of 4 ranks " \
+           "start at world size 2 (generation 1)" in said, said
+    assert "node 1 (ranks 2, 3) joined: 4 of 4 ranks go on at world size 4 (generation 2" in said, said
+    assert "node 1 joined the running job in generation 2 of its ranks" in said_late, said_late
+    assert "left" not in said, said
+    assert_as_uninterrupted(out, reference)  # every sample once, no checkpoint, parameters within 1e-5
+    first = [json.loads(line) for line in (out / "samples0").read_text().splitlines()][0]
+    assert first[:2] == [1, 0] and len(first[2]) == 6, first  # generation 1, the first batch: half of 12 samples
+    changes = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
+    assert [(c["generation"], c["world_size"], c["previous_world_size"], c["joined"]) for c in changes] == \
+        [(2, 4, 2, [2, 3])], changes

@@ -46,9 +46,10 @@ class Membership:
         self.ranks = list(range(torch_dist.get_world_size()))  # the launch ranks that train now
         self.before: list[int] | None = None
         """The ranks that trained before this rank joined the running job (None: it trained from the launch)."""
-        if regroup.entered is not None:  # this rank joined a running job (lockstep.dist.initialize_dist)
-            self.generation, self.ranks = regroup.entered
-            self.before = regroup.members(self._store, prefix, self.generation - 1)
+        if regroup.entered is not None:  # this rank joined a running job, or started in a smaller one
+            self.generation, self.ranks = regroup.entered  # (lockstep.dist.initialize_dist)
+            if not regroup.started:
+                self.before = regroup.members(self._store, prefix, self.generation - 1)
         self.fresh = self.before is not None
         self._per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.ranks)))  # at launch
         self._tell_local_world()

@@ -18,6 +18,7 @@ from lockstep import __version__
 from lockstep.launcher import inputs, limits, slurm, torchrun
 from lockstep.launcher.plan import (
     DEFAULT_LINE_PREFIX,
+    DEFAULT_RDZV_LAST_CALL,
     DEFAULT_RDZV_TIMEOUT,
     FORMAT_FIELDS,
     LaunchError,
@@ -142,6 +143,11 @@ def _add_multinode_arguments(p: argparse.ArgumentParser) -> None:
     multi.add_argument("--rdzv_timeout", "--rdzv-timeout", type=_rdzv_seconds, default=None,
                        help="Seconds a node without rank 0 waits for the master's store before it "
                             f"gives up (env LOCKSTEP_RDZV_TIMEOUT). Default: {DEFAULT_RDZV_TIMEOUT:g}.")
+    multi.add_argument("--rdzv_last_call", "--rdzv-last-call", type=_rdzv_seconds, default=None,
+                       help="An elastic job (--nnodes MIN:MAX): once MIN nodes joined, seconds the master "
+                            "waits for the others before it starts without them (they join the running job "
+                            f"when they start). Default: {DEFAULT_RDZV_LAST_CALL:g}, as torchrun's "
+                            "last_call_timeout.")
 
 
 def _from_env(env: Mapping[str, str], name: str, parse, flag: str):
@@ -304,8 +310,14 @@ def _token() -> str:
 
 def _rdzv_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
     conf = getattr(args, "rdzv_conf", None)
-    timeout = args.rdzv_timeout or (torchrun.parse_rdzv_conf(conf) if conf else None)
+    timeout = args.rdzv_timeout or (torchrun.parse_rdzv_conf(conf).get("join_timeout") if conf else None)
     return timeout or _from_env(env, "LOCKSTEP_RDZV_TIMEOUT", _rdzv_seconds, "--rdzv_timeout") or DEFAULT_RDZV_TIMEOUT
+
+
+def _rdzv_last_call(args: argparse.Namespace) -> float:
+    conf = getattr(args, "rdzv_conf", None)
+    last_call = args.rdzv_last_call or (torchrun.parse_rdzv_conf(conf).get("last_call_timeout") if conf else None)
+    return last_call or DEFAULT_RDZV_LAST_CALL
 
 
 def _stall_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
@@ -380,7 +392,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         stdout_format=args.stdout, stderr_format=args.stderr,
         mode=mode, target=args.training_script, target_args=tuple(args.training_script_args),
         verbose=args.verbose, max_restarts=max_restarts, grace_period=args.grace_period,
-        rdzv_timeout=_rdzv_timeout(args, env), tee=tee, redirects=redirects,
+        rdzv_timeout=_rdzv_timeout(args, env), rdzv_last_call=_rdzv_last_call(args), tee=tee, redirects=redirects,
         tee_ranks=torchrun.parse_local_ranks(getattr(args, "local_ranks_filter", None), nproc),
         run_id=run_id, nnodes=nnodes, role=getattr(args, "role", "default"),
         line_prefix=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_LINE_PREFIX,

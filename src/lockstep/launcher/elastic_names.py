@@ -14,6 +14,9 @@ JOIN_ENV = "LOCKSTEP_ELASTIC_JOIN"
 """Set in the ranks a launcher starts to join a running elastic job (its node was lost, and its
 launcher started again), to its request's token: they enter the first generation with them rather
 than the launch's process group."""
+START_ENV = "LOCKSTEP_ELASTIC_START"
+"""Set in the ranks of a job that started without some of its nodes (they did not join in time):
+they form the newest generation's process group, of the ranks there are, rather than the launch's."""
 
 
 def elastic_prefix(attempt: int) -> str:

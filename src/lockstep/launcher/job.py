@@ -136,6 +136,8 @@ class JobChannel:
         ranks that broke because of it."""
         self._stop = threading.Event()  # each beat thread has its own
         self._beater: threading.Thread | None = None
+        self.without: list[int] = []
+        """The nodes the attempt started without (an elastic job), which join the running job."""
 
     @classmethod
     def connect(cls, host: str, port: int, node: int, nnodes: int, server: Any = None) -> JobChannel:
@@ -157,20 +159,55 @@ class JobChannel:
 
     # -- attempts -----------------------------------------------------------------------------
 
-    def begin(self, attempt: int, timeout: float, tell: Callable[[str], None] | None = None) -> list[int]:
+    def begin(self, attempt: int, timeout: float, tell: Callable[[str], None] | None = None, *,
+              enough: Callable[[int], bool] | None = None, last_call: float = 0.0) -> list[int]:
         """Join ``attempt`` and wait for every node (up to ``timeout`` s); the nodes missing, if any.
-        Every :data:`~lockstep.launcher.rendezvous.TELL_S` seconds ``tell`` gets a line naming them."""
+        Every :data:`~lockstep.launcher.rendezvous.TELL_S` seconds ``tell`` gets a line naming them.
+
+        An elastic job may start without some nodes (:attr:`without`): on the master's launcher,
+        once ``enough(nodes joined)``, it waits ``last_call`` seconds more for the others, then
+        starts without them (their ``alive`` and ``stage`` keys made, so that every counter
+        exists); the other launchers follow its decision, and one it started without joins the
+        running job instead."""
         self._stop_beating()
         self._prefix, self.attempt = f"lockstep/attempt{attempt}/", attempt
         self._seen.clear()
         self._last_alive = dict.fromkeys(range(self.nnodes), time.time())
+        self.without = []
         self._call("set", self._key(f"joined{self.node}"), "1")
         self._call("set", self._key(f"stage{self.node}"), str(_RUNNING))
         self._call("add", self._key(f"alive{self.node}"), 1)  # every counter exists once all joined
         self._call("add", self._key("joined"), 1)
+        missing = self._wait_for_nodes(attempt, timeout, tell, enough, last_call)
+        if missing or self.node in self.without:
+            return missing
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, args=(self._stop,), name="lockstep-beat", daemon=True)
+        self._beater.start()
+        return []
+
+    def _wait_for_nodes(self, attempt: int, timeout: float, tell: Callable[[str], None] | None,
+                        enough: Callable[[int], bool] | None, last_call: float) -> list[int]:
+        """Until every node joined ``attempt`` or the attempt started without some (the master's
+        decision, in :attr:`without`); the nodes missing at ``timeout``."""
         start = time.monotonic()
-        deadline, told = start + timeout, start
-        while self._call("add", self._key("joined"), 0) < self.nnodes:
+        deadline, told, call_ends = start + timeout, start, None
+        while True:
+            if self._call("check", [self._key("without")]):  # first: a node late for it counts in ``joined`` too
+                self.without = json.loads(self._call("get", self._key("without")))
+                return []
+            joined = int(self._call("add", self._key("joined"), 0))
+            if joined >= self.nnodes:
+                return []
+            if enough is not None and call_ends is None and enough(joined):
+                call_ends = time.monotonic() + last_call
+                if tell is not None:
+                    tell(f"{joined} of {self.nnodes} nodes joined attempt {attempt}, enough to start (--nnodes "
+                         f"MIN:MAX): waiting {last_call:g} s more for node(s) {', '.join(map(str, self._not_joined()))} "
+                         f"(--rdzv_last_call)")
+            if call_ends is not None and time.monotonic() >= call_ends:
+                self._start_without(self._not_joined())
+                return []
             if time.monotonic() > deadline:
                 return self._not_joined()
             if tell is not None and time.monotonic() - told >= TELL_S:
@@ -178,10 +215,14 @@ class JobChannel:
                 tell(f"waiting for node(s) {', '.join(map(str, self._not_joined()))} to join attempt {attempt} "
                      f"at {self._store.where}: {told - start:.0f} s of {timeout:g} s (--rdzv_timeout)")
             self._pause(BEAT_S)
-        self._stop = threading.Event()
-        self._beater = threading.Thread(target=self._beat, args=(self._stop,), name="lockstep-beat", daemon=True)
-        self._beater.start()
-        return []
+
+    def _start_without(self, nodes: list[int]) -> None:
+        """The master's decision: the attempt starts without ``nodes``, whose counters it makes."""
+        for n in nodes:
+            self._call("add", self._key(f"alive{n}"), 0)
+            self._call("compare_set", self._key(f"stage{n}"), "", str(_RUNNING))
+        self.without = nodes
+        self._call("set", self._key("without"), json.dumps(nodes))
 
     def rejoin(self, attempt: int) -> None:
         """Take part again in the running ``attempt``, which went on without this node (an elastic

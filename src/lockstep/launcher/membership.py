@@ -50,12 +50,31 @@ class Members:
         self._store, self._prefix = store, elastic_prefix(attempt)
         self.ranks, self.minimum, self.generation, self.per_node = list(ranks), minimum, 0, per_node
         self._full = len(ranks)
+        self._followers = len(ranks)
+        """How many ranks count themselves in ``joined`` before the job may change: those it started with."""
         self._answered = 0  # the lines of <prefix>lost already answered
         self._asked = 0  # the lines of <prefix>join already answered
         self._joining: list[tuple[int, str]] = []
         """The requests to join (node, token), each let in once its node's ranks are ready."""
         self.finishing = False
         """Whether this node's ranks finished: no node joins any more."""
+
+    def start_without(self, nodes: list[int], waited_s: float) -> None:
+        """The job starts without ``nodes`` (they did not join within ``waited_s`` seconds of
+        enough nodes joining): the first generation is the other nodes' ranks, which form its
+        group at once, and a launcher of a missing node joins the running job when it starts."""
+        gone = [r for r in self.ranks if r // self.per_node in nodes]
+        for node in nodes:
+            self._store.set(gone_key(self._prefix, node), "1")
+        self.generation += 1
+        self.ranks = [r for r in self.ranks if r not in gone]
+        self._followers = len(self.ranks)
+        self._store.set(members_key(self._prefix, self.generation), json.dumps(self.ranks))
+        self._store.add(generation_key(self._prefix), 1)
+        say(f"node(s) {', '.join(map(str, nodes))} (ranks {', '.join(map(str, gone))}) did not join within "
+            f"{waited_s:g} s of enough nodes (--rdzv_last_call): {len(self.ranks)} of {self._full} ranks start at "
+            f"world size {len(self.ranks)} (generation {self.generation}); a node that starts later joins the "
+            f"running job")
 
     def lose(self, rank: int, code: int) -> bool:
         """Publish the generation without ``rank`` (which exited with ``code``) when at least the
@@ -106,11 +125,16 @@ class Members:
             elif self.finishing:
                 self._joining.remove((node, token))
                 self._answer_join(token, "no: the job is finishing")
-            elif int(self._store.add(ready_key(self._prefix, token), 0)) >= self.per_node:
+            elif int(self._store.add(ready_key(self._prefix, token), 0)) >= self.per_node and self._all_follow():
                 self._joining.remove((node, token))
                 if self._admit(node, token):
                     admitted.append(node)
         return admitted
+
+    def _all_follow(self) -> bool:
+        """Whether every rank the job started with follows its membership (they see a change, and
+        share their state with a node let in, only from then on)."""
+        return int(self._store.add(joined_key(self._prefix), 0)) >= self._followers
 
     def _may_join(self, node: int, token: str) -> bool:
         """Whether node ``node``'s launcher, started again, may join (else its answer says why not)."""
@@ -155,7 +179,7 @@ class Members:
 
     def _publish(self, gone: list[int], who: str, why: str) -> bool:
         remaining = [r for r in self.ranks if r not in gone]
-        if int(self._store.add(joined_key(self._prefix), 0)) < self._full:
+        if not self._all_follow():
             say(f"{who} was lost ({why}) and not every rank follows a change of the job's ranks (lockstep's "
                 f"Trainer does, under --min_ranks): the job stops")
             return False

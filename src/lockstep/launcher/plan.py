@@ -21,6 +21,8 @@ DEFAULT_STDOUT = "rank{rank}.stdout.log"
 DEFAULT_STDERR = "rank{rank}.stderr.log"
 ERROR_FILE = "rank{rank}.error.json"
 DEFAULT_RDZV_TIMEOUT = 300.0
+DEFAULT_RDZV_LAST_CALL = 30.0
+"""torchrun's default ``last_call_timeout``."""
 DEFAULT_LINE_PREFIX = "[${role_name}${local_rank}]:"
 """torchrun's prefix of a teed line (no space after it); TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
 replaces it, with ${role_name}, ${rank} and ${local_rank}."""
@@ -96,6 +98,8 @@ class LaunchPlan:
     max_restarts: int = 0
     grace_period: float = 5.0
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    rdzv_last_call: float = DEFAULT_RDZV_LAST_CALL
+    """In an elastic job: seconds the master waits for the other nodes once enough joined."""
     """Seconds a node without rank 0 waits for the master's store before giving up."""
     tee: PerRank = Stream.NONE
     redirects: PerRank = Stream.NONE

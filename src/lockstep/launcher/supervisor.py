@@ -21,12 +21,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lockstep.launcher import resolver
-from lockstep.launcher.elastic_names import JOIN_ENV
+from lockstep.launcher.elastic_names import JOIN_ENV, START_ENV
 from lockstep.launcher.interface import interface_env
 from lockstep.launcher.membership import Members, admission, ask_master, ask_to_join, was_let_go, withdraw
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
@@ -265,12 +266,15 @@ class Supervisor:
                 if begun is None:
                     return LOST_EXIT_CODE, attempt
                 attempt, rank_port = begun
-            ranks = self._spawn_all(rank_port, attempt, listener.fileno() if listener else None, watchdog)
-            self._ranks = ranks
             self._members, self._let_go = None, set()
             if self.plan.min_ranks and self.plan.hosts_store:
                 self._members = Members(self._launcher_store, attempt, list(range(self.plan.world_size)),
                                         self.plan.min_ranks, self.plan.nproc)
+                if channel is not None and channel.without:  # before its ranks form the first generation
+                    self._members.start_without(channel.without, self.plan.rdzv_last_call)
+                    self._let_go.update(channel.without)
+            ranks = self._spawn_all(rank_port, attempt, listener.fileno() if listener else None, watchdog)
+            self._ranks = ranks
             outcome = self._monitor(ranks, wake_r, channel)
             if outcome is None and channel is not None:
                 outcome = self._finish_job(ranks, wake_r, channel)
@@ -385,12 +389,23 @@ class Supervisor:
                     f"the job stops")
                 return None
             attempt = followed
-        missing = channel.begin(attempt, self.plan.rdzv_timeout, tell=say)
+        missing = channel.begin(attempt, self.plan.rdzv_timeout, tell=say, enough=self._enough_nodes(),
+                                last_call=self.plan.rdzv_last_call)
         if missing:
             say(f"error: node(s) {', '.join(map(str, missing))} did not join attempt {attempt} within "
                 f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
             return None
+        if self.plan.node_rank in channel.without:  # the job started without this node: it joins
+            say(f"node {self.plan.node_rank} joined attempt {attempt} after it started without it "
+                f"(--rdzv_last_call): it joins the running job")
+            return self._join_running(channel, attempt, port)
         return attempt, channel.port(attempt) if attempt else port
+
+    def _enough_nodes(self) -> Callable[[int], bool] | None:
+        """On the master's launcher of an elastic job: whether that many nodes may start the job."""
+        if not (self.plan.min_ranks and self.plan.hosts_store):
+            return None
+        return lambda nodes: nodes * self.plan.nproc >= self.plan.min_ranks
 
     def _join_running(self, channel: JobChannel, attempt: int, port: int) -> tuple[int, int]:
         """A launcher started again for a node that the running elastic ``attempt`` went on
@@ -530,6 +545,9 @@ class Supervisor:
         if self._request is not None:  # they enter the running job's ranks, not the launch's group
             for env in envs:
                 env[JOIN_ENV] = self._request
+        elif self._channel is not None and self._channel.without:  # the ranks there are form their group
+            for env in envs:
+                env[START_ENV] = "1"
         # the server imports with what every rank's environment shares: none of them is rank 0
         common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)} if envs else {}
         with self._reaper.starting():

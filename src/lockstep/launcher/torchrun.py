@@ -125,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser, mode: argparse._MutuallyExclu
     alias("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
           help="c10d or static: either is lockstep's static store on the master; give --node-rank on each node")
     alias("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="TORCHELASTIC_RUN_ID (default: the run directory's name)")
-    alias("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", help="join_timeout=SECONDS = --rdzv_timeout")
+    alias("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf",
+          help="join_timeout=SECONDS = --rdzv_timeout, last_call_timeout=SECONDS = --rdzv_last_call")
     alias("--standalone", dest="standalone", action="store_true", help="one node, the launcher picks the port")
     alias("--max-restarts", dest="max_restarts", type=types["max_restarts"], help="= --max_restarts")
     alias("--shutdown-timeout", "--shutdown_timeout", dest="grace_period", type=types["grace_period"],
@@ -190,8 +191,9 @@ def resolve_nproc(value: int | str, cuda_devices: int) -> int:
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
-    """torchrun's --nnodes N or MIN:MAX, as (MIN, MAX). lockstep starts the job on MAX nodes; with
-    MIN < MAX it goes on while MIN nodes' ranks live (an elastic job)."""
+    """torchrun's --nnodes N or MIN:MAX, as (MIN, MAX). lockstep starts the job on MAX nodes (on
+    MIN or more once the last call passed); with MIN < MAX it goes on while MIN nodes' ranks live
+    (an elastic job)."""
     low, _, high = text.partition(":")
     try:
         low_n, high_n = int(low), int(high or low)
@@ -254,20 +256,24 @@ def _endpoint_port(text: str, source: str, port: str) -> int:
     raise _bad_endpoint(text, source, "the port must be a number 0-65535")
 
 
-def parse_rdzv_conf(text: str) -> float | None:
-    """The join timeout from --rdzv-conf key=value pairs; other keys are refused."""
-    timeout = None
+_RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout")
+
+
+def parse_rdzv_conf(text: str) -> dict[str, float]:
+    """The seconds of --rdzv-conf key=value pairs, by key: ``join_timeout`` (--rdzv_timeout) and
+    ``last_call_timeout`` (--rdzv_last_call); other keys are refused."""
+    conf = {}
     for pair in filter(None, text.split(",")):
-        key, _, value = pair.partition("=")
-        if key.strip() != "join_timeout":
+        key, _, value = (part.strip() for part in pair.partition("="))
+        if key not in _RDZV_CONF_KEYS:
             raise LaunchError(
-                f"--rdzv-conf {key.strip()!r} is not supported; only join_timeout=SECONDS "
-                f"(the same as --rdzv_timeout)")
+                f"--rdzv-conf {key!r} is not supported; only join_timeout=SECONDS (the same as --rdzv_timeout) "
+                f"and last_call_timeout=SECONDS (--rdzv_last_call)")
         try:
-            timeout = _positive_seconds(value.strip())
+            conf[key] = _positive_seconds(value)
         except argparse.ArgumentTypeError as e:
-            raise LaunchError(f"--rdzv-conf join_timeout: {e}") from None
-    return timeout
+            raise LaunchError(f"--rdzv-conf {key}: {e}") from None
+    return conf
 
 
 def check_accepted(args: argparse.Namespace) -> None:
