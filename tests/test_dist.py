@@ -360,7 +360,9 @@ def test_download_and_wait_warns_once_while_it_keeps_waiting(
     finally:
         writer.cancel()
     assert late.exists()
-    assert len(seen) == 1
+    # once, however long it waits (other warnings the block caught, such as a ResourceWarning of
+    # something collected meanwhile on a loaded machine, are not this one)
+    assert len([w for w in seen if "goes on waiting" in str(w.message)]) == 1, [str(w.message) for w in seen]
 
 
 def _token(seed: int) -> str:
