@@ -308,16 +308,13 @@ def _token() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def _rdzv_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
+def _rdzv_times(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[float, float]:
+    """(--rdzv_timeout, --rdzv_last_call): the flags, else torchrun's --rdzv-conf keys, else the defaults."""
     conf = getattr(args, "rdzv_conf", None)
-    timeout = args.rdzv_timeout or (torchrun.parse_rdzv_conf(conf).get("join_timeout") if conf else None)
-    return timeout or _from_env(env, "LOCKSTEP_RDZV_TIMEOUT", _rdzv_seconds, "--rdzv_timeout") or DEFAULT_RDZV_TIMEOUT
-
-
-def _rdzv_last_call(args: argparse.Namespace) -> float:
-    conf = getattr(args, "rdzv_conf", None)
-    last_call = args.rdzv_last_call or (torchrun.parse_rdzv_conf(conf).get("last_call_timeout") if conf else None)
-    return last_call or DEFAULT_RDZV_LAST_CALL
+    given = torchrun.parse_rdzv_conf(conf) if conf else {}
+    timeout = args.rdzv_timeout or given.get("join_timeout") \
+        or _from_env(env, "LOCKSTEP_RDZV_TIMEOUT", _rdzv_seconds, "--rdzv_timeout") or DEFAULT_RDZV_TIMEOUT
+    return timeout, args.rdzv_last_call or given.get("last_call_timeout") or DEFAULT_RDZV_LAST_CALL
 
 
 def _stall_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float:
@@ -385,6 +382,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
     run_directory, torchrun_logs = _run_directory(args, stamp)
     run_id = getattr(args, "rdzv_id", None)
     tee, redirects = args.tee, getattr(args, "redirects", Stream.NONE)
+    rdzv_timeout, rdzv_last_call = _rdzv_times(args, env)
     plan = LaunchPlan(
         nproc=nproc, world_size=world_size, base_rank=base_rank, node_rank=node_rank,
         master_addr=master_addr or "127.0.0.1", master_port=master_port,
@@ -392,7 +390,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         stdout_format=args.stdout, stderr_format=args.stderr,
         mode=mode, target=args.training_script, target_args=tuple(args.training_script_args),
         verbose=args.verbose, max_restarts=max_restarts, grace_period=args.grace_period,
-        rdzv_timeout=_rdzv_timeout(args, env), rdzv_last_call=_rdzv_last_call(args), tee=tee, redirects=redirects,
+        rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call, tee=tee, redirects=redirects,
         tee_ranks=torchrun.parse_local_ranks(getattr(args, "local_ranks_filter", None), nproc),
         run_id=run_id, nnodes=nnodes, role=getattr(args, "role", "default"),
         line_prefix=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_LINE_PREFIX,

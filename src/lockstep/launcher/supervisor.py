@@ -266,13 +266,7 @@ class Supervisor:
                 if begun is None:
                     return LOST_EXIT_CODE, attempt
                 attempt, rank_port = begun
-            self._members, self._let_go = None, set()
-            if self.plan.min_ranks and self.plan.hosts_store:
-                self._members = Members(self._launcher_store, attempt, list(range(self.plan.world_size)),
-                                        self.plan.min_ranks, self.plan.nproc)
-                if channel is not None and channel.without:  # before its ranks form the first generation
-                    self._members.start_without(channel.without, self.plan.rdzv_last_call)
-                    self._let_go.update(channel.without)
+            self._keep_membership(channel, attempt)
             ranks = self._spawn_all(rank_port, attempt, listener.fileno() if listener else None, watchdog)
             self._ranks = ranks
             outcome = self._monitor(ranks, wake_r, channel)
@@ -300,6 +294,18 @@ class Supervisor:
             self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)  # their last words, then the verdict
             return self._lost_master(port, str(e), attempt), attempt
         return self._settle_here(outcome, attempt, ranks, wake_r, watchdog), attempt
+
+    def _keep_membership(self, channel: JobChannel | None, attempt: int) -> None:
+        """On the master's launcher of an elastic job: the attempt's membership, published before
+        its ranks start (without the nodes the attempt started without, which are let go)."""
+        self._members, self._let_go = None, set()
+        if not (self.plan.min_ranks and self.plan.hosts_store):
+            return
+        self._members = Members(self._launcher_store, attempt, list(range(self.plan.world_size)),
+                                self.plan.min_ranks, self.plan.nproc)
+        if channel is not None and channel.without:  # before its ranks form the first generation
+            self._members.start_without(channel.without, self.plan.rdzv_last_call)
+            self._let_go.update(channel.without)
 
     def _stopped_while_waiting(self, signum: int, wake_r: int, watchdog: Watchdog) -> int:
         """A stopping signal that came while the main thread waited for the store, and went on to
