@@ -83,6 +83,14 @@ def test_a_long_write_that_the_other_node_waits_for_is_not_a_stall(tmp_path: Pat
     assert all("finished" in out and "stall" not in err for _, out, err in results)
 
 
+def test_long_work_of_one_rank_at_fit_end_is_not_a_stall(tmp_path: Path) -> None:
+    # rank 0's FIT_END takes 4 s against a 2 s stall timeout (a loss curve drawn on a loaded machine did)
+    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path,
+                    env={"SLOW_FIT_END": "4", "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 finished" in result.stdout and "stall" not in result.stderr, result.stderr[-3000:]
+
+
 def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(stopped_before_save, tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}
     saved = stopped_before_save[2]  # the job that stalled saved batch 2 before it

@@ -6,7 +6,8 @@ set, each of rank 0's checkpoint writes takes that many seconds, and it trains 3
 the next save waits for each write but the last, which the others wait for. With LOAD set, it
 loads that checkpoint and trains on to batch 8; STOP_IN_LOAD: rank 1 then stops for good on its
 way into the load. STOP_IN_EVAL: it evaluates after batch 2, and rank 1
-stops for good after its first eval batch.
+stops for good after its first eval batch. SLOW_FIT_END: rank 0's FIT_END takes that many seconds (as
+drawing a loss curve or exporting a model may).
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ class StopInEval(Callback):
             print("rank 1 stops in the evaluation", flush=True)
             while True:
                 time.sleep(0.05)
+
+
+class SlowFitEnd(Callback):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def fit_end(self, state, logger) -> None:
+        if dist.get_global_rank() == 0:
+            time.sleep(self.seconds)
 
 
 class StopAfter(Callback):
@@ -62,6 +72,8 @@ def stop_first(probe):
 
 def main() -> None:
     callbacks = [StopAfter(int(os.environ["STOP_RANK"]), 3)] if "STOP_RANK" in os.environ else []
+    if "SLOW_FIT_END" in os.environ:
+        callbacks.append(SlowFitEnd(float(os.environ["SLOW_FIT_END"])))
     evaluation = {}
     if "STOP_IN_EVAL" in os.environ:
         callbacks.append(StopInEval())

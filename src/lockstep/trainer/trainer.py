@@ -590,6 +590,13 @@ class Trainer:
             # FIT_END (Composer: after it), so that what closes at FIT_END has the last results.
             self._evaluate([e for e in self.evaluators
                             if evaluation.is_due_at_fit_end(e.eval_interval, s, self._evaluated_at.get(e.label))])
+        self._end_fit()
+
+    def _end_fit(self) -> None:
+        """FIT_END, once every batch, evaluation and save of this fit is over."""
+        # What runs at FIT_END is a rank's own work (a loss curve drawn, a model exported, a logger's
+        # last uploads), as long as it takes: not watched for stalls, as after fit
+        progress.stop_heartbeat()
         self._run_event(Event.FIT_END)
 
     def _epoch(self, resume: data.DataPosition | None, stop: StopSignal | None) -> data.DataPosition | None:
@@ -938,7 +945,7 @@ class Trainer:
         assert self.saver is not None
         for saves in self._every_save:
             saves.finish()
-        self._run_event(Event.FIT_END)
+        self._end_fit()
         message = (f"lockstep: stopped by SIGTERM after batch {s.timestamp.batch.value}; the checkpoint is in "
                    f"{self.saver.where.local}")
         if dist.get_global_rank() == 0:
