@@ -4,6 +4,7 @@ test run stopped from outside, as CI's time limit stops one): none is left to in
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,12 +22,14 @@ STARTS = {"s3": "seaweed.start()", "gs": "emulators.start_fake_gcs()", "azure": 
 @pytest.mark.parametrize("scheme", list(STARTS))
 def test_a_server_dies_with_the_process_that_started_it(scheme: str) -> None:
     script = (f"import sys, time; sys.path.insert(0, {str(HERE)!r}); import emulators, seaweed\n"
-              f"server = {STARTS[scheme]}\nprint(server.process.pid, flush=True)\ntime.sleep(600)\n")
+              f"server = {STARTS[scheme]}\nprint(server.process.pid, server.folder, flush=True)\ntime.sleep(600)\n")
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    folder = None
     try:
         line = starter.stdout.readline()
-        assert line.strip().isdigit(), f"the server did not start: {line!r}"
-        server = int(line)
+        pid, _, folder = line.strip().partition(" ")
+        assert pid.isdigit(), f"the server did not start: {line!r}"
+        server = int(pid)
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait(timeout=10)
         assert not wait_gone([server], timeout=10), f"the {scheme} server outlived its starter"
@@ -34,3 +37,5 @@ def test_a_server_dies_with_the_process_that_started_it(scheme: str) -> None:
         if starter.poll() is None:
             starter.kill()
             starter.wait()
+        if folder:  # its files: the starter, killed, could not remove them
+            shutil.rmtree(folder, ignore_errors=True)

@@ -21,7 +21,7 @@ from lockstep.objectstore.writer import StoreWriter
 from tests.helpers import trainer_params
 from tests.trainer.common import MLP, loader
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # 75 s seen on a loaded 2-core machine
 
 
 def test_the_factory_gives_each_scheme_its_store(remote) -> None:
