@@ -11,6 +11,7 @@ re-form) is formed instead.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -142,3 +143,25 @@ def enter(timeout: float) -> None:
                                f"(dist_timeout): see its launcher's output")
         time.sleep(POLL_S)
     entered = form(store, prefix, launch_rank, timeout, lambda: newest(store, prefix))
+
+
+def route_init_process_group() -> None:
+    """Have the script's own ``torch.distributed.init_process_group()`` (the ``env://`` rendezvous)
+    form this rank's group as :func:`lockstep.dist.initialize_dist` does, in a rank that starts
+    without some nodes (:func:`start`) or joins a running job (:func:`enter`): the launch's
+    ``env://`` group would wait for the ranks of every node. The worker bootstrap installs it."""
+    original = torch_dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(backend: Any = None, init_method: str | None = None, timeout: timedelta | None = None,
+                           world_size: int = -1, rank: int = -1, store: Any = None, **kwargs: Any) -> None:
+        if store is not None or init_method not in (None, "env://") or torch_dist.is_initialized():
+            return original(backend, init_method, timeout, world_size, rank, store, **kwargs)
+        if backend not in (None, "gloo", "cpu:gloo"):
+            raise ValueError(f"init_process_group(backend={backend!r}) in an elastic job (--min_ranks, --nnodes "
+                             f"MIN:MAX) that started without some nodes or joins a running job: its ranks form "
+                             f"their process group over gloo; use backend='gloo'")
+        seconds = (timeout or torch_dist.default_pg_timeout).total_seconds()
+        (enter if joining() else start)(seconds)
+
+    torch_dist.init_process_group = init_process_group

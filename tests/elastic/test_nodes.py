@@ -192,3 +192,44 @@ def test_a_job_starts_without_a_node_that_is_late_and_it_joins_later_ending_as_f
     changes = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
     assert [(c["generation"], c["world_size"], c["previous_world_size"], c["joined"]) for c in changes] == \
         [(2, 4, 2, [2, 3])], changes
+
+
+PLAIN = """\
+import os, torch, torch.distributed as dist
+dist.init_process_group(backend=os.environ.get("BACKEND", "gloo"), init_method="env://")  # as under torchrun
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} (RANK={os.environ['RANK']}, "
+      f"WORLD_SIZE={os.environ['WORLD_SIZE']}): sum {total.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_torch_script_that_starts_without_a_late_node_trains_at_the_smaller_world_size(
+        tmp_path: Path) -> None:
+    """A script that calls torch.distributed.init_process_group itself (no lockstep in it) in a job
+    that starts without node 1: its ranks form the group of the 2 ranks there are, as under
+    torchrun's elastic rendezvous, rather than wait dist_timeout for the launch's 4."""
+    began = time.monotonic()
+    result = _alone(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 (RANK={rank}, WORLD_SIZE=2): sum 3" in result.stdout, result.stdout
+    assert time.monotonic() - began < 60
+    # elastic groups are gloo's: NCCL is refused in one line, and the verdict names the rank, not
+    # the node the job started without
+    refused = _alone(tmp_path, BACKEND="nccl")
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert "ValueError: init_process_group(backend='nccl') in an elastic job" in refused.stderr, refused.stderr[-3000:]
+    assert "the job failed: rank 0 on this node" in refused.stderr and "node 1's launcher" not in refused.stderr, \
+        refused.stderr[-3000:]
+
+
+def _alone(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """Node 0 of 2 (``--nnodes 1:2``) running PLAIN, with node 1 never started."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    return subprocess.run([sys.executable, "-m", "lockstep", *node_args(str(free_port()), 0), "--rdzv_last_call", "1",
+                           "--tee", "1", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env})

@@ -367,11 +367,12 @@ class JobChannel:
         alive, stage = counts
         return all(n == self.node or stage[n] == _LEFT or alive[n] >= DONE or n in lost for n in range(self.nnodes))
 
-    def decide(self) -> Failure:
+    def decide(self, let_go: set[int] | frozenset[int] = frozenset()) -> Failure:
         """The agreed root cause (call once a failure is known): wait until every other node has
-        reported or is lost, then the root cause of every failure recorded, as the first decider set it."""
+        reported or is lost, then the root cause of every failure recorded, as the first decider set
+        it. ``let_go``: the nodes an elastic job went on (or started) without, never a cause."""
         self.done_reporting()
-        lost = self._await_reports()
+        lost = self._await_reports(let_go)
         verdict = self._verdict()
         if verdict is None:
             first = root_cause(self._failures() + lost)
@@ -379,11 +380,11 @@ class JobChannel:
                                                    first.to_json()).decode())
         return verdict
 
-    def _await_reports(self) -> list[Failure]:
+    def _await_reports(self, let_go: set[int] | frozenset[int]) -> list[Failure]:
         """Wait until no other node may still record a failure (or a verdict exists); the lost ones."""
         start = time.monotonic()
         alive, _ = self._counts()
-        pending = {n: (alive[n], start) for n in range(self.nnodes) if n != self.node}  # last beat seen
+        pending = {n: (alive[n], start) for n in range(self.nnodes) if n != self.node and n not in let_go}
         lost: list[Failure] = []
         while pending and self._verdict() is None:
             self._pause(BEAT_S)

@@ -352,7 +352,7 @@ class Supervisor:
                              watchdog: Watchdog) -> int | None:
         """After a failure on several nodes: print the verdict every node agreed on; the exit code,
         or None to restart with the other nodes."""
-        verdict = channel.decide()
+        verdict = channel.decide(self._let_go)
         self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
         report_verdict(verdict, self.plan.node_rank)
         code = shell_code(verdict.code)

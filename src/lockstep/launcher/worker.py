@@ -1,6 +1,6 @@
 """Worker bootstrap: ``python -m lockstep.launcher.worker {script|module} TARGET [ARGS...]``.
 
-Runs the user's script or module the way ``python TARGET`` / ``python -m TARGET`` would, plus two
+Runs the user's script or module the way ``python TARGET`` / ``python -m TARGET`` would, plus
 things that happen when (and only if) the script imports torch:
 
 * on the rank that hosts the rendezvous store, the c10d TCPStore server starts on the listening
@@ -8,7 +8,10 @@ things that happen when (and only if) the script imports torch:
   and nothing can take it between choosing and binding;
 * an exit hook destroys the default process group, because a gloo process that exits right after a
   collective without ``destroy_process_group`` can abort with SIGABRT while the interpreter shuts
-  down (torch 2.13).
+  down (torch 2.13);
+* in a rank of an elastic job that started without some nodes, or joins a running one, the
+  script's own ``torch.distributed.init_process_group()`` forms the group of the ranks there are
+  (:func:`lockstep.regroup.route_init_process_group`), not the launch's, which would wait for them.
 
 Before the script starts, ``faulthandler`` is registered on SIGQUIT: the launcher sends it to show
 where every thread of every rank is (``kill -QUIT`` on the launcher, or a stall). It writes from
@@ -47,6 +50,7 @@ from types import CodeType, ModuleType
 from typing import Any
 
 _STORE_FD_ENV = "LOCKSTEP_STORE_FD"
+_ELASTIC_START_ENV, _ELASTIC_JOIN_ENV = "LOCKSTEP_ELASTIC_START", "LOCKSTEP_ELASTIC_JOIN"  # elastic_names' (no lockstep import here)
 _store: Any = None  # the TCPStore server; must live as long as the process
 _stacks_file: Any = None  # faulthandler keeps only the descriptor: the file object must live on
 
@@ -54,6 +58,10 @@ _stacks_file: Any = None  # faulthandler keeps only the descriptor: the file obj
 def _on_torch_imported() -> None:
     global _store
     atexit.register(_destroy_process_group)
+    if os.environ.get(_ELASTIC_START_ENV) or os.environ.get(_ELASTIC_JOIN_ENV):
+        from lockstep import regroup  # torch is loaded by now
+
+        regroup.route_init_process_group()
     fd = os.environ.pop(_STORE_FD_ENV, None)
     if fd is None:
         return
