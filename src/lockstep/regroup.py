@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as torch_dist
+from torch.distributed import distributed_c10d
 
 from lockstep.launcher.elastic_names import (
     ELASTIC_ENV,
@@ -164,4 +165,4 @@ def route_init_process_group() -> None:
         seconds = (timeout or torch_dist.default_pg_timeout).total_seconds()
         (enter if joining() else start)(seconds)
 
-    torch_dist.init_process_group = init_process_group
+    torch_dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # the name either way

@@ -196,7 +196,9 @@ def test_a_job_starts_without_a_node_that_is_late_and_it_joins_later_ending_as_f
 
 PLAIN = """\
 import os, torch, torch.distributed as dist
-dist.init_process_group(backend=os.environ.get("BACKEND", "gloo"), init_method="env://")  # as under torchrun
+from torch.distributed import distributed_c10d
+init = distributed_c10d.init_process_group if os.environ.get("INIT") == "c10d" else dist.init_process_group
+init(backend=os.environ.get("BACKEND", "gloo"), init_method="env://")  # as under torchrun
 total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
 print(f"rank {dist.get_rank()} of {dist.get_world_size()} (RANK={os.environ['RANK']}, "
@@ -217,9 +219,9 @@ def test_a_plain_torch_script_that_starts_without_a_late_node_trains_at_the_smal
     for rank in (0, 1):
         assert f"rank {rank} of 2 (RANK={rank}, WORLD_SIZE=2): sum 3" in result.stdout, result.stdout
     assert time.monotonic() - began < 60
-    # elastic groups are gloo's: NCCL is refused in one line, and the verdict names the rank, not
-    # the node the job started without
-    refused = _alone(tmp_path, BACKEND="nccl")
+    # elastic groups are gloo's: NCCL is refused in one line (also where the script calls torch's
+    # function by its module's name), and the verdict names the rank, not the node the job started without
+    refused = _alone(tmp_path, BACKEND="nccl", INIT="c10d")
     assert refused.returncode == 1, refused.stderr[-3000:]
     assert "ValueError: init_process_group(backend='nccl') in an elastic job" in refused.stderr, refused.stderr[-3000:]
     assert "the job failed: rank 0 on this node" in refused.stderr and "node 1's launcher" not in refused.stderr, \
