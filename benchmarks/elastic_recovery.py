@@ -4,15 +4,17 @@ restarts every rank from its newest checkpoint (``--max_restarts 1``, a save eve
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --nodes
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --fsdp
+    .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --zero 2
 
 With ``--nodes``, two launchers on this machine are two nodes of 2 ranks, and node 1's launcher is
 SIGKILLed (its ranks die with it): the elastic job (``--nnodes 1:2``) goes on with node 0's ranks;
 the restarting one (``--nnodes 2 --max_restarts 1``) gets a new node 1 launcher at once, as if a
 scheduler replaced the node without delay. With ``--fsdp`` both train under FSDP and save every 2
-batches: the elastic job goes on from its last checkpoint, resharded over the ranks left.
+batches: the elastic job goes on from its last checkpoint, resharded over the ranks left; so with
+``--zero STAGE``, under DeepSpeed.
 
-Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended; under FSDP,
-after the first checkpoint was published), and runs both jobs (tests/elastic/elastic_job.py, 0.1 s
+Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended; under FSDP
+or DeepSpeed, after the first checkpoint was published), and runs both jobs (tests/elastic/elastic_job.py, 0.1 s
 of sleep after each batch so that the moment falls anywhere in a step), SIGKILLing that rank at
 that moment in each. From the batch-end times every rank records it reports, per job, the seconds
 from the kill to the first finish of the next batch (past the newest any rank had finished; under
@@ -64,11 +66,17 @@ def await_file(path: Path, procs: list[subprocess.Popen[str]]) -> None:
 def _start(kind: str, out: Path, launcher: list[str], run: str = "run",
            extra: list[str] | None = None) -> subprocess.Popen[str]:
     extra = extra or []
-    extra = [*extra, *(["--save", str(out / "saves")] if kind == "restart" or "--fsdp" in extra else [])]
+    extra = [*extra, *(["--save", str(out / "saves")] if kind == "restart" or _sharded(extra) else [])]
     return subprocess.Popen([sys.executable, "-m", "lockstep", *launcher, "--run_directory", str(out / run),
                              str(JOB), str(out), "--sleep", "0.1", *extra], cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+
+
+def _sharded(extra: list[str]) -> bool:
+    """Whether the job trains with sharded state (FSDP, DeepSpeed): its elastic run saves, and goes on
+    from its last checkpoint."""
+    return "--fsdp" in extra or "--zero" in extra
 
 
 def _free_port() -> int:
@@ -95,8 +103,8 @@ def trial(kind: str, rank: int | None, delay: float, tmp: Path, extra: list[str]
         procs = [_start(kind, out, [*node, "--node_rank", str(n)], f"run{n}", extra) for n in (0, 1)]
     else:
         procs = [_start(kind, out, ["-n", "4", *JOBS[kind]], extra=extra)]
-    # under FSDP the elastic job goes on from a checkpoint: from the first one on
-    await_file(out / "saves" / "latest-rank0.pt" if "--fsdp" in extra else out / "ends0", procs)
+    # with sharded state the elastic job goes on from a checkpoint: from the first one on
+    await_file(out / "saves" / "latest-rank0.pt" if _sharded(extra) else out / "ends0", procs)
     time.sleep(delay)
     killed = time.time()
     if rank is None:
@@ -129,12 +137,15 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--nodes", action="store_true", help="kill node 1's launcher of two nodes of 2 ranks")
     parser.add_argument("--fsdp", action="store_true", help="train under FSDP, saving every 2 batches")
+    parser.add_argument("--zero", type=int, default=None, help="train under DeepSpeed at this ZeRO stage, saving "
+                                                                 "every 2 batches")
     args = parser.parse_args()
+    extra = ["--fsdp"] if args.fsdp else ["--zero", str(args.zero)] if args.zero is not None else []
     results: dict[str, list[tuple[float, int]]] = {kind: [] for kind in JOBS}
     for n in range(args.trials):
         rank, delay = None if args.nodes else random.randrange(4), random.uniform(0.0, 0.6)
         with tempfile.TemporaryDirectory() as tmp:
-            row = {kind: trial(kind, rank, delay, Path(tmp), ["--fsdp"] if args.fsdp else []) for kind in JOBS}
+            row = {kind: trial(kind, rank, delay, Path(tmp), extra) for kind in JOBS}
         for kind, value in row.items():
             results[kind].append(value)
         print(f"trial {n + 1}: {'node 1' if rank is None else f'rank {rank}'} at {delay:.2f} s: " + ", ".join(

@@ -2,14 +2,15 @@
 2 epochs (8 global batches of a 4-rank world).
 
 ``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--save FOLDER] [--fsdp [TYPE]]``: the
-rank launched as R SIGKILLs itself after batch B; every rank sleeps S seconds after each batch;
+rank launched as R SIGKILLs itself after batch B (with --save, once the checkpoint saved last is
+published); every rank sleeps S seconds after each batch;
 with ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a
 node joins) or OUT/release exists; ``--fail-to-join`` makes a rank that joins a running job exit 3
 as it starts; with ``--save``, it saves every 2 batches to FOLDER and autoresumes from it (a run
 under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead, saving checkpoints of that
-``state_dict_type`` (full). Each rank writes its pid to OUT/pid<launch rank>; appends for each
-batch it reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each
-batch it ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it
+``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at that ZeRO stage. Each
+rank writes its pid to OUT/pid<launch rank>; appends for each batch it reads a JSON line
+``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it
 is told of a JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters of
 ``trainer.state.model`` (under FSDP a change of the ranks makes a new model) to OUT/params.pt."""
 
@@ -41,9 +42,11 @@ EVAL_SAMPLES = 37
 
 
 class Record(Callback):
-    def __init__(self, out: Path, kills: dict[int, int], sleep: float, hold: int | None = None) -> None:
+    def __init__(self, out: Path, kills: dict[int, int], sleep: float, hold: int | None = None,
+                 save: str | None = None) -> None:
         self.rank = int(os.environ["RANK"])
         self.out, self.kill_after, self.sleep, self.hold = out, kills.get(self.rank), sleep, hold
+        self.save = save
         (out / f"pid{self.rank}").write_text(str(os.getpid()))
 
     def after_dataloader(self, state, logger) -> None:
@@ -60,6 +63,7 @@ class Record(Callback):
         with open(self.out / f"ends{self.rank}", "a") as f:
             f.write(f"{int(state.timestamp.batch)} {time.time()}\n")
         if int(state.timestamp.batch) == self.kill_after and int(os.environ["LOCKSTEP_RESTART_COUNT"]) == 0:
+            self._await_saved(self.kill_after - self.kill_after % 2)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
         membership = elastic.current()
@@ -70,6 +74,16 @@ class Record(Callback):
             deadline = time.monotonic() + 150
             while not membership.changed() and not (self.out / "release").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
+
+
+    def _await_saved(self, batch: int) -> None:
+        """With --save, until the checkpoint of ``batch`` (saved every 2 batches) is published: a
+        kill during its background write would leave none to go on from on a loaded machine."""
+        latest = Path(self.save or "") / "latest-rank0.pt"
+        deadline = time.monotonic() + 60
+        while self.save and batch and f"-ba{batch}-" not in (os.readlink(latest) if latest.is_symlink() else "") \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 class RecordEvals(Callback):
@@ -108,13 +122,14 @@ def die_in_reform() -> None:
 
 
 def die_in_save(batch: int, where: str) -> None:
-    """SIGKILL this rank as the checkpoint of ``batch`` begins (``agree``: its agreement) or as it
-    gathers FSDP's full state for it (``gather``); the others wait for it there, in collectives
-    of the group it leaves."""
+    """SIGKILL this rank as the checkpoint of ``batch`` begins (``agree``: its agreement), as it
+    gathers FSDP's full state for it (``gather``) or as its writer thread writes DeepSpeed's files
+    (``write``); the others wait for it there, in collectives of the group it leaves."""
+    from lockstep.checkpoint.deepspeed import DeepSpeedLayout
     from lockstep.checkpoint.fsdp_states import FullLayout
     from lockstep.checkpoint.writer import CheckpointWriter
 
-    agree, gather = CheckpointWriter._agree, FullLayout.gather
+    agree, gather, write = CheckpointWriter._agree, FullLayout.gather, DeepSpeedLayout.write_parts
     saving = [0]
 
     def doomed_agree(self, path, name, rank_entry):
@@ -128,7 +143,12 @@ def die_in_save(batch: int, where: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return gather(self)
 
-    CheckpointWriter._agree, FullLayout.gather = doomed_agree, doomed_gather
+    def doomed_write(self, temp, captured, group):
+        if where == "write" and saving[0] == batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, temp, captured, group)
+
+    CheckpointWriter._agree, FullLayout.gather, DeepSpeedLayout.write_parts = doomed_agree, doomed_gather, doomed_write
 
 
 def main() -> None:
@@ -138,6 +158,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--save", default=None)
     parser.add_argument("--fsdp", nargs="?", const="full", default=None, help="FSDP, with this state_dict_type")
+    parser.add_argument("--zero", type=int, default=None, help="DeepSpeed at this ZeRO stage")
     parser.add_argument("--hold", type=int, default=None,
                         help="after this batch, fewer ranks than the full world wait until the ranks change")
     parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader for training")
@@ -148,7 +169,7 @@ def main() -> None:
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
     parser.add_argument("--die-in-save", default=None,
-                        help="R:B:agree|gather: launch rank R is killed in that part of the batch-B save")
+                        help="R:B:agree|gather|write: launch rank R is killed in that part of the batch-B save")
     args = parser.parse_args()
     if args.fail_to_join and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
         sys.exit(3)
@@ -161,7 +182,7 @@ def main() -> None:
     model, data = MLP(train_accuracy=True), _Indexed()
     options = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
         if args.save else {}
-    callbacks = [Record(args.out, kills, args.sleep, args.hold)]
+    callbacks = [Record(args.out, kills, args.sleep, args.hold, args.save)]
     if args.eval:
         held_out = dataset(EVAL_SAMPLES)
         options.update(eval_interval="2ba", eval_dataloader=DataLoader(held_out, batch_size=4,
@@ -172,7 +193,9 @@ def main() -> None:
                       train_dataloader=(StatefulDataLoader if args.stateful else DataLoader)(
                           data, batch_size=PER_RANK_BATCH, sampler=dist.get_sampler(data, shuffle=True)),
                       seed=7, progress_bar=False, callbacks=callbacks,
-                      fsdp_config={"state_dict_type": args.fsdp} if args.fsdp else None, **options)
+                      fsdp_config={"state_dict_type": args.fsdp} if args.fsdp else None,
+                      deepspeed_config=None if args.zero is None else {"zero_optimization": {"stage": args.zero}},
+                      **options)
     trainer.fit()
     assert not args.stateful or isinstance(trainer.train_dataloader, StatefulDataLoader)  # split or not
     params = full_params(trainer.state.model)  # under FSDP a collective, and a new model after a change

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
+from lockstep.checkpoint import export_state_dict
 from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, launch
 from tests.helpers import free_port
 from tests.trainer.common import assert_same_params
@@ -45,9 +45,10 @@ def two_nodes(out: Path, *job: str) -> list[subprocess.Popen[str]]:
 
 
 def wait_for(path: Path, procs: list[subprocess.Popen[str]], lines: int = 1, timeout: float = 90) -> None:
-    """Until ``path`` has ``lines`` lines, every launcher in ``procs`` still running."""
+    """Until ``path`` has ``lines`` lines (0: until it exists, a file, folder or link), every
+    launcher in ``procs`` still running."""
     deadline = time.monotonic() + timeout
-    while not (path.exists() and len(path.read_text().splitlines()) >= lines):
+    while not ((path.exists() or path.is_symlink()) and (not lines or len(path.read_text().splitlines()) >= lines)):
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, path
         time.sleep(0.02)
 
@@ -87,18 +88,24 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("saving,fsdp", [(False, False), (True, False), (True, True)],
-                         ids=["no-checkpoint", "saving", "fsdp"])
+@pytest.mark.parametrize("saving,sharded", [(False, None), (True, None), (True, ("--fsdp",)),
+                                            (True, ("--zero", "2"))],
+                         ids=["no-checkpoint", "saving", "fsdp", "zero2"])
 def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_four_ranks_would(
-        tmp_path: Path, reference, saving: bool, fsdp: bool) -> None:
+        tmp_path: Path, reference, saving: bool, sharded: tuple[str, ...] | None) -> None:
     port, out = str(free_port()), tmp_path / "out"
     # while two ranks train, they wait after batch 5 for the node to join; with saving, a
     # checkpoint every 2 batches, whose agreements the joined ranks take part in from batch 6;
-    # under FSDP every rank shards the model anew over four and loads the batch-4 checkpoint
-    job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()), *(("--fsdp",) if fsdp else ()))
+    # under FSDP (DeepSpeed) every rank shards the model (builds an engine) anew over four and
+    # loads the batch-4 checkpoint
+    job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()), *(sharded or ()))
     master, other = [launch(out, *job, launcher=node_args(port, node), run=f"run{node}") for node in (0, 1)]
-    # under FSDP after batch 3, once the batch-2 checkpoint (the first) is there to go on from
-    wait_for(out / "ends0", [master, other], lines=3 if fsdp else 2)
+    if sharded:  # once the batch-2 checkpoint (the first) is published, to go on from: under DeepSpeed
+        # every rank writes a part of it, and node 1's, lost in the middle, would leave none
+        wait_for(tmp_path / "save" / "latest-rank0.pt", [master, other], lines=0)
+        wait_for(out / "ends0", [master, other], lines=3)
+    else:
+        wait_for(out / "ends0", [master, other], lines=2)
     other.send_signal(signal.SIGKILL)  # its watchdog takes its ranks with it
     other.communicate(timeout=30)
     wait_for(out / "changes0", [master])  # the job went on without node 1
@@ -115,7 +122,7 @@ def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_f
     assert "node 1 (ranks 2, 3) joined: 4 of 4 ranks go on at world size 4 (generation 2" in said, said
     assert "node 1 joined the running job in generation 2 of its ranks" in said_again, said_again
     if saving:  # the last checkpoint holds the parameters the run ended with
-        last = torch.load(tmp_path / "save" / "ep2-ba8-rank0.pt", weights_only=False)["state"]["model"]
+        last = export_state_dict(str(tmp_path / "save" / "ep2-ba8-rank0.pt"))
         assert_same_params(last, reference[0], atol=1e-5)
     assert_as_uninterrupted(out, reference)  # every sample once, no checkpoint, parameters within 1e-5
     joined = [json.loads(line) for line in (out / "changes2").read_text().splitlines()]
@@ -123,7 +130,7 @@ def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_f
         [(2, 4, 2, [2, 3])], joined
     changes = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
     assert [(c["left"], c["joined"]) for c in changes] == [([2, 3], []), ([], [2, 3])], changes
-    if fsdp:  # every rank from the last checkpoint, resharded over four: batch 5 again
+    if sharded:  # every rank from the last checkpoint, resharded over four: batch 5 again
         assert (changes[1]["batch"], changes[1]["trained_again"]) == (4, 1), changes
     else:
         assert changes[1]["batch"] >= 5, changes  # the joined ranks trained from the step the others reached

@@ -208,6 +208,31 @@ def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_e
     assert_same_params(last, params, atol=1e-5)  # the full state the three gathered for the last save
 
 
+@pytest.mark.parametrize("stage,kill,again", [(0, ["2:3"], 1), (2, ["2:3"], 1),
+                                              (2, ["--die-in-save", "2:4:write"], 2)],
+                         ids=["zero0-after-batch-3", "zero2-after-batch-3", "zero2-in-the-batch-4-write"])
+def test_under_deepspeed_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_ends_as_four_ranks_would(
+        tmp_path: Path, reference, stage: int, kill: list[str], again: int) -> None:
+    # rank 2 is killed after batch 3 (once the batch-2 checkpoint is published), or in its writer
+    # thread as it writes its files of the batch-4 checkpoint, which the others then give up (that
+    # write met in collectives of the ranks that were). A lost rank's ZeRO partitions are nowhere
+    # else, so the three ranks left build a new engine over themselves and load the batch-2
+    # checkpoint, saved by four ranks: at stages 1-2 each takes its slice of the optimizer state of
+    # the new partitioning (lockstep's reshard); at stage 0 the engine loads it whole
+    out, saves = tmp_path / "out", tmp_path / "ck"
+    err = finish(launch(out, *kill, "--zero", str(stage), "--save", str(saves)))
+    assert ("rank 2 (at launch) left: the job goes on at world size 3 (was 4; generation 1) from batch 2, "
+            in err), err
+    assert f"{again} finished step(s) are trained again (from the last checkpoint, resharded)" in err, err
+    params, batches = reference  # the DDP run: ZeRO's math is the same
+    assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
+    assert global_batches(out) == batches
+    saved = sorted(p.name for p in saves.iterdir())  # no temporary folder of the write given up
+    assert saved == ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt",
+                     "latest-rank0.pt"], saved
+    assert (saves / "ep1-ba4-rank0.pt" / "deepspeed").is_dir()  # written by the three
+
+
 def test_fsdp_under_min_ranks_without_a_save_folder_is_refused_in_one_line_before_training(tmp_path: Path) -> None:
     proc = launch(tmp_path / "out", "--fsdp", launcher=("-n", "2", "--min_ranks", "1"))
     _, err = proc.communicate(timeout=120)
@@ -234,8 +259,10 @@ def test_a_script_whose_ranks_do_not_follow_a_change_stops_at_a_lost_rank(tmp_pa
 
 
 @pytest.mark.parametrize("parallel,save_folder,said", [
-    ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, "ck",
-     "under DDP and FSDP, not DeepSpeed, whose engine cannot move its ZeRO shards onto fewer ranks"),
+    ({"deepspeed_config": {"zero_optimization": {"stage": 3}}}, "ck",
+     "under DeepSpeed goes on at ZeRO stages 0-2, not 3, whose parameters are partitioned in place"),
+    ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, None, "give save_folder and save_interval"),
+    ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, "ck", None),
     ({"fsdp_config": {"sharding_strategy": "HYBRID_SHARD"}}, "ck", "drop HYBRID_SHARD, the mesh degrees"),
     ({"fsdp_config": {"state_dict_type": "local"}}, "ck", "not 'local'"),
     ({"fsdp_config": {}}, None, "give save_folder and save_interval"),
@@ -244,14 +271,14 @@ def test_a_script_whose_ranks_do_not_follow_a_change_stops_at_a_lost_rank(tmp_pa
 ])
 def test_what_an_elastic_job_cannot_go_on_with_is_refused_in_one_line(
         parallel: dict, save_folder: str | None, said: str | None) -> None:
-    from lockstep.parallel.config import ParallelConfig
-    from lockstep.parallel.ddp import DDPStrategy
-    from lockstep.parallel.fsdp import FSDPStrategy
+    from lockstep.parallel.config import ParallelConfig, build_strategy
     from lockstep.trainer.setup import check_elastic
 
+    if "deepspeed_config" in parallel:
+        pytest.importorskip("deepspeed")
     config = ParallelConfig(**parallel)
-    strategy = FSDPStrategy(torch.device("cpu"), "fp32", config.fsdp_config) if config.fsdp_config is not None \
-        else DDPStrategy(torch.device("cpu"), "fp32", sync_strategy=config.ddp_sync_strategy)  # DeepSpeed's too
+    strategy = build_strategy(config, device=torch.device("cpu"), precision="fp32", train_dataloader=None,
+                              microbatch_size=None, grad_accum=None, num_optimizers=1)
     if said is None:
         check_elastic(strategy, config, save_folder)
         return

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,17 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
     optimizer_keys = DEEPSPEED
     collective = True
 
-    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], engine: Any, stage: int) -> None:
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], engine: Callable[[], Any],
+                 stage: int) -> None:
         super().__init__(model, optimizers)
-        self.engine, self.stage = engine, stage
+        self._engine, self.stage = engine, stage
         self._sizes: dict[str, int] = {}
         self._parts: dict[str, list[int]] = {}
+
+    @property
+    def engine(self) -> Any:
+        """The strategy's engine now (an elastic job's change of the ranks builds a new one)."""
+        return self._engine()
 
     def gather(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         return {}, [{} for _ in self.optimizers]  # the engine writes them
@@ -114,8 +120,17 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
                                           elastic=bool(self.engine.zero_elastic_checkpoint()))
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
-        """Resume exactly: the engine loads its model and optimizer states (same world size and stage)."""
+        """Resume exactly: the engine loads its model and optimizer states (the same stage; at
+        another world size, in an elastic job, stages 0-2 only: :mod:`deepspeed_reshard`)."""
         assert not weights_only  # weights alone come through export_weights at any world size
+        saved = content["lockstep"].get("world_size")
+        if self.stage in (1, 2) and saved != torch.distributed.get_world_size():
+            from lockstep.checkpoint import deepspeed_reshard
+            try:
+                deepspeed_reshard.load(self.engine, folder, TAG, saved, strict=strict)
+            except (RuntimeError, KeyError, ValueError, IndexError) as e:
+                raise misfit(folder, e) from None
+            return
         try:
             loaded, _ = self.engine.load_checkpoint(str(folder), tag=TAG, load_module_strict=strict,
                                                     load_optimizer_states=True, load_lr_scheduler_states=False)

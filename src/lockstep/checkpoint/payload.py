@@ -55,7 +55,7 @@ from lockstep.checkpoint import composer, ignore, stateful
 from lockstep.core.state_dict import integrations
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.core import eval_metrics
-from lockstep.checkpoint.layout import INDEX, NAME, SHARDED, SINGLE, Layout
+from lockstep.checkpoint.layout import DEEPSPEED, INDEX, NAME, SHARDED, SINGLE, Layout
 from lockstep.time import Timestamp
 
 if TYPE_CHECKING:
@@ -238,13 +238,22 @@ def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None
 def check_world_size(payload: dict[str, Any], path: Path, world_size: int) -> None:
     """Only a sharded (DCP) checkpoint reshards to another world size; in an elastic job
     (``LOCKSTEP_FULL_WORLD_SIZE``), whose data follows the global batch whatever the world size,
-    a DDP one, in which every rank holds the whole state, loads at any world size too."""
-    saved = payload["lockstep"].get("world_size")
-    layout = layout_of(payload["lockstep"])
-    if saved != world_size and layout != SHARDED and not (layout == SINGLE and elastic.full_world_size()):
-        raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
-                              f"{world_size}: an exact resume needs the same world size; pass "
-                              f"load_weights_only=True to start a new run from its weights")
+    a DDP one, in which every rank holds the whole state, loads at any world size too, and so does
+    a DeepSpeed one of ZeRO stages 0-2 (:mod:`lockstep.checkpoint.deepspeed_reshard`)."""
+    meta = payload["lockstep"]
+    saved, layout = meta.get("world_size"), layout_of(meta)
+    if saved == world_size or layout == SHARDED:
+        return
+    reshards = layout == SINGLE or (layout == DEEPSPEED and meta.get("zero_stage") in (0, 1, 2))
+    if elastic.full_world_size() and reshards:
+        return
+    if layout == DEEPSPEED and elastic.full_world_size():
+        raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) under ZeRO stage 3 and this run has "
+                              f"{world_size}: lockstep reshards DeepSpeed checkpoints of stages 0-2 only; train "
+                              f"an elastic job at stage 2, or under FSDP")
+    raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
+                          f"{world_size}: an exact resume needs the same world size; pass "
+                          f"load_weights_only=True to start a new run from its weights")
 
 
 def _plain(timestamp: dict[str, Any]) -> dict[str, Any]:

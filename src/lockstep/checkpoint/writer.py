@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep import _agreement, dist, idle, progress
+from lockstep import _agreement, dist, elastic, idle, progress
 from lockstep.checkpoint import files, integrity, leftovers, payload, remote, staging, templates, writable
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.checkpoint.folder_claim import FolderClaim
@@ -97,6 +97,10 @@ class CheckpointWriter:
         """Set once the background save has copied the parameters and optimizer state (None: no such copy)."""
         self._writer_group: torch.distributed.ProcessGroup | None = None
         """The process group of a folder layout's writes, made at its first save."""
+        self._writer_generation = 0
+        """The generation of an elastic job's ranks that made it."""
+        self._failed_folder: Path | None = None
+        """The temporary folder of a folder layout's write that failed."""
         self._may_replace_own = False
         """Set on autoresume: files past the resume point are this run's leftovers from before a crash."""
 
@@ -347,8 +351,11 @@ class CheckpointWriter:
         training uses the default one. Each rank decides alone whether its part fits in memory to
         be copied: one rank writing in its thread while another writes here still meet there.
         """
-        if self._writer_group is None:  # a collective: every rank's first folder save comes here
-            self._writer_group = _writer_group()
+        generation = _generation()
+        if self._writer_group is None or generation != self._writer_generation:
+            # a collective: every rank's first folder save comes here, and the first after an
+            # elastic job's ranks changed (the old group holds ranks that left)
+            self._writer_group, self._writer_generation = _writer_group(), generation
         temp = files.temp_path(path, pid)
         parts, rests = layout.folder_parts(temp, model, optimizers)
         meta = self._meta(state, ranks, history, layout, rests)
@@ -364,7 +371,7 @@ class CheckpointWriter:
             if self.mirror is not None and meta is None:
                 self.mirror.upload_folder_part(temp, path)
             if self.uploader is not None and self._writer_group is not None:
-                torch.distributed.barrier(group=self._writer_group)  # rank 0 renames the folder after every rank linked its files
+                dist.barrier(group=self._writer_group)  # rank 0 renames the folder after every rank linked its files
                 if meta is None and not _sees_rank_zero(temp, written):
                     # another node's disk: rank 0 never publishes this copy, and its uploads read links
                     shutil.rmtree(temp, ignore_errors=True)
@@ -375,7 +382,7 @@ class CheckpointWriter:
                     self.mirror.upload_folder_part(temp, path)
                 self._publish(temp, None, path, history)
         except BaseException as e:  # raised on every rank by the next save or wait
-            self._failure = e
+            self._failure, self._failed_folder = e, temp
 
     def _hand_over(self, now: bool, write: Callable[..., None], *args: Any) -> None:
         """Run ``write`` here (``now``), or on the one lasting writer thread."""
@@ -437,6 +444,21 @@ class CheckpointWriter:
                 self._publisher.result()  # _publish keeps its failure; it never raises
             self._publisher = self.copying = None
 
+    def settle_after_change(self) -> None:
+        """:meth:`settle`, after an elastic job's ranks changed: a write that the change broke off
+        (a collective of the ranks that were) is given up, its temporary folder removed, rather
+        than raised at the next save; the newest checkpoint is then the one before it."""
+        self.settle()
+        membership = elastic.current()
+        failure = self._failure
+        if failure is None or membership is None or not (
+                isinstance(failure, elastic.MembershipChanged) or membership.follows(failure)):
+            return
+        self._failure = None
+        if self._failed_folder is not None:
+            shutil.rmtree(self._failed_folder, ignore_errors=True)
+            self._failed_folder = None
+
     def _prune(self) -> None:
         """Delete the oldest checkpoints beyond ``num_to_keep``. Per-rank files are pruned only
         once every rank has published the newest, so that after a crash between two ranks'
@@ -456,6 +478,12 @@ def _sees_rank_zero(temp: Path, written: Collection[str]) -> bool:
 def _with_short_lock_turns(write: Callable[..., None], *args: Any) -> None:
     with idle.short_lock_turns():
         write(*args)
+
+
+def _generation() -> int:
+    """The generation of an elastic job's ranks (0 outside one)."""
+    membership = elastic.current()
+    return 0 if membership is None else membership.generation
 
 
 def _writer_group() -> torch.distributed.ProcessGroup | None:

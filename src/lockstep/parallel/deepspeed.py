@@ -11,13 +11,17 @@ or output, so they are set unless the user gives them: ``gradient_clipping`` 0 (
 The Trainer drives the engine with an explicit accumulation boundary: every microbatch but the last
 runs with the boundary off, so the number of microbatches may change from step to step (a short
 last batch) and ``engine.step()`` runs once per optimizer step. The loss is scaled by the Trainer,
-never by DeepSpeed's gradient accumulation count.
+never by DeepSpeed's gradient accumulation count. So a rank may take a larger share of a global
+batch in more microbatches, which an elastic job's ranks left do: after a change they take the
+engine off the model and build a new one over themselves (:meth:`DeepSpeedStrategy.reshard`), and
+DeepSpeed's collectives wait through :mod:`lockstep.dist` meanwhile, so that a change ends them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import os
 import sys
@@ -29,7 +33,7 @@ import torch
 from torch import nn
 
 from lockstep import batch as batches
-from lockstep import dist
+from lockstep import dist, elastic
 from lockstep.checks import check_keys
 from lockstep.optional import DEEPSPEED_INSTALL_HINT
 from lockstep.parallel.precision import NULL_CONTEXT
@@ -101,6 +105,55 @@ def _without_inference_all_reduce_op() -> Iterator[None]:
             compatible[_SHARED_MEMORY_OP] = before
 
 
+_WAITED = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+           "all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced", "gather", "scatter",
+           "all_to_all_single", "all_to_all", "barrier")
+"""DeepSpeed's collectives (methods of its torch backend, each with ``async_op``)."""
+
+
+def _wait_through_lockstep() -> None:
+    """In an elastic job: DeepSpeed's collectives waited for through :func:`lockstep.dist.run_collective`.
+    In torch's own wait, a rank whose peer had already left for the new process group (it saw the
+    change first) would block until the group's timeout; lockstep's wait ends at the change."""
+    from deepspeed.comm import comm
+
+    backend = comm.cdb
+    if getattr(backend, "_lockstep_waited", False):
+        return
+    for name in _WAITED:
+        method = getattr(type(backend), name, None)
+        if method is not None:
+            setattr(backend, name, _waited(method.__get__(backend), _signature(method)))
+    backend._lockstep_waited = True
+
+
+def _signature(function: Any) -> inspect.Signature:
+    """The parameters of a method of DeepSpeed's torch backend, ``self`` first. Its
+    ``stage_on_cpu`` decorator returns a ``(self, *args, **kwargs)`` wrapper that keeps the
+    method's own signature in its closure (it binds ``async_op`` by it)."""
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+    held = cells.get("signature")
+    if held is not None and isinstance(held.cell_contents, inspect.Signature):
+        return held.cell_contents
+    return inspect.signature(function)
+
+
+def _waited(method: Any, signature: inspect.Signature) -> Any:
+    """``method`` (bound) as it is when called with ``async_op`` (the caller waits for its work);
+    otherwise issued asynchronously and waited for by :func:`lockstep.dist.run_collective`."""
+    if "async_op" not in signature.parameters:
+        return method
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(None, *args, **kwargs).arguments
+        del arguments[next(iter(signature.parameters))]  # self
+        if arguments.pop("async_op", False):
+            return method(*args, **kwargs)
+        dist.run_collective(method, **arguments)
+        return None
+    return call
+
+
 def batch_size_of(loader: Any) -> int | None:
     """The per-rank batch size a dataloader yields, when it says."""
     for owner in (loader, getattr(loader, "batch_sampler", None)):
@@ -132,6 +185,16 @@ def fill_config(config: Mapping[str, Any], *, batch_size: int | None, microbatch
     config.setdefault("gradient_clipping", 0.0)
     config.setdefault("zero_allow_untested_optimizer", True)
     config.setdefault("steps_per_print", 2**31 - 1)
+    return config
+
+
+def refill_world_size(config: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """``config`` with DeepSpeed's global batch for ``world_size`` ranks (an elastic job's ranks
+    changed; the Trainer splits the batch itself, and DeepSpeed checks that the product holds)."""
+    config = copy.deepcopy(config)
+    if all(key in config for key in _BATCH_KEYS):
+        config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+                                      * world_size)
     return config
 
 
@@ -217,6 +280,9 @@ class DeepSpeedStrategy(Strategy):
     """
 
     needs_process_group = True
+    shards_state = True
+    """ZeRO partitions the optimizer state (and gradients, parameters) over the ranks, and an engine
+    cannot move onto another process group: an elastic job builds a new one (:meth:`reshard`)."""
 
     def __init__(self, device: torch.device, precision: str, config: dict[str, Any]) -> None:
         super().__init__(device, precision)
@@ -234,9 +300,15 @@ class DeepSpeedStrategy(Strategy):
                 raise ValueError(f"precision='amp_fp16' under DeepSpeed needs fp16 support, which DeepSpeed's "
                                  f"{device.type} accelerator lacks on this machine: use precision='amp_bf16'")
         self.engine: Any = None
+        self._params: list[list[torch.Tensor]] | None = None
+        """An elastic job's optimizer parameter groups as given (DeepSpeed replaces them)."""
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Build the engine (a collective)."""
+        """Build the engine (a collective). A rank that joins a running elastic job builds it
+        with the others, when they build theirs anew over the larger world (:meth:`reshard`)."""
+        membership = elastic.current()
+        if membership is not None and self._params is None:
+            self._params = [list(group["params"]) for group in (optimizers[0].param_groups if optimizers else [])]
         # DeepSpeed calls these torch collectives under their old names on every step; the warning is
         # for DeepSpeed to act on, and would otherwise flood the user's log.
         warnings.filterwarnings("ignore", category=FutureWarning,
@@ -246,11 +318,48 @@ class DeepSpeedStrategy(Strategy):
                             ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_WORLD_SIZE", dist.get_local_world_size())):
             os.environ.setdefault(name, str(value))
         self.model, self.optimizers = model.to(self.device), optimizers
+        if membership is not None and membership.fresh:
+            self.module = self.model  # no engine until the others build theirs with this rank
+            return
+        self._build()
+
+    def _build(self) -> None:
         with _without_inference_all_reduce_op():
             self.engine, _, _, _ = self._deepspeed.initialize(
-                model=self.model, optimizer=optimizers[0] if optimizers else None,
+                model=self.model, optimizer=self.optimizers[0] if self.optimizers else None,
                 config=copy.deepcopy(self.config), dist_init_required=False)
         self.module = self.engine
+        if self._params is not None:
+            _wait_through_lockstep()
+
+    def reshard(self) -> nn.Module:
+        """After an elastic job's ranks changed, on the new process group: the engine taken off
+        the model and a new one built over the ranks now in the job, around the same model and
+        optimizer (its state left for a checkpoint to fill). Stages 0-2, whose model every rank
+        holds whole; ZeRO-3 (parameters partitioned in place) is refused before training."""
+        assert self._params is not None, "reshard() is for an elastic job's DeepSpeed strategy"
+        if self.engine is not None:
+            self._take_off(self.engine)
+        for param in self.model.parameters():  # the interrupted step's partial gradients
+            param.grad = None
+        self.config = refill_world_size(self.config, dist.get_world_size())
+        self._build()
+        return self.model
+
+    def _take_off(self, engine: Any) -> None:
+        """``engine``'s hooks off the model, DeepSpeed's clone of the old world forgotten, and the
+        optimizer's own parameter groups back (DeepSpeed replaced them with flat partitions)."""
+        engine.destroy()  # the optimizer's gradient hooks
+        for hook in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
+            if hook is not None:
+                hook.remove()
+        from deepspeed.utils import groups
+        groups._WORLD_GROUP = None  # DeepSpeed reduces over this clone of the world group
+        if self.optimizers:
+            optimizer = self.optimizers[0]
+            for group, params in zip(optimizer.param_groups, self._params or []):
+                group["params"] = list(params)
+            optimizer.state.clear()
 
     def prepare_batch(self, batch: Any) -> Any:
         batch = super().prepare_batch(batch)
@@ -282,7 +391,7 @@ class DeepSpeedStrategy(Strategy):
 
     def layout(self) -> Layout:
         from lockstep.checkpoint.deepspeed import DeepSpeedLayout
-        return DeepSpeedLayout(self.model, self.optimizers, self.engine, self.stage)
+        return DeepSpeedLayout(self.model, self.optimizers, lambda: self.engine, self.stage)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "zero_stage": self.stage, "config": self.config}

@@ -216,15 +216,16 @@ def load_at_start(config: CheckpointConfig, state: State, layout: Layout, saver:
 
 def load_after_change(config: CheckpointConfig, state: State, layout: Layout,
                       saver: CheckpointWriter | None) -> dict[str, Any]:
-    """After an elastic FSDP job's ranks changed: the newest checkpoint of ``save_folder`` loaded
-    into the model sharded anew (the lost ranks' shards are nowhere else), every rank; this rank's
+    """After the ranks of an elastic job under FSDP or DeepSpeed changed: the newest checkpoint of
+    ``save_folder`` loaded into the model sharded anew (the lost ranks' shards are nowhere else),
+    every rank; this rank's
     RNG and data entry (empty at another world size, whose RNG streams do not map onto the ranks)."""
-    assert saver is not None  # setup.check_elastic: an elastic FSDP job has a save_folder
-    saver.settle()  # a checkpoint rank 0 still writes in the background is the newest
+    assert saver is not None  # setup.check_elastic: an elastic job that shards its state has a save_folder
+    saver.settle_after_change()  # one still written in the background is the newest, unless the change broke it off
     dist.barrier()
     loaded = autoresume.resume(config, state, layout, saver.where, saver.device)
     if loaded is None:
-        raise RuntimeError(f"lockstep: the job's ranks changed under FSDP before its first checkpoint in "
+        raise RuntimeError(f"lockstep: the job's ranks changed, with sharded state, before its first checkpoint in "
                            f"{config.save_folder}: the lost ranks' shards are nowhere else, so it cannot go on; "
                            f"save earlier (save_interval) or start it again")
     return loaded.rank_entry or {}

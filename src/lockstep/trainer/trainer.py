@@ -507,9 +507,6 @@ class Trainer:
                                       regrouped=membership is not None and membership.generation > 0)
         if shared is self.train_dataloader:
             return
-        if self.parallel.deepspeed_config is not None:  # its engine fixes the microbatches per step
-            raise ValueError(f"{elastic.FULL_WORLD_ENV}={full} with {split.size} ranks under DeepSpeed: its engine "
-                             f"cannot take a larger share of the global batch per rank; train under DDP or FSDP")
         self.train_dataloader = shared
         if self._train_spec is not None:
             self._train_spec.dataloader = shared
@@ -670,6 +667,8 @@ class Trainer:
         reached = s.timestamp.batch.value
         while True:
             try:
+                if self.saver is not None:  # a write in flight meets in the old group: over before it goes
+                    self.saver.settle_after_change()
                 membership.reform()
                 for optimizer in s.optimizers:  # the abandoned step's partial gradients
                     optimizer.zero_grad(set_to_none=True)
@@ -702,10 +701,11 @@ class Trainer:
         return data.DataPosition(skip=done) if done else None
 
     def _reshard_from_checkpoint(self) -> data.DataPosition | None:
-        """On the new process group of a backend that :attr:`~Strategy.shards_state` (FSDP): the
-        model sharded anew over the ranks now in the job and the newest checkpoint of
-        ``save_folder`` loaded into it, resharded; where the data goes on. The model object is a
-        new one (``state.model``): FSDP cannot move the old one's shards onto another group."""
+        """On the new process group of a backend that :attr:`~Strategy.shards_state` (FSDP,
+        DeepSpeed): the model sharded anew over the ranks now in the job and the newest checkpoint
+        of ``save_folder`` loaded into it, resharded; where the data goes on. Under FSDP the model
+        object is a new one (``state.model``): FSDP cannot move the old one's shards onto another
+        group."""
         s = self.state
         s.model = self.layout.model = self.strategy.reshard()
         if self.parallel.compile_config is not None:
