@@ -218,8 +218,8 @@ def load_after_change(config: CheckpointConfig, state: State, layout: Layout,
                       saver: CheckpointWriter | None) -> dict[str, Any]:
     """After the ranks of an elastic job under FSDP or DeepSpeed changed: the newest checkpoint of
     ``save_folder`` loaded into the model sharded anew (the lost ranks' shards are nowhere else),
-    every rank; this rank's
-    RNG and data entry (empty at another world size, whose RNG streams do not map onto the ranks)."""
+    every rank; this rank's RNG and data entry (empty at another world size, whose RNG streams do
+    not map onto the ranks)."""
     assert saver is not None  # setup.check_elastic: an elastic job that shards its state has a save_folder
     saver.settle_after_change()  # one still written in the background is the newest, unless the change broke it off
     dist.barrier()
