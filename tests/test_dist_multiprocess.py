@@ -56,6 +56,15 @@ def _getters_and_collectives() -> dict[str, Any]:
     out["all_gather_object"] = dist.all_gather_object({"rank": rank, "name": f"r{rank}"})
     dist.barrier()
 
+    waited: list[Any] = []  # as in an elastic job: every wait through the waiter, none inside torch
+    dist.set_collective_waiter(lambda work: (waited.append(work), work.wait()))
+    try:
+        sent: list[Any] = [b"z" * 5000, {"rank": rank}] if rank == 1 else [None, None]
+        dist.broadcast_object_list(sent, src=1)
+        out["waited_objects"] = (sent, dist.all_gather_object("x" * (100 + 900 * rank)), len(waited))
+    finally:
+        dist.set_collective_waiter(None)
+
     out["sampler"] = {}
     for size, shuffle, drop_last in ((10, True, False), (11, True, False), (11, False, True)):
         sampler = dist.get_sampler(list(range(size)), shuffle=shuffle, drop_last=drop_last, seed=7)
@@ -81,6 +90,7 @@ def test_getters_collectives_and_sampler() -> None:
         assert out["broadcast_object_list"] == (None, ["from rank 0", {"rank": 0}])
         assert out["all_gather"] == [[0, 1], [10, 11]]
         assert out["all_gather_object"] == [{"rank": 0, "name": "r0"}, {"rank": 1, "name": "r1"}]
+        assert out["waited_objects"] == ([b"z" * 5000, {"rank": 1}], ["x" * 100, "x" * 1000], 4)
 
     for (size, _shuffle, drop_last), rank0 in results[0]["sampler"].items():
         rank1 = results[1]["sampler"][(size, _shuffle, drop_last)]

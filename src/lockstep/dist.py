@@ -23,6 +23,7 @@ import contextlib
 import gc
 import math
 import os
+import pickle
 import random
 import re
 import string
@@ -518,8 +519,20 @@ def broadcast_object_list(
     if not isinstance(object_list, list):
         raise TypeError(f"broadcast_object_list() needs a list, got {type(object_list).__name__}.")
     _check_src(src, "broadcast_object_list")
-    if _group_ready("broadcast_object_list", group):
+    if not _group_ready("broadcast_object_list", group):
+        return
+    if _waiter is None:
         torch_dist.broadcast_object_list(object_list, src=src, group=group)
+        return
+    # As all_gather_object below: torch's own would wait inside torch.
+    sending = torch_dist.get_rank() == src
+    data = _as_bytes(list(object_list)) if sending else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    run_collective(torch_dist.broadcast, size, src=src, group=group)
+    if not sending:
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+    run_collective(torch_dist.broadcast, data, src=src, group=group)
+    object_list[:] = pickle.loads(data.numpy().tobytes())
 
 
 def all_gather(tensor: torch.Tensor, group: torch_dist.ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -539,9 +552,22 @@ def all_gather_object(obj: T, group: torch_dist.ProcessGroup | None = None) -> l
     """Return every rank's ``obj`` (every member's of ``group``, if given; pickled), ordered by rank."""
     if not _group_ready("all_gather_object", group):
         return [obj]
-    gathered: list[Any] = [None] * torch_dist.get_world_size(group)
-    torch_dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+    if _waiter is None:
+        gathered: list[Any] = [None] * torch_dist.get_world_size(group)
+        torch_dist.all_gather_object(gathered, obj, group=group)
+        return gathered
+    # Torch's object collectives wait inside torch, where an elastic job's change of the ranks
+    # could not end the wait: the same two collectives through the waiter (an elastic job's
+    # process groups are gloo's, so the bytes stay on the CPU).
+    data = _as_bytes(obj)
+    sizes = [int(n) for n in all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=group)]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:data.numel()] = data
+    return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(all_gather(padded, group=group), sizes)]
+
+
+def _as_bytes(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
 # ----------------------------------------------------------------------------- signal files

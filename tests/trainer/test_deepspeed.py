@@ -214,6 +214,32 @@ def test_config_conflicts_name_both_sides(config, kwargs, message) -> None:
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="needs DeepSpeed")
+def test_every_collective_of_the_installed_deepspeed_is_waited_through_lockstep() -> None:
+    """In an elastic job each of DeepSpeed's collectives is issued with ``async_op`` and waited
+    for by lockstep; one whose ``async_op`` went unseen would wait inside torch, and a rank lost
+    meanwhile would hang the others until the group's timeout."""
+    from deepspeed.comm.torch import TorchBackend
+
+    from lockstep.parallel.deepspeed import _WAITED, _signature, _waited
+
+    present = [name for name in _WAITED if hasattr(TorchBackend, name)]
+    assert len(present) >= 10  # all_reduce, broadcast, all_gather, reduce_scatter, barrier, ...
+    unseen = [name for name in present if "async_op" not in _signature(getattr(TorchBackend, name)).parameters]
+    assert unseen == []
+    calls = []
+
+    def issue(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "work"
+
+    waited = _waited(issue, _signature(TorchBackend.all_reduce))
+    assert waited(torch.ones(1), async_op=True) == "work"  # the caller waits for its own work
+    assert calls[-1][1] == {"async_op": True}
+    assert waited(torch.ones(1)) is None  # outside an elastic job lockstep.dist runs it as it is
+    assert list(calls[-1][1]) == ["tensor"]
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="needs DeepSpeed")
 def test_every_known_top_level_key_is_read_by_the_installed_deepspeed() -> None:
     from pathlib import Path
 

@@ -25,14 +25,12 @@ every file that names is there and holds the bytes it says (:func:`check_dcp_fil
 from __future__ import annotations
 
 import os
-import pickle
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from lockstep import dist
 from lockstep.checkpoint.files import DamagedCheckpoint, share
 from lockstep.checkpoint.zipwriter import crc32
 
@@ -113,21 +111,8 @@ def gather(mine: dict[str, list[int]], group: Any,
     rank has written and recorded its parts."""
     if group is None:
         return dict(mine), [sorted(reads)]
-    every = _gather_objects((mine, sorted(reads)), group)
+    every = dist.all_gather_object((mine, sorted(reads)), group=group)
     return {name: part for records, _ in every for name, part in records.items()}, [r for _, r in every]
-
-
-def _gather_objects(obj: Any, group: Any) -> list[Any]:
-    """Every member's ``obj`` (pickled) through :mod:`lockstep.dist`'s gathers, whose waits an
-    elastic job's change of the ranks ends (torch's ``all_gather_object`` would block until the
-    group's timeout on a peer that left for the new group)."""
-    from lockstep import dist
-
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = [int(n) for n in dist.all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=group)]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[:data.numel()] = data
-    return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(dist.all_gather(padded, group=group), sizes)]
 
 
 def damaged(folder: Path, name: str, what: str) -> DamagedCheckpoint:

@@ -193,9 +193,14 @@ def refill_world_size(config: dict[str, Any], world_size: int) -> dict[str, Any]
     changed; the Trainer splits the batch itself, and DeepSpeed checks that the product holds)."""
     config = copy.deepcopy(config)
     if all(key in config for key in _BATCH_KEYS):
-        config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
-                                      * world_size)
+        config["train_batch_size"] = _global_batch(config["train_micro_batch_size_per_gpu"],
+                                                   config["gradient_accumulation_steps"], world_size)
     return config
+
+
+def _global_batch(microbatch_size: int, accumulation: int, world_size: int) -> int:
+    """The ``train_batch_size`` DeepSpeed checks the other two batch keys against."""
+    return microbatch_size * accumulation * world_size
 
 
 def _check_zero(zero: Any) -> None:
@@ -230,14 +235,14 @@ def _fill_batch(config: dict[str, Any], batch_size: int | None, microbatch_size:
         raise ValueError(f"under DeepSpeed the dataloader's batch_size ({batch_size}) must be a multiple of "
                          f"the microbatch size ({microbatch_size}): DeepSpeed's config needs train_batch_size = "
                          f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size")
+    accumulation = batch_size // microbatch_size
     ours = {
-        "train_batch_size": (batch_size * world_size,
+        "train_batch_size": (_global_batch(microbatch_size, accumulation, world_size),
                              f"the global batch {batch_size * world_size} (dataloader batch_size {batch_size} x "
                              f"{world_size} ranks)"),
         "train_micro_batch_size_per_gpu": (microbatch_size, f"the Trainer's microbatch size {microbatch_size} "
                                                             f"(device_train_microbatch_size / grad_accum)"),
-        "gradient_accumulation_steps": (batch_size // microbatch_size,
-                                        f"the Trainer's {batch_size // microbatch_size} microbatch(es) per batch"),
+        "gradient_accumulation_steps": (accumulation, f"the Trainer's {accumulation} microbatch(es) per batch"),
     }
     for key, (value, what) in ours.items():
         given = config.get(key)

@@ -219,10 +219,10 @@ def load_after_change(config: CheckpointConfig, state: State, layout: Layout,
     """After the ranks of an elastic job under FSDP or DeepSpeed changed: the newest checkpoint of
     ``save_folder`` loaded into the model sharded anew (the lost ranks' shards are nowhere else),
     every rank; this rank's RNG and data entry (empty at another world size, whose RNG streams do
-    not map onto the ranks)."""
+    not map onto the ranks). The Trainer settled ``saver``'s write in flight before the new group
+    formed (:meth:`CheckpointWriter.settle_after_change`)."""
     assert saver is not None  # setup.check_elastic: an elastic job that shards its state has a save_folder
-    saver.settle_after_change()  # one still written in the background is the newest, unless the change broke it off
-    dist.barrier()
+    dist.barrier()  # every rank's write in flight over: the newest checkpoint is whole
     loaded = autoresume.resume(config, state, layout, saver.where, saver.device)
     if loaded is None:
         raise RuntimeError(f"lockstep: the job's ranks changed, with sharded state, before its first checkpoint in "
