@@ -235,6 +235,47 @@ def test_a_plain_torch_script_that_starts_without_a_late_node_trains_at_the_smal
         refused.stderr[-3000:]
 
 
+STEPS_THEN_WAIT = """\
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+for step in range(3):
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    if attempt == "0" and step == 1:
+        open(os.path.join(sys.argv[1], f"step1-{dist.get_rank()}"), "w").close()
+        time.sleep(100)  # until the test kills node 1's launcher
+print(f"attempt {attempt} rank {dist.get_rank()} of {dist.get_world_size()}: sum {total.item():g}", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_plain_torch_script_that_loses_a_node_is_started_again_without_it_as_under_torchrun(
+        tmp_path: Path) -> None:
+    """A script that does not follow a change of the ranks, with --max_restarts: the lost node's
+    ranks stop the job, and the master's launcher starts every rank again without that node,
+    which torchrun's elastic agent does on a lost node (the restart's ranks rendezvous in a store
+    of their own)."""
+    script, port = tmp_path / "plain.py", str(free_port())
+    script.write_text(STEPS_THEN_WAIT)
+    nodes = [subprocess.Popen([sys.executable, "-m", "lockstep", *node_args(port, node), "--max_restarts", "1",
+                               "--rdzv_last_call", "1", "--tee", "1", "--run_directory", str(tmp_path / f"run{node}"),
+                               str(script), str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for node in (0, 1)]
+    try:
+        wait_for(tmp_path / "step1-3", nodes, lines=0)
+        nodes[1].kill()
+        out, err = nodes[0].communicate(timeout=100)
+    finally:
+        for node in nodes:
+            node.kill()
+    assert nodes[0].returncode == 0, err
+    assert "node 1 (ranks 2, 3) was lost" in err and "restarting every node's ranks (1 of 1)" in err, err
+    assert sorted(line.split(":", 1)[1] for line in out.splitlines() if "attempt" in line) == \
+        ["attempt 1 rank 0 of 2: sum 3", "attempt 1 rank 1 of 2: sum 3"], out
+
+
 def _alone(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """Node 0 of 2 (``--nnodes 1:2``) running PLAIN, with node 1 never started."""
     script = tmp_path / "plain.py"

@@ -258,6 +258,24 @@ def test_a_script_whose_ranks_do_not_follow_a_change_stops_at_a_lost_rank(tmp_pa
     assert time.monotonic() - started < 60
 
 
+def test_with_max_restarts_such_a_script_is_started_again_at_every_rank_as_under_torchrun(tmp_path: Path) -> None:
+    # the restart's ranks rendezvous in a fresh store: the launcher's still holds the first attempt's keys
+    script = tmp_path / "plain.py"
+    script.write_text("import os, sys, torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "attempt = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+                      "if dist.get_rank() == 1 and attempt == '0':\n    os._exit(3)\n"
+                      "total = torch.ones(1)\ndist.all_reduce(total)\n"
+                      "print(f'attempt {attempt} rank {dist.get_rank()} of {dist.get_world_size()}: {total.item()}')\n")
+    done = subprocess.run([sys.executable, "-m", "lockstep", "-n", "2", "--min_ranks", "1", "--max_restarts", "1",
+                           "--tee", "1", "--run_directory", str(tmp_path / "run"), str(script)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "restarting this node's ranks (1 of 1)" in done.stderr, done.stderr
+    assert sorted(line.split(":", 1)[1] for line in done.stdout.splitlines() if "attempt" in line) == \
+        ["attempt 1 rank 0 of 2: 2.0", "attempt 1 rank 1 of 2: 2.0"], done.stdout
+
+
 @pytest.mark.parametrize("parallel,save_folder,said", [
     ({"deepspeed_config": {"zero_optimization": {"stage": 3}}}, "ck",
      "under DeepSpeed goes on at ZeRO stages 0-2, not 3, whose parameters are partitioned in place"),

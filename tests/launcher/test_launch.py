@@ -355,7 +355,9 @@ def test_exit_right_after_a_collective_does_not_abort(tmp_path: Path, write_scri
         assert result.returncode == 0, result.stderr
 
 
-def test_max_restarts_starts_the_ranks_again(tmp_path: Path, write_script) -> None:
+@pytest.mark.parametrize("as_command", [False, True], ids=["script", "command"])
+def test_max_restarts_starts_the_ranks_again(tmp_path: Path, write_script, as_command: bool) -> None:
+    # a command's ranks rendezvous in the store the launcher hosts: a restart's need a fresh one
     script = write_script("flaky.py", textwrap.dedent("""
         import os, sys, torch, torch.distributed as dist
         dist.init_process_group("gloo")
@@ -366,12 +368,13 @@ def test_max_restarts_starts_the_ranks_again(tmp_path: Path, write_script) -> No
         dist.all_reduce(t)
         print(f"attempt {restart} sum {t.item():g}")
     """))
-    result = launch(["-n", "2", "--max_restarts", "2", str(script)], cwd=tmp_path)
+    target = ["-c", sys.executable, str(script)] if as_command else [str(script)]
+    result = launch(["-n", "2", "--max_restarts", "2", *target], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "attempt 2 sum 2"
     assert result.stderr.count("restarting this node's ranks") == 2
 
-    result = launch(["-n", "2", "--max_restarts", "1", str(script)], cwd=tmp_path)
+    result = launch(["-n", "2", "--max_restarts", "1", *target], cwd=tmp_path)
     assert result.returncode == 7
 
 

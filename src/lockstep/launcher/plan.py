@@ -203,9 +203,12 @@ class LaunchPlan:
         return [*bootstrap, self.target, *self.target_args]
 
     def worker_env(
-        self, local_rank: int, master_port: int, restart_count: int, base_env: dict[str, str]
+        self, local_rank: int, master_port: int, restart_count: int, base_env: dict[str, str],
+        store_port: int | None = None,
     ) -> dict[str, str]:
-        """The environment contract of one worker (DESIGN section 2), torchrun's names included."""
+        """The environment contract of one worker (DESIGN section 2), torchrun's names included.
+        ``store_port``: the port of the store the launcher hosts, where an elastic job's membership
+        is, when the ranks rendezvous in another (a restart's on one node)."""
         rank = self.base_rank + local_rank
         env = dict(base_env)
         env.update(
@@ -237,7 +240,7 @@ class LaunchPlan:
         )
         if self.min_ranks:
             env[ELASTIC_ENV] = elastic_prefix(restart_count)
-            env[ELASTIC_STORE_ENV] = f"{self.master_addr}:{self.master_port or master_port}"
+            env[ELASTIC_STORE_ENV] = f"{self.master_addr}:{store_port or self.master_port or master_port}"
             env.setdefault(FULL_WORLD_ENV, str(self.world_size))
         if self.verbose:  # configuration errors with their tracebacks (lockstep.errors)
             env["LOCKSTEP_VERBOSE"] = "1"

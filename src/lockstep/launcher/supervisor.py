@@ -127,10 +127,12 @@ class Supervisor:
         """What every rank's environment carries so that the watchdog finds the job (:mod:`tree`)."""
         self._reaper = Reaper(lambda: ())
         self._store_host = plan.master_addr
+        """Where this launcher reaches the job's store: the master's address, or its own on the master."""
         self._signal_recorded = False
         """Whether this launcher recorded (or began to record) a stopping signal for the other nodes."""
-        """Where this launcher reaches the job's store: the master's address, or its own on the master."""
         self._launcher_store: Any = None
+        self._launcher_port = 0
+        """The port of the store this launcher hosts (0: it hosts none)."""
         self._members: Members | None = None
         """An elastic attempt's membership (--min_ranks), kept by the launcher that hosts the store."""
         self._let_go: set[int] = set()
@@ -198,6 +200,7 @@ class Supervisor:
         if not listener or not (plan.mode is Mode.COMMAND or plan.is_multinode or plan.min_ranks):
             return None
         self._launcher_store = self._host_store(listener)
+        self._launcher_port = listener.getsockname()[1]
         return self._launcher_store
 
     def _host_store(self, listener: socket.socket) -> Any:
@@ -266,6 +269,8 @@ class Supervisor:
                 if begun is None:
                     return LOST_EXIT_CODE, attempt
                 attempt, rank_port = begun
+            elif attempt and self._launcher_store is not None:
+                rank_port = self._fresh_attempt_store()
             self._keep_membership(channel, attempt)
             ranks = self._spawn_all(rank_port, attempt, listener.fileno() if listener else None, watchdog)
             self._ranks = ranks
@@ -294,6 +299,13 @@ class Supervisor:
             self._teardown(self._ranks, wake_r, watchdog, signal.SIGTERM)  # their last words, then the verdict
             return self._lost_master(port, str(e), attempt), attempt
         return self._settle_here(outcome, attempt, ranks, wake_r, watchdog), attempt
+
+    def _fresh_attempt_store(self) -> int:
+        """On one node whose launcher hosts the store (a command, an elastic job): a restart's
+        ranks rendezvous in a store of their own, whose port this returns, as on several nodes
+        (:meth:`_begin_attempt`); the membership stays in the launcher's."""
+        self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
+        return int(self._attempt_store.port)
 
     def _keep_membership(self, channel: JobChannel | None, attempt: int) -> None:
         """On the master's launcher of an elastic job: the attempt's membership, published before
@@ -547,7 +559,8 @@ class Supervisor:
         self._board = ProgressBoard(self._control_dir, [spec.rank for spec in specs])
         ranks: list[Rank] = []
         self._ranks = ranks  # each pid is in it before the reaper may collect an exit
-        envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env) for spec in specs]
+        store_port = self._launcher_port if self._launcher_store is not None else None
+        envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env, store_port) for spec in specs]
         if self._request is not None:  # they enter the running job's ranks, not the launch's group
             for env in envs:
                 env[JOIN_ENV] = self._request
