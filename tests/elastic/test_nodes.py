@@ -276,6 +276,55 @@ def test_a_plain_torch_script_that_loses_a_node_is_started_again_without_it_as_u
         ["attempt 1 rank 0 of 2: sum 3", "attempt 1 rank 1 of 2: sum 3"], out
 
 
+UNTIL_GO = """\
+import os, sys, time, torch, torch.distributed as dist
+folder = sys.argv[1]
+open(os.path.join(folder, "before-init-" + os.environ["RANK"]), "w").close()
+dist.init_process_group("gloo")
+total = torch.ones(1)
+dist.all_reduce(total)
+open(os.path.join(folder, f"started{dist.get_rank()}"), "w").close()
+while not os.path.exists(os.path.join(folder, "go")):
+    time.sleep(0.05)
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {total.item():g}", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_late_node_that_meets_a_plain_torch_script_is_answered_when_the_job_ends(tmp_path: Path) -> None:
+    """A torchrun script does not follow a change of the ranks, so a late node's launcher is never
+    let in: its ranks wait, and once the job's ranks finish it is told why in one line (exit 1)
+    while the master's launcher keeps the store up for it, rather than losing the store under it."""
+    script, port = tmp_path / "plain.py", str(free_port())
+    script.write_text(UNTIL_GO)
+
+    def node(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "lockstep", *node_args(port, rank), "--rdzv_last_call", "1",
+                                 "--tee", "1", "--run_directory", str(tmp_path / f"run{rank}"), str(script),
+                                 str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    nodes = [node(0)]
+    try:
+        wait_for(tmp_path / "started1", nodes, lines=0)
+        nodes.append(node(1))
+        for rank in (2, 3):
+            wait_for(tmp_path / f"before-init-{rank}", nodes, lines=0)
+        time.sleep(1)  # node 1's launcher has asked to join meanwhile
+        (tmp_path / "go").touch()
+        said = [n.communicate(timeout=60) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert nodes[0].returncode == 0, said[0][1]
+    assert sorted(line.split(":", 1)[1] for line in said[0][0].splitlines()) == ["rank 0 of 2: 4", "rank 1 of 2: 4"]
+    assert nodes[1].returncode == 1, said[1][1]
+    assert ("error: node 1 cannot join the running job (the job is finishing; its ranks never followed a change of "
+            "the job's ranks") in said[1][1], said[1][1]
+    assert "stopped answering" not in said[1][1], said[1][1]
+
+
 def _alone(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """Node 0 of 2 (``--nnodes 1:2``) running PLAIN, with node 1 never started."""
     script = tmp_path / "plain.py"

@@ -367,6 +367,14 @@ class JobChannel:
         alive, stage = counts
         return all(n == self.node or stage[n] == _LEFT or alive[n] >= DONE or n in lost for n in range(self.nnodes))
 
+    def rejoining(self, let_go: set[int] | frozenset[int]) -> list[int]:
+        """The nodes of ``let_go`` (an elastic job went on or started without them) whose launcher,
+        started again, takes part in this attempt: it has neither left nor stopped beating."""
+        counts = self._joined_counts()
+        lost = {f.node for f in self.lost_nodes(counts)}
+        alive, stage = counts
+        return [n for n in sorted(let_go) if stage[n] == _RUNNING and alive[n] < DONE and n not in lost]
+
     def decide(self, let_go: set[int] | frozenset[int] = frozenset()) -> Failure:
         """The agreed root cause (call once a failure is known): wait until every other node has
         reported or is lost, then the root cause of every failure recorded, as the first decider set

@@ -124,7 +124,9 @@ class Members:
                 self._joining.remove((node, token))
             elif self.finishing:
                 self._joining.remove((node, token))
-                self._answer_join(token, "no: the job is finishing")
+                self._answer_join(token, "no: the job is finishing" + (
+                    "" if self._all_follow() else "; its ranks never followed a change of the job's ranks, which "
+                                                  "letting a node in takes (lockstep's Trainer does)"))
             elif int(self._store.add(ready_key(self._prefix, token), 0)) >= self.per_node and self._all_follow():
                 self._joining.remove((node, token))
                 if self._admit(node, token):

@@ -810,8 +810,15 @@ class Supervisor:
         # no node joins ranks done training (not ranks all lost: the others may still train)
         if self._members is not None and any(r.returncode == 0 for r in ranks):
             self._members.finish()
+        # a launcher that asks to join (its ranks wait to be let in, as a script that does not
+        # follow the membership leaves them) is answered no, and the store stays up until it read that
+        left_by: float | None = None
         with Waiter([], wake_r, HANDLED) as waiter:
-            while not channel.all_done(self._let_go):
+            while True:
+                if channel.all_done(self._let_go):
+                    left_by = left_by or time.monotonic() + self.plan.grace_period + _DEPARTURE_S
+                    if self._members is None or not channel.rejoining(self._let_go) or time.monotonic() > left_by:
+                        break
                 signals, _ = waiter.wait(BEAT_S)
                 stopping = [s for s in signals if s in STOPPING]
                 if stopping:
