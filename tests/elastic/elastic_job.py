@@ -123,13 +123,14 @@ def die_in_reform() -> None:
 
 def die_in_save(batch: int, where: str) -> None:
     """SIGKILL this rank as the checkpoint of ``batch`` begins (``agree``: its agreement), as it
-    gathers FSDP's full state for it (``gather``) or as its writer thread writes DeepSpeed's files
-    (``write``); the others wait for it there, in collectives of the group it leaves."""
+    gathers FSDP's full state for it (``gather``) or as its writer thread writes DeepSpeed's or
+    DCP's files (``write``); the others wait for it there, in collectives of the group it leaves."""
     from lockstep.checkpoint.deepspeed import DeepSpeedLayout
-    from lockstep.checkpoint.fsdp_states import FullLayout
+    from lockstep.checkpoint.fsdp_states import FullLayout, ShardedLayout
     from lockstep.checkpoint.writer import CheckpointWriter
 
     agree, gather, write = CheckpointWriter._agree, FullLayout.gather, DeepSpeedLayout.write_parts
+    write_dcp = ShardedLayout.write_parts
     saving = [0]
 
     def doomed_agree(self, path, name, rank_entry):
@@ -146,9 +147,10 @@ def die_in_save(batch: int, where: str) -> None:
     def doomed_write(self, temp, captured, group):
         if where == "write" and saving[0] == batch:
             os.kill(os.getpid(), signal.SIGKILL)
-        return write(self, temp, captured, group)
+        return (write_dcp if isinstance(self, ShardedLayout) else write)(self, temp, captured, group)
 
-    CheckpointWriter._agree, FullLayout.gather, DeepSpeedLayout.write_parts = doomed_agree, doomed_gather, doomed_write
+    CheckpointWriter._agree, FullLayout.gather = doomed_agree, doomed_gather
+    DeepSpeedLayout.write_parts = ShardedLayout.write_parts = doomed_write
 
 
 def main() -> None:

@@ -89,8 +89,8 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saving,sharded", [(False, None), (True, None), (True, ("--fsdp",)),
-                                            (True, ("--zero", "2"))],
-                         ids=["no-checkpoint", "saving", "fsdp", "zero2"])
+                                            (True, ("--fsdp", "sharded")), (True, ("--zero", "2"))],
+                         ids=["no-checkpoint", "saving", "fsdp", "fsdp-sharded", "zero2"])
 def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_four_ranks_would(
         tmp_path: Path, reference, saving: bool, sharded: tuple[str, ...] | None) -> None:
     port, out = str(free_port()), tmp_path / "out"
@@ -320,6 +320,7 @@ def test_a_late_node_that_meets_a_plain_torch_script_is_answered_when_the_job_en
     assert nodes[0].returncode == 0, said[0][1]
     assert sorted(line.split(":", 1)[1] for line in said[0][0].splitlines()) == ["rank 0 of 2: 4", "rank 1 of 2: 4"]
     assert nodes[1].returncode == 1, said[1][1]
+    assert "node 1: the running job went on without this node; it asks to join" in said[1][1], said[1][1]
     assert ("error: node 1 cannot join the running job (the job is finishing; its ranks never followed a change of "
             "the job's ranks") in said[1][1], said[1][1]
     assert "stopped answering" not in said[1][1], said[1][1]

@@ -178,18 +178,21 @@ def test_an_elastic_rank_is_told_its_attempts_membership_keys_and_the_full_world
                                                  {}).worker_env(1, 29500, 0, {})
 
 
-@pytest.mark.parametrize("kill", [["2:3", "--stateful"], ["--die-in-save", "2:4:agree"],
-                                  ["--die-in-save", "2:4:gather"]],
-                         ids=["after-batch-3-stateful-loader", "in-the-batch-4-agreement", "in-the-batch-4-gather"])
+@pytest.mark.parametrize("kill,kind", [(["2:3", "--stateful"], "full"), (["--die-in-save", "2:4:agree"], "full"),
+                                       (["--die-in-save", "2:4:gather"], "full"), (["2:3"], "sharded"),
+                                       (["--die-in-save", "2:4:write"], "sharded")],
+                         ids=["after-batch-3-stateful-loader", "in-the-batch-4-agreement", "in-the-batch-4-gather",
+                              "sharded-after-batch-3", "sharded-in-the-batch-4-write"])
 def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_ends_as_four_ranks_would(
-        tmp_path: Path, reference, kill: list[str]) -> None:
+        tmp_path: Path, reference, kill: list[str], kind: str) -> None:
     # rank 2 is killed after batch 3 (or as the others wait for it in the agreement of the batch-4
-    # checkpoint, or in its gather of the full state: that checkpoint is never written); its
-    # shards are nowhere else, so the three ranks left shard the model anew over themselves and
-    # load the batch-2 checkpoint into it (with a StatefulDataLoader, the position its state saved
-    # by a rank of 4 gives a rank of 3's share of the global batches)
+    # checkpoint, in its gather of the full state, or in DCP's collectives as the ranks write their
+    # shards of a sharded one: that checkpoint is never written); its shards are nowhere else, so
+    # the three ranks left shard the model anew over themselves and load the batch-2 checkpoint
+    # into it (with a StatefulDataLoader, the position its state saved by a rank of 4 gives a rank
+    # of 3's share of the global batches)
     out = tmp_path / "out"
-    err = finish(launch(out, *kill, "--fsdp", "--save", str(tmp_path / "ck")))
+    err = finish(launch(out, *kill, "--fsdp", kind, "--save", str(tmp_path / "ck")))
     again = 1 if kill[0] == "2:3" else 2
     assert "rank 2 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
     assert ("rank 2 (at launch) left: the job goes on at world size 3 (was 4; generation 1) from batch 2, "
@@ -204,8 +207,13 @@ def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_e
             == [(1, 3, [2], 2, again)], told
     assert sorted(p.name for p in (tmp_path / "ck").glob("ep*")) == \
         ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]
-    last = torch.load(tmp_path / "ck" / "ep2-ba8-rank0.pt", weights_only=False)["state"]["model"]
-    assert_same_params(last, params, atol=1e-5)  # the full state the three gathered for the last save
+    last = tmp_path / "ck" / "ep2-ba8-rank0.pt"
+    if kind == "sharded":  # the shards of the three left (and a batch-2 folder of the four's)
+        assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+        assert len(list((tmp_path / "ck" / "ep0-ba2-rank0.pt").glob("*.distcp"))) == 4
+        return
+    # the full state the three gathered for the last save
+    assert_same_params(torch.load(last, weights_only=False)["state"]["model"], params, atol=1e-5)
 
 
 @pytest.mark.parametrize("stage,kill,again", [(0, ["2:3"], 1), (2, ["2:3"], 1),
@@ -282,7 +290,8 @@ def test_with_max_restarts_such_a_script_is_started_again_at_every_rank_as_under
     ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, None, "give save_folder and save_interval"),
     ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, "ck", None),
     ({"fsdp_config": {"sharding_strategy": "HYBRID_SHARD"}}, "ck", "drop HYBRID_SHARD, the mesh degrees"),
-    ({"fsdp_config": {"state_dict_type": "local"}}, "ck", "not 'local'"),
+    ({"fsdp_config": {"state_dict_type": "local"}}, "ck", "not 'local', whose per-rank files load only at"),
+    ({"fsdp_config": {"state_dict_type": "sharded"}}, "ck", None),
     ({"fsdp_config": {}}, None, "give save_folder and save_interval"),
     ({"fsdp_config": {}}, "ck", None),
     ({}, None, None),

@@ -301,9 +301,9 @@ class Supervisor:
         return self._settle_here(outcome, attempt, ranks, wake_r, watchdog), attempt
 
     def _fresh_attempt_store(self) -> int:
-        """On one node whose launcher hosts the store (a command, an elastic job): a restart's
-        ranks rendezvous in a store of their own, whose port this returns, as on several nodes
-        (:meth:`_begin_attempt`); the membership stays in the launcher's."""
+        """A restart's ranks rendezvous in a store of their own, whose port this returns, where
+        this launcher hosts the job's store (on several nodes, and on one for a command or an
+        elastic job); the membership stays in the launcher's."""
         self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
         return int(self._attempt_store.port)
 
@@ -393,13 +393,14 @@ class Supervisor:
         per-attempt prefix, so the old attempt's keys would mislead them."""
         if self.plan.hosts_store:
             if attempt:  # the previous attempt's store closes as this one replaces it
-                self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
-                channel.publish_port(attempt, self._attempt_store.port)
+                channel.publish_port(attempt, self._fresh_attempt_store())
             channel.publish_attempt(attempt)
         else:
             if self.plan.min_ranks:
                 running = channel.master_attempt()
                 if was_let_go(channel.call, running, self.plan.node_rank):
+                    say(f"node {self.plan.node_rank}: the running job went on without this node; it asks to join, "
+                        f"and its ranks start now and enter at a step boundary once the job lets them in")
                     return self._join_running(channel, running, port)
             followed = channel.attempt_to_join(self.plan.rdzv_timeout, tell=say)
             if followed is None:

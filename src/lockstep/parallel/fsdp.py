@@ -45,6 +45,7 @@ class FSDPStrategy(Strategy):
         if elastic.current() is not None:
             self._skeleton = fsdp_elastic.skeleton(model)
             self._names = fsdp_elastic.parameter_names(model, optimizers)
+            fsdp_elastic.wait_dcp_through_lockstep()  # sharded checkpoints' writes and loads
         self._shard(model.to(self.device), optimizers)
 
     def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:

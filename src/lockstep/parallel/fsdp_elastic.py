@@ -73,6 +73,51 @@ def wait_through_lockstep(modules: Sequence[nn.Module]) -> None:
             module.set_custom_reduce_scatter(WaitedReduceScatter())  # type: ignore[arg-type]
 
 
+def wait_dcp_through_lockstep() -> None:
+    """Have DCP's collectives (its ``_DistWrapper``'s: the save and load plans gathered and
+    scattered, the metadata broadcast, the barriers) go through :mod:`lockstep.dist`, whose waits a
+    change of the ranks ends: a ``sharded`` checkpoint's write meets in them, and a rank lost
+    during it would otherwise hold the others there until the group's timeout. A gather is an
+    all-gather and a scatter a broadcast of every part, as lockstep.dist has no waited gather."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    _DistWrapper.broadcast_object = _broadcast_object  # type: ignore[method-assign]
+    _DistWrapper.all_gather_object = _all_gather_object  # type: ignore[method-assign]
+    _DistWrapper.gather_object = _gather_object  # type: ignore[method-assign]
+    _DistWrapper.scatter_object = _scatter_object  # type: ignore[method-assign]
+    _DistWrapper.barrier = _barrier  # type: ignore[method-assign]
+
+
+def _broadcast_object(self: Any, obj: Any) -> Any:
+    objects = [obj]
+    if self.use_dist:
+        dist.broadcast_object_list(objects, src=self.global_coordinator_rank, group=self.group)
+    return objects[0]
+
+
+def _all_gather_object(self: Any, obj: Any) -> list[Any]:
+    return dist.all_gather_object(obj, group=self.group) if self.use_dist else [obj]
+
+
+def _gather_object(self: Any, obj: Any) -> list[Any] | None:
+    every = _all_gather_object(self, obj)
+    return every if self.is_coordinator else None
+
+
+def _scatter_object(self: Any, objects: list[Any] | None) -> Any:
+    if not self.use_dist:
+        assert objects is not None
+        return objects[0]
+    every = [objects if self.is_coordinator else None]
+    dist.broadcast_object_list(every, src=self.global_coordinator_rank, group=self.group)
+    return every[0][self.rank]
+
+
+def _barrier(self: Any) -> None:
+    if self.use_dist:
+        dist.barrier(group=self.group)
+
+
 def skeleton(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the meta device (tied ones stay
     tied): its modules, attributes and wrap rules, without its memory."""

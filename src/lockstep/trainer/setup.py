@@ -329,10 +329,10 @@ def check_elastic(strategy: Any, parallel: Any, save_folder: str | None) -> None
     if strategy.shape is not None or config.sharding_strategy == "HYBRID_SHARD":
         raise ValueError(f"{prefix} under FSDP shards over all the ranks, whatever their number: drop "
                          "HYBRID_SHARD, the mesh degrees and tensor parallelism, or drop --min_ranks")
-    if config.state_dict_type != "full":
-        raise ValueError(f"{prefix} under FSDP goes on from the last checkpoint, resharded: a full one "
-                         f"(state_dict_type 'full', the default) for now, not {config.state_dict_type!r}, "
-                         "whose writes meet in collectives that a rank lost during them would stall")
+    if config.state_dict_type not in ("full", "sharded"):
+        raise ValueError(f"{prefix} under FSDP goes on from the last checkpoint, resharded: a full or sharded "
+                         f"one (state_dict_type 'full', the default, or 'sharded'), not {config.state_dict_type!r}, "
+                         "whose per-rank files load only at the world size that wrote them")
     if save_folder is None:
         raise ValueError(f"{prefix} under FSDP goes on from the last checkpoint, resharded over the ranks left "
                          "(a lost rank's shards are nowhere else): give save_folder and save_interval")
