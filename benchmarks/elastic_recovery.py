@@ -3,14 +3,15 @@ restarts every rank from its newest checkpoint (``--max_restarts 1``, a save eve
 
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --nodes
-    .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --fsdp
+    .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --fsdp [sharded]
     .venv/bin/python benchmarks/elastic_recovery.py --trials 20 --zero 2
 
 With ``--nodes``, two launchers on this machine are two nodes of 2 ranks, and node 1's launcher is
 SIGKILLed (its ranks die with it): the elastic job (``--nnodes 1:2``) goes on with node 0's ranks;
 the restarting one (``--nnodes 2 --max_restarts 1``) gets a new node 1 launcher at once, as if a
 scheduler replaced the node without delay. With ``--fsdp`` both train under FSDP and save every 2
-batches: the elastic job goes on from its last checkpoint, resharded over the ranks left; so with
+batches (full checkpoints, or DCP's with ``--fsdp sharded``): the elastic job goes on from its
+last checkpoint, resharded over the ranks left; so with
 ``--zero STAGE``, under DeepSpeed.
 
 Each trial draws a rank of 4 and a moment (0 to 0.6 s after the first batch ended; under FSDP
@@ -136,11 +137,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--nodes", action="store_true", help="kill node 1's launcher of two nodes of 2 ranks")
-    parser.add_argument("--fsdp", action="store_true", help="train under FSDP, saving every 2 batches")
+    parser.add_argument("--fsdp", nargs="?", const="full", default=None,
+                        help="train under FSDP, saving checkpoints of this state_dict_type (full) every 2 batches")
     parser.add_argument("--zero", type=int, default=None, help="train under DeepSpeed at this ZeRO stage, saving "
                                                                  "every 2 batches")
     args = parser.parse_args()
-    extra = ["--fsdp"] if args.fsdp else ["--zero", str(args.zero)] if args.zero is not None else []
+    extra = ["--fsdp", args.fsdp] if args.fsdp else ["--zero", str(args.zero)] if args.zero is not None else []
     results: dict[str, list[tuple[float, int]]] = {kind: [] for kind in JOBS}
     for n in range(args.trials):
         rank, delay = None if args.nodes else random.randrange(4), random.uniform(0.0, 0.6)
