@@ -46,3 +46,30 @@ def test_a_model_made_from_the_skeleton_takes_the_old_buffers_and_the_optimizer_
     assert optimizer.param_groups[0]["params"] == [new.embed.weight]
     assert optimizer.param_groups[1]["params"] == [new.norm.weight] and optimizer.param_groups[1]["lr"] == 0.5
     assert not optimizer.state
+
+
+_DCP_METHODS = ("broadcast_object", "all_gather_object", "gather_object", "scatter_object", "barrier")
+
+
+def test_dcps_collectives_that_an_elastic_job_replaces_are_the_installed_torchs(monkeypatch) -> None:
+    """lockstep replaces five methods of DCP's private ``_DistWrapper`` in an elastic job (their
+    waits would outlast a lost rank): a torch that renames or reshapes one fails here, not as a
+    sharded checkpoint's write that hangs."""
+    import inspect
+
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    for name in _DCP_METHODS:
+        theirs = list(inspect.signature(getattr(_DistWrapper, name)).parameters)
+        ours = list(inspect.signature(getattr(fsdp_elastic, f"_{name}")).parameters)
+        assert len(theirs) == len(ours), (name, theirs, ours)
+    for name in _DCP_METHODS:
+        monkeypatch.setattr(_DistWrapper, name, getattr(_DistWrapper, name))  # put back after the test
+    fsdp_elastic.wait_dcp_through_lockstep()
+    assert all(getattr(_DistWrapper, name) is getattr(fsdp_elastic, f"_{name}") for name in _DCP_METHODS)
+    alone = _DistWrapper(None, False, 0)  # without a process group, as DCP runs in one process
+    assert alone.broadcast_object({"a": 1}) == {"a": 1} and alone.scatter_object(["x"]) == "x"
+    assert alone.gather_object(3) == [3] and alone.all_gather_object(4) == [4] and alone.barrier() is None
+    # DCP's own steps, built on the gather, scatter and broadcast above
+    assert alone.all_reduce("step", lambda: 1, sum) == 1
+    assert alone.reduce_scatter("step", lambda: 5, lambda values: [v * 2 for v in values]) == 10
