@@ -362,18 +362,20 @@ class JobChannel:
 
     def others_gone(self) -> bool:
         """Whether every other node left, finished or is lost: node 0 may close the store."""
-        counts = self._joined_counts()
-        lost = {f.node for f in self.lost_nodes(counts)}
-        alive, stage = counts
-        return all(n == self.node or stage[n] == _LEFT or alive[n] >= DONE or n in lost for n in range(self.nnodes))
+        return not self._still_here()
 
     def rejoining(self, let_go: set[int] | frozenset[int]) -> list[int]:
         """The nodes of ``let_go`` (an elastic job went on or started without them) whose launcher,
-        started again, takes part in this attempt: it has neither left nor stopped beating."""
+        started again, takes part in this attempt: it has neither left, finished nor stopped beating."""
+        return sorted(set(self._still_here()) & set(let_go))
+
+    def _still_here(self) -> list[int]:
+        """The other nodes that have neither left, finished nor stopped beating."""
         counts = self._joined_counts()
         lost = {f.node for f in self.lost_nodes(counts)}
         alive, stage = counts
-        return [n for n in sorted(let_go) if stage[n] == _RUNNING and alive[n] < DONE and n not in lost]
+        return [n for n in range(self.nnodes)
+                if n != self.node and stage[n] != _LEFT and alive[n] < DONE and n not in lost]
 
     def decide(self, let_go: set[int] | frozenset[int] = frozenset()) -> Failure:
         """The agreed root cause (call once a failure is known): wait until every other node has

@@ -202,6 +202,13 @@ class LaunchPlan:
         bootstrap = [self.python, "-u", "-m", "lockstep.launcher.worker", self.mode.value]
         return [*bootstrap, self.target, *self.target_args]
 
+    def _elastic_env(self, env: dict[str, str], restart_count: int, store_port: int) -> None:
+        """An elastic job's names: the attempt's membership keys, the store that holds them (the
+        launcher's), the world the global batch is made for."""
+        env[ELASTIC_ENV] = elastic_prefix(restart_count)
+        env[ELASTIC_STORE_ENV] = f"{self.master_addr}:{store_port}"
+        env.setdefault(FULL_WORLD_ENV, str(self.world_size))
+
     def worker_env(
         self, local_rank: int, master_port: int, restart_count: int, base_env: dict[str, str],
         store_port: int | None = None,
@@ -239,9 +246,7 @@ class LaunchPlan:
             PYTHONUNBUFFERED="1",
         )
         if self.min_ranks:
-            env[ELASTIC_ENV] = elastic_prefix(restart_count)
-            env[ELASTIC_STORE_ENV] = f"{self.master_addr}:{store_port or self.master_port or master_port}"
-            env.setdefault(FULL_WORLD_ENV, str(self.world_size))
+            self._elastic_env(env, restart_count, store_port or self.master_port or master_port)
         if self.verbose:  # configuration errors with their tracebacks (lockstep.errors)
             env["LOCKSTEP_VERBOSE"] = "1"
         # As torchrun's agent: a failed NCCL collective raises instead of hanging until the timeout.
