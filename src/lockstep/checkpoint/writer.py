@@ -447,12 +447,11 @@ class CheckpointWriter:
     def settle_after_change(self) -> None:
         """:meth:`settle`, after an elastic job's ranks changed: a write that the change broke off
         (a collective of the ranks that were) is given up, its temporary folder removed, rather
-        than raised at the next save; the newest checkpoint is then the one before it."""
+        than raised at the next save; the newest checkpoint is then the one before it. Any failure
+        of that write is given up: a peer that saw the change first removes the temporary folder
+        they share, which this rank's write then finds missing files in."""
         self.settle()
-        membership = elastic.current()
-        failure = self._failure
-        if failure is None or membership is None or not (
-                isinstance(failure, elastic.MembershipChanged) or membership.follows(failure)):
+        if self._failure is None or elastic.current() is None:
             return
         self._failure = None
         if self._failed_folder is not None:
