@@ -33,9 +33,9 @@ __all__ = ["run_distributed"]
 _FAILURE_GRACE_S = 5.0
 _EXIT_GRACE_S = 10.0
 # What every rank would import: what the launcher's prefork server preloads, the Trainer, and
-# torchmetrics (~3 s of CPU) with the first model that has metrics. One that is not installed is
-# skipped.
-_PRELOAD = [*DEFAULT_PRELOAD, "lockstep.trainer", "torchmetrics"]
+# torchmetrics (~3 s of CPU) with the first model that has metrics, and DeepSpeed where it is safe to
+# (lockstep.parallel.deepspeed_preload). One that is not installed is skipped.
+_PRELOAD = [*DEFAULT_PRELOAD, "lockstep.trainer", "torchmetrics", "lockstep.parallel.deepspeed_preload"]
 
 
 def _rank_env(rank: int, world_size: int, local_world_size: int, extra: Mapping[str, str]) -> dict[str, str]:

@@ -4,13 +4,13 @@ uninterrupted 4-rank run (the ``reference`` fixture, in conftest.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from tests.helpers import launcher_env
 from tests.trainer.common import assert_same_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def launch(out: Path, *args: str, launcher: tuple[str, ...] = ("-n", "4", "--min
     """``lockstep LAUNCHER elastic_job.py OUT ARGS`` (OUT made if need be; the run folder in it)."""
     out.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "lockstep", *launcher, "--run_directory", str(out / run),
-                             str(JOB), str(out), *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             str(JOB), str(out), *args], cwd=REPO, env=launcher_env(args),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -10,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import launcher_env
+
 
 def launch(args: list[str], cwd: Path, timeout: float = 90, env: dict[str, str] | None = None,
            ) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "lockstep", *args], cwd=cwd, env=full_env,
+    return subprocess.run([sys.executable, "-m", "lockstep", *args], cwd=cwd, env=launcher_env(args, env),
                           capture_output=True, text=True, timeout=timeout)
 
 

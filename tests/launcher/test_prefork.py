@@ -4,6 +4,7 @@ process of its own, as the launcher's child, with its own environment, streams a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from torch import version as torch_version
 
 from lockstep.launcher.prefork import preload_list
 from tests.launcher.conftest import launch, wait_for_files, wait_gone
@@ -84,6 +87,8 @@ def test_the_server_imports_what_the_script_imports_of_torch_and_lockstep_only(t
         "lockstep.callbacks", "lockstep.callbacks:LRMonitor")
     assert preload_list({"LOCKSTEP_PREFORK": "torch,numpy"}, str(script)) == ("torch", "numpy")
     assert preload_list({"LOCKSTEP_PREFORK": "0"}, str(script)) == ()
+    assert preload_list({"LOCKSTEP_PREFORK": "+deepspeed, numpy"}, str(script)) == (
+        *preload_list({}, str(script)), "deepspeed", "numpy")  # what is read, and these as well
 
 
 def test_the_server_follows_the_scripts_own_modules_for_what_they_import(tmp_path: Path) -> None:
@@ -171,3 +176,47 @@ def test_sigkill_of_the_launcher_leaves_neither_the_server_nor_a_rank(tmp_path: 
             os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_a_restart_forks_its_ranks_from_the_server_the_first_attempt_had(tmp_path: Path, write_script) -> None:
+    # The teardown between attempts spares the server, so a restart imports torch no more.
+    script = write_script("restarted.py", textwrap.dedent("""
+        import os, sys
+        import torch
+        launcher = os.getppid()
+        servers = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
+                   and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(launcher)
+                   and b"lockstep.launcher.prefork" in open(f"/proc/{p}/cmdline", "rb").read()]
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        with open(os.path.join(sys.argv[1], f"seen{attempt}-{os.environ['RANK']}"), "w") as f:
+            f.write(" ".join(map(str, [os.getpid(), *servers])))
+        sys.exit(3 if attempt == "0" else 0)
+    """))
+    result = launch(["-n", "2", "--max_restarts", "1", str(script), str(tmp_path)], cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result.stderr
+    seen = [(tmp_path / f"seen{a}-{r}").read_text().split() for a in range(2) for r in range(2)]
+    ranks = {own for own, *_ in seen}  # the ranks show the server's command line too
+    servers = [set(others) - ranks for _, *others in seen]
+    assert len(ranks) == 4 and servers[0] == servers[1] == servers[2] == servers[3] and len(servers[0]) == 1, seen
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or torch_version.cuda is not None,
+                    reason="needs DeepSpeed and a CPU build of torch")
+def test_plus_deepspeed_forks_ranks_that_find_it_imported_as_the_trainer_imports_it(
+        tmp_path: Path, write_script) -> None:
+    script = write_script("ds.py", textwrap.dedent("""
+        import json, os, sys
+        found = ["deepspeed" in sys.modules, "mlflow" in sys.modules]
+        import torch
+        from lockstep import Trainer
+        from tests.trainer.common import MLP, loader, sgd
+        model = MLP()
+        Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),
+                progress_bar=False, deepspeed_config={"zero_optimization": {"stage": 2}}).fit()
+        with open(os.path.join(sys.argv[1], "found" + os.environ["RANK"]), "w") as f:
+            json.dump(found, f)
+    """))
+    result = launch(["-n", "2", str(script), str(tmp_path)], cwd=tmp_path, timeout=110,
+                    env={"LOCKSTEP_PREFORK": "+deepspeed", "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [json.loads((tmp_path / f"found{r}").read_text()) for r in range(2)] == [[True, False]] * 2

@@ -31,7 +31,7 @@ import torch
 from lockstep.checkpoint import files, integrity
 from lockstep.objectstore import S3ObjectStore
 from tests.checkpoint.test_faults import descendants
-from tests.helpers import assert_bitwise, free_port, shared_run
+from tests.helpers import assert_bitwise, free_port, launcher_env, shared_run
 from tests.launcher.conftest import launch, wait_gone
 
 JOB = Path(__file__).resolve().parents[1] / "checkpoint" / "train_job.py"
@@ -112,7 +112,7 @@ def _nodes(cwds: tuple[Path, Path], folder: str, out: Path, *extra: str, per_nod
             [*host, sys.executable, "-m", "lockstep", "-n", str(per_node), "--world_size", str(2 * per_node),
              "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(JOB),
              "--folder", folder, "--out", str(out), *BATCHES, *extra], cwd=cwd, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            stderr=subprocess.PIPE, text=True, env=launcher_env(extra)))
     return procs
 
 

@@ -109,6 +109,26 @@ def test_eval_under_zero3_matches_ddp() -> None:
             assert abs(value - reference[name]) < 1e-6, name
 
 
+def _without_mlflow() -> tuple[bool, bool, bool]:
+    before = "mlflow" in sys.modules
+    model = MLP()
+    Trainer(model=model, train_dataloader=loader(4), max_duration="1ba", optimizers=sgd(model), progress_bar=False,
+            deepspeed_config={"zero_optimization": {"stage": 2}}).fit()
+    during = "mlflow" in sys.modules
+    import mlflow  # still importable by the user's own code (and lockstep's MLFlowLogger)
+
+    return before, during, hasattr(mlflow, "log_metric")
+
+
+@needs_deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="needs mlflow installed")
+@pytest.mark.timeout(120)
+def test_deepspeed_comes_in_without_the_mlflow_its_autotuner_would_import() -> None:
+    # DeepSpeed's autotuner imports mlflow when installed: ~1.8 s of CPU in every rank, for a log
+    # lockstep never writes.
+    assert run_distributed(_without_mlflow, world_size=1, timeout=100) == [(False, False, True)]
+
+
 def _bf16() -> tuple[dict, torch.dtype, list[float]]:
     model = MLP()
     trainer = Trainer(model=model, train_dataloader=loader(4), max_duration="2ba", optimizers=sgd(model),

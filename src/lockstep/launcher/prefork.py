@@ -2,9 +2,10 @@
 
 A fresh interpreter spends about two seconds of CPU importing torch and lockstep before a script's
 first line runs; eight ranks on a node spend sixteen, all at once, and a restart or a re-formed
-elastic job pays it again. The launcher instead starts one *prefork server* per attempt, which
-imports torch (:data:`DEFAULT_PRELOAD`) and what the script, and the modules of its folder that it
-imports, import of torch, lockstep and torchmetrics (read from their source, never run), or the
+elastic job pays it again. The launcher instead starts one *prefork server* (a teardown spares
+it, since it runs nothing of the job's: every attempt's ranks fork from it), which imports torch
+(:data:`DEFAULT_PRELOAD`) and what the script, and the modules of its folder that it imports,
+import of torch, lockstep and torchmetrics (read from their source, never run), or the
 modules ``LOCKSTEP_PREFORK`` names, and then forks each rank from that state (a script that, with
 the modules of its folder, imports only the standard library has nothing to share: its ranks start
 as fresh interpreters, in milliseconds, with no server). A rank then runs the
@@ -67,14 +68,16 @@ def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple
     empty: none, and ranks start as fresh interpreters); unset or ``1``: torch and what ``script``
     imports of torch, lockstep and torchmetrics (:func:`script_imports`; ``module`` or
     ``module:name`` for ``from module import name``), or none for a script of the standard
-    library and its own modules alone."""
-    value = environ.get(PREFORK_ENV)
-    if value is None or value.strip() == "1":
-        found, stdlib_only = _read_imports(script)
-        if stdlib_only:  # no torch to share: fresh interpreters start in milliseconds
-            return ()
-        return DEFAULT_PRELOAD + tuple(n for n in found if n not in DEFAULT_PRELOAD)
-    return tuple(name.strip() for name in value.split(",") if name.strip() not in ("", "0"))
+    library and its own modules alone; ``+`` before the names: those as well as what is read
+    from the script (``+deepspeed``: DeepSpeed, which a Trainer imports only at run time)."""
+    value = environ.get(PREFORK_ENV, "1").strip()
+    named = tuple(name.strip() for name in value.lstrip("+").split(",") if name.strip() not in ("", "0", "1"))
+    if value != "1" and not value.startswith("+"):  # "0" or "": none
+        return named
+    found, stdlib_only = _read_imports(script)
+    if stdlib_only and not named:  # no torch to share: fresh interpreters start in milliseconds
+        return ()
+    return tuple(dict.fromkeys((*DEFAULT_PRELOAD, *found, *named)))
 
 
 def script_imports(script: str | None) -> tuple[str, ...]:
@@ -155,7 +158,14 @@ def _is_own(folder: str, root: str) -> bool:
     return bool(root) and (os.path.isfile(base + ".py") or os.path.isdir(base))
 
 
+_DEEPSPEED = "lockstep.parallel.deepspeed_preload"
+"""What a server imports for DeepSpeed: DeepSpeed as lockstep imports it, and only on a CPU build
+of torch (importing it initialises CUDA, after which no rank forked from the server could use it)."""
+
+
 def _preload(name: str) -> None:
+    if name.split(".")[0] == "deepspeed":
+        name = _DEEPSPEED
     module, _, attr = name.partition(":")
     loaded = importlib.import_module(module)
     if attr and not hasattr(loaded, attr):  # a lazy attribute is loaded by the lookup itself
@@ -195,7 +205,8 @@ class ForkedRank:
 
 
 class PreforkServer:
-    """The launcher's handle on one prefork server (one per attempt; the job's teardown kills it)."""
+    """The launcher's handle on one prefork server (one per launcher: a teardown spares it, and
+    every attempt's ranks fork from it)."""
 
     def __init__(self, command: Sequence[str], env: Mapping[str, str], watchdog_fd: int,
                  preload: Sequence[str]) -> None:

@@ -104,11 +104,13 @@ def pass_on(ranks: list[Rank], signum: int) -> None:
 
 
 def teardown(ranks: list[Rank], wake_r: int, watchdog: Watchdog, grace_period: float,
-             first: int | None) -> list[int]:
+             first: int | None, spare: tuple[int, ...] = ()) -> list[int]:
     """Signal the job with ``first`` (unless None: already done), give the live ranks the grace
-    period, then SIGKILL every process of the job; the stopping signals that came meanwhile."""
+    period, then SIGKILL every process of the job but ``spare`` (the launcher's own helpers, as the
+    prefork server that the next attempt's ranks fork from); the stopping signals that came meanwhile."""
+    spare = (watchdog.pid, *spare)
     if first is not None:
-        _signal_job(ranks, watchdog, first)
+        _signal_job(ranks, watchdog, first, spare)
     deadline = time.monotonic() + grace_period
     stopping: list[int] = []
     with Waiter(ranks, wake_r, HANDLED) as waiter:
@@ -123,21 +125,21 @@ def teardown(ranks: list[Rank], wake_r: int, watchdog: Watchdog, grace_period: f
                 break
     why = "had not exited at the second signal" if stopping else \
         f"did not exit within the {grace_period:g} s grace period (--grace_period)"
-    kill_job(below_me(watchdog.mark), spare=(watchdog.pid,), mine=True)
+    kill_job(below_me(watchdog.mark), spare=spare, mine=True)
     for r in ranks:
         _kill(r, watchdog, why)
-    reap_adopted(keep=(watchdog.pid,))  # every rank is waited for by now: only orphans are left
+    reap_adopted(keep=spare)  # every rank is waited for by now: only orphans are left
     return stopping
 
 
-def _signal_job(ranks: list[Rank], watchdog: Watchdog, signum: int) -> None:
-    """``signum`` to each live rank's group, and once to every other process of the job."""
+def _signal_job(ranks: list[Rank], watchdog: Watchdog, signum: int, spare: tuple[int, ...]) -> None:
+    """``signum`` to each live rank's group, and once to every other process of the job but ``spare``."""
     groups = {r.pgid for r in ranks if r.returncode is None}
     for r in ranks:
         if r.returncode is None:
             r.signal_group(signum)
     others = []
-    for pid in job_processes(below_me(watchdog.mark), (os.getpid(),), (watchdog.pid,)):
+    for pid in job_processes(below_me(watchdog.mark), (os.getpid(),), spare):
         try:
             if os.getpgid(pid) not in groups:
                 others.append(pid)

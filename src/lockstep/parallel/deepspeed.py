@@ -68,7 +68,8 @@ def import_deepspeed(device: torch.device) -> Any:
     if "deepspeed" not in sys.modules:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
     try:
-        import deepspeed
+        with _not_imported(_UNUSED_AT_IMPORT):
+            import deepspeed
     except ImportError as e:
         raise ImportError(f"deepspeed_config needs DeepSpeed, which is not installed ({e}): "
                           f"{DEEPSPEED_INSTALL_HINT}") from None
@@ -79,6 +80,26 @@ def import_deepspeed(device: torch.device) -> Any:
         raise ValueError(f"DeepSpeed runs on its {accelerator!r} accelerator but the Trainer trains on "
                          f"{device.type!r}: set DS_ACCELERATOR={device.type} before DeepSpeed is imported")
     return deepspeed
+
+
+_UNUSED_AT_IMPORT = ("mlflow",)
+"""What ``import deepspeed`` imports and lockstep never uses: its autotuner's optional experiment
+log (~1.8 s of CPU a rank, on machines with mlflow installed). The autotuner then logs without it."""
+
+
+@contextlib.contextmanager
+def _not_imported(names: tuple[str, ...]) -> Iterator[None]:
+    """Within: importing one of ``names`` that no one has imported yet raises ImportError (an entry
+    of None in ``sys.modules``), which DeepSpeed takes as the optional package being absent."""
+    blocked = [name for name in names if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
 
 
 _SHARED_MEMORY_OP = "deepspeed_shm_comm"
