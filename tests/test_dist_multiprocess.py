@@ -54,6 +54,8 @@ def _getters_and_collectives() -> dict[str, Any]:
     out["broadcast_object_list"] = (dist.broadcast_object_list(objs, src=0), objs)
     out["all_gather"] = [t.tolist() for t in dist.all_gather(torch.arange(2) + 10 * rank)]
     out["all_gather_object"] = dist.all_gather_object({"rank": rank, "name": f"r{rank}"})
+    out["gather_object"] = dist.gather_object(("from", rank), dst=1)
+    out["scatter_object"] = dist.scatter_object([{"to": 0}, "y" * 3000] if rank == 0 else None, src=0)
     dist.barrier()
 
     waited: list[Any] = []  # as in an elastic job: every wait through the waiter, none inside torch
@@ -62,6 +64,9 @@ def _getters_and_collectives() -> dict[str, Any]:
         sent: list[Any] = [b"z" * 5000, {"rank": rank}] if rank == 1 else [None, None]
         dist.broadcast_object_list(sent, src=1)
         out["waited_objects"] = (sent, dist.all_gather_object("x" * (100 + 900 * rank)), len(waited))
+        out["waited_gather_scatter"] = (dist.gather_object("g" * (10 + 5000 * rank), dst=0),
+                                        dist.scatter_object(["a" * 7000, {"to": 1}] if rank == 1 else None, src=1),
+                                        len(waited))
     finally:
         dist.set_collective_waiter(None)
 
@@ -91,6 +96,10 @@ def test_getters_collectives_and_sampler() -> None:
         assert out["all_gather"] == [[0, 1], [10, 11]]
         assert out["all_gather_object"] == [{"rank": 0, "name": "r0"}, {"rank": 1, "name": "r1"}]
         assert out["waited_objects"] == ([b"z" * 5000, {"rank": 1}], ["x" * 100, "x" * 1000], 4)
+        assert out["gather_object"] == ([("from", 0), ("from", 1)] if rank == 1 else None)
+        assert out["scatter_object"] == [{"to": 0}, "y" * 3000][rank]
+        assert out["waited_gather_scatter"] == (["g" * 10, "g" * 5010] if rank == 0 else None,
+                                                ["a" * 7000, {"to": 1}][rank], 8)
 
     for (size, _shuffle, drop_last), rank0 in results[0]["sampler"].items():
         rank1 = results[1]["sampler"][(size, _shuffle, drop_last)]

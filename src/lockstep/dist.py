@@ -52,6 +52,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "busy_wait_for_local_rank_zero",
+    "gather_object",
     "get_global_rank",
     "get_local_rank",
     "get_local_world_size",
@@ -67,6 +68,7 @@ __all__ = [
     "local_rank_zero_download_and_wait",
     "run_collective",
     "run_local_rank_zero_first",
+    "scatter_object",
     "write_signal_file",
 ]
 
@@ -564,6 +566,57 @@ def all_gather_object(obj: T, group: torch_dist.ProcessGroup | None = None) -> l
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[:data.numel()] = data
     return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(all_gather(padded, group=group), sizes)]
+
+
+def gather_object(obj: T, dst: int = 0, group: torch_dist.ProcessGroup | None = None) -> list[T] | None:
+    """Every rank's ``obj`` (every member's of ``group``, if given; pickled), ordered by rank, on
+    rank ``dst`` (a global rank, as in :func:`broadcast`); None on the others."""
+    _check_src(dst, "gather_object")
+    if not _group_ready("gather_object", group):
+        return [obj]
+    receiving = torch_dist.get_rank() == dst
+    if _waiter is None:
+        gathered: list[Any] | None = [None] * torch_dist.get_world_size(group) if receiving else None
+        torch_dist.gather_object(obj, gathered, dst=dst, group=group)
+        return gathered
+    # As all_gather_object: the sizes to every rank, then the padded bytes to dst alone.
+    data = _as_bytes(obj)
+    sizes = [int(n) for n in all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=group)]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in sizes] if receiving else None
+    run_collective(torch_dist.gather, padded, parts, dst=dst, group=group)
+    if parts is None:
+        return None
+    return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(parts, sizes)]
+
+
+def scatter_object(objects: list[T] | None, src: int = 0, group: torch_dist.ProcessGroup | None = None) -> T:
+    """Rank ``src``'s ``objects[i]`` on the group's i-th rank (pickled; ``src`` a global rank, as in
+    :func:`broadcast`): ``src`` passes one object per rank of the group, the others pass None."""
+    _check_src(src, "scatter_object")
+    ready = _group_ready("scatter_object", group)
+    sending = (torch_dist.get_rank() if ready else 0) == src
+    count = torch_dist.get_world_size(group) if ready else 1
+    if sending and (not isinstance(objects, list) or len(objects) != count):
+        raise ValueError(f"scatter_object(): rank {src} passes a list of one object per rank of the group "
+                         f"({count}), not {type(objects).__name__} {objects!r:.60}.")
+    if not ready:
+        return objects[0]  # type: ignore[index]
+    if _waiter is None:
+        out: list[Any] = [None]
+        torch_dist.scatter_object_list(out, objects if sending else None, src=src, group=group)
+        return out[0]
+    # Each rank's size and the longest, then the bytes padded to the longest.
+    datas = [_as_bytes(o) for o in objects] if sending and objects is not None else []
+    longest = max((d.numel() for d in datas), default=0)
+    size = torch.empty(2, dtype=torch.int64)
+    run_collective(torch_dist.scatter, size, [torch.tensor([d.numel(), longest]) for d in datas] or None,
+                   src=src, group=group)
+    padded = [torch.cat([d, torch.zeros(longest - d.numel(), dtype=torch.uint8)]) for d in datas]
+    data = torch.empty(int(size[1]), dtype=torch.uint8)
+    run_collective(torch_dist.scatter, data, padded or None, src=src, group=group)
+    return pickle.loads(data[:int(size[0])].numpy().tobytes())
 
 
 def _as_bytes(obj: Any) -> torch.Tensor:

@@ -77,8 +77,7 @@ def wait_dcp_through_lockstep() -> None:
     """Have DCP's collectives (its ``_DistWrapper``'s: the save and load plans gathered and
     scattered, the metadata broadcast, the barriers) go through :mod:`lockstep.dist`, whose waits a
     change of the ranks ends: a ``sharded`` checkpoint's write meets in them, and a rank lost
-    during it would otherwise hold the others there until the group's timeout. A gather is an
-    all-gather and a scatter a broadcast of every part, as lockstep.dist has no waited gather."""
+    during it would otherwise hold the others there until the group's timeout."""
     from torch.distributed.checkpoint.utils import _DistWrapper
 
     _DistWrapper.broadcast_object = _broadcast_object  # type: ignore[method-assign]
@@ -100,17 +99,16 @@ def _all_gather_object(self: Any, obj: Any) -> list[Any]:
 
 
 def _gather_object(self: Any, obj: Any) -> list[Any] | None:
-    every = _all_gather_object(self, obj)
-    return every if self.is_coordinator else None
+    if not self.use_dist:
+        return [obj]
+    return dist.gather_object(obj, dst=self.global_coordinator_rank, group=self.group)
 
 
 def _scatter_object(self: Any, objects: list[Any] | None) -> Any:
     if not self.use_dist:
         assert objects is not None
         return objects[0]
-    every = [objects if self.is_coordinator else None]
-    dist.broadcast_object_list(every, src=self.global_coordinator_rank, group=self.group)
-    return every[0][self.rank]
+    return dist.scatter_object(objects, src=self.global_coordinator_rank, group=self.group)
 
 
 def _barrier(self: Any) -> None:
