@@ -164,7 +164,7 @@ of torch (importing it initialises CUDA, after which no rank forked from the ser
 
 
 def _preload(name: str) -> None:
-    if name.split(".")[0] == "deepspeed":
+    if name.partition(":")[0].split(".")[0] == "deepspeed":
         name = _DEEPSPEED
     module, _, attr = name.partition(":")
     loaded = importlib.import_module(module)
