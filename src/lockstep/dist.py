@@ -561,11 +561,8 @@ def all_gather_object(obj: T, group: torch_dist.ProcessGroup | None = None) -> l
     # Torch's object collectives wait inside torch, where an elastic job's change of the ranks
     # could not end the wait: the same two collectives through the waiter (an elastic job's
     # process groups are gloo's, so the bytes stay on the CPU).
-    data = _as_bytes(obj)
-    sizes = [int(n) for n in all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=group)]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[:data.numel()] = data
-    return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(all_gather(padded, group=group), sizes)]
+    padded, sizes = _padded_to_longest(obj, group)
+    return _unpickled(all_gather(padded, group=group), sizes)
 
 
 def gather_object(obj: T, dst: int = 0, group: torch_dist.ProcessGroup | None = None) -> list[T] | None:
@@ -580,15 +577,10 @@ def gather_object(obj: T, dst: int = 0, group: torch_dist.ProcessGroup | None = 
         torch_dist.gather_object(obj, gathered, dst=dst, group=group)
         return gathered
     # As all_gather_object: the sizes to every rank, then the padded bytes to dst alone.
-    data = _as_bytes(obj)
-    sizes = [int(n) for n in all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=group)]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[:data.numel()] = data
+    padded, sizes = _padded_to_longest(obj, group)
     parts = [torch.empty_like(padded) for _ in sizes] if receiving else None
     run_collective(torch_dist.gather, padded, parts, dst=dst, group=group)
-    if parts is None:
-        return None
-    return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(parts, sizes)]
+    return None if parts is None else _unpickled(parts, sizes)
 
 
 def scatter_object(objects: list[T] | None, src: int = 0, group: torch_dist.ProcessGroup | None = None) -> T:
@@ -613,14 +605,31 @@ def scatter_object(objects: list[T] | None, src: int = 0, group: torch_dist.Proc
     size = torch.empty(2, dtype=torch.int64)
     run_collective(torch_dist.scatter, size, [torch.tensor([d.numel(), longest]) for d in datas] or None,
                    src=src, group=group)
-    padded = [torch.cat([d, torch.zeros(longest - d.numel(), dtype=torch.uint8)]) for d in datas]
     data = torch.empty(int(size[1]), dtype=torch.uint8)
-    run_collective(torch_dist.scatter, data, padded or None, src=src, group=group)
-    return pickle.loads(data[:int(size[0])].numpy().tobytes())
+    run_collective(torch_dist.scatter, data, [_padded(d, longest) for d in datas] or None, src=src, group=group)
+    return _unpickled([data], [int(size[0])])[0]
 
 
 def _as_bytes(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _padded(data: torch.Tensor, length: int) -> torch.Tensor:
+    padded = torch.zeros(length, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    return padded
+
+
+def _padded_to_longest(obj: Any, group: torch_dist.ProcessGroup | None) -> tuple[torch.Tensor, list[int]]:
+    """``obj`` pickled and padded to the longest of the group's pickles, and every rank's size (an
+    all-gather: the padding gives every rank's part one shape)."""
+    data = _as_bytes(obj)
+    sizes = [int(n) for n in all_gather(torch.tensor([data.numel()], dtype=torch.int64), group=group)]
+    return _padded(data, max(sizes)), sizes
+
+
+def _unpickled(parts: list[torch.Tensor], sizes: list[int]) -> list[Any]:
+    return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(parts, sizes)]
 
 
 # ----------------------------------------------------------------------------- signal files
