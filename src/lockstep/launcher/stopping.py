@@ -61,8 +61,12 @@ def stopping_at_once() -> Iterator[None]:
     """Within the block a stopping signal raises :class:`Stopped` at once, wherever the main
     thread is: for long work in Python code with no wait to poll signals in, such as loading
     torch (seconds on a busy host). Python runs the handler between two bytecodes, so a long
-    call into C (the dynamic loader's) delays it to that call's end."""
+    call into C (the dynamic loader's) delays it to that call's end. C code that swallows the
+    interruption (torch's extension does, in its import of numpy) delays it to the block's end."""
+    came: list[int] = []
+
     def interrupt(signum: int, _frame: object) -> None:
+        came.append(signum)
         raise _Interrupted(signum)
 
     previous = {s: signal.signal(s, interrupt) for s in STOPPING}
@@ -76,6 +80,8 @@ def stopping_at_once() -> Iterator[None]:
             yield
         finally:
             restore()
+        if came:
+            raise _Interrupted(came[0])
     except _Interrupted as e:
         restore()  # again: the signal may have come while the handlers were put back
         raise Stopped(e.signum) from None

@@ -13,6 +13,8 @@ any node makes every node print its own ranks' stacks.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import shutil
 import signal
@@ -222,6 +224,11 @@ class Supervisor:
         once meanwhile (the exit code then, else None)."""
         try:
             with stopping_at_once():
+                if self._stopping(self._wake_r):  # it came before the handlers that interrupt
+                    raise Stopped(self._signals_seen[0])
+                with contextlib.suppress(ImportError):
+                    # first: torch's extension imports numpy and swallows any error, an interruption too
+                    importlib.import_module("numpy")
                 tcp_store()
         except Stopped as e:
             if not self._signals_seen:
