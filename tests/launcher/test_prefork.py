@@ -123,6 +123,23 @@ def test_a_script_of_the_standard_library_and_its_own_modules_alone_starts_witho
     assert preload_list({"LOCKSTEP_PREFORK": "torch"}, str(tmp_path / "helpers" / "io.py")) == ("torch",)
 
 
+def test_torch_dynamo_is_left_out_for_a_script_of_collectives_alone(tmp_path: Path) -> None:
+    # torch._dynamo (~45% of a server's import) is imported by every optimizer's constructor, DDP's
+    # and torch.compile: a script whose files name none of them, and that imports nothing but torch
+    # and lockstep.dist, has no rank that imports it
+    (tmp_path / "job.py").write_text("import os, torch, torch.distributed as dist\nfrom lockstep import dist as ld\n"
+                                     "import mine\ndist.init_process_group('gloo')\ndist.all_reduce(torch.ones(1))\n")
+    (tmp_path / "mine.py").write_text("import lockstep.dist\n")
+    assert preload_list({}, str(tmp_path / "job.py")) == ("torch", "torch.distributed", "lockstep", "lockstep:dist",
+                                                          "lockstep.dist")
+    for added in ("model = torch.nn.parallel.DistributedDataParallel(net)", "opt = make_optimizer()",
+                  "torch.compile(f)", "from lockstep import Trainer", "import numpy", "from . import x"):
+        (tmp_path / "mine.py").write_text(f"import lockstep.dist\n{added}\n")
+        assert "torch._dynamo" in preload_list({}, str(tmp_path / "job.py")), added
+    (tmp_path / "mine.py").write_text("def (:\n")  # cannot be read: as before
+    assert "torch._dynamo" in preload_list({}, str(tmp_path / "job.py"))
+
+
 def test_the_rank_whose_script_failed_is_named_not_the_peer_its_exit_broke(tmp_path: Path, write_script) -> None:
     # rank 1 exits with 7; its teardown breaks rank 0's all_reduce, and rank 0, raising at once,
     # may be out before rank 1 has finished exiting

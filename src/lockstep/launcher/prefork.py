@@ -49,7 +49,13 @@ __all__ = ["DEFAULT_PRELOAD", "PREFORK_ENV", "ForkedRank", "PreforkServer", "pre
 
 PREFORK_ENV = "LOCKSTEP_PREFORK"
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
-"""torch._dynamo too: every optimizer's constructor imports it (~1 s of CPU a rank otherwise)."""
+"""torch._dynamo too: every optimizer's constructor imports it (~1 s of CPU a rank otherwise). It
+is left out for a script that plainly builds no optimizer and compiles nothing (:func:`preload_list`)."""
+_DYNAMO = "torch._dynamo"
+_DYNAMO_WORDS = (b"optim", b"compile", b"dynamo", b"Trainer", b"DataParallel", b"DDP", b"fsdp", b"FSDP",
+                 b"fully_shard", b"deepspeed", b"checkpoint", b"export", b"jit")
+"""Words whose absence from every file read, with nothing imported but the standard library, the
+script's own modules, torch and ``lockstep.dist``, shows that no rank imports torch._dynamo."""
 _SAFE_ROOTS = ("torch", "lockstep", "torchmetrics")
 """Packages whose modules a server imports for a script: ones that read nothing at import that
 differs between ranks (torchmetrics, which also imports transformers and scipy, costs each rank
@@ -74,10 +80,11 @@ def preload_list(environ: Mapping[str, str], script: str | None = None) -> tuple
     named = tuple(name.strip() for name in value.lstrip("+").split(",") if name.strip() not in ("", "0", "1"))
     if value != "1" and not value.startswith("+"):  # "0" or "": none
         return named
-    found, stdlib_only = _read_imports(script)
+    found, stdlib_only, plain = _read_imports(script)
     if stdlib_only and not named:  # no torch to share: fresh interpreters start in milliseconds
         return ()
-    return tuple(dict.fromkeys((*DEFAULT_PRELOAD, *found, *named)))
+    default = tuple(m for m in DEFAULT_PRELOAD if m != _DYNAMO or not plain)
+    return tuple(dict.fromkeys((*default, *found, *named)))
 
 
 def script_imports(script: str | None) -> tuple[str, ...]:
@@ -88,25 +95,27 @@ def script_imports(script: str | None) -> tuple[str, ...]:
     return _read_imports(script)[0]
 
 
-def _read_imports(script: str | None) -> tuple[tuple[str, ...], bool]:
-    """:func:`script_imports`, and whether every file read imports only the standard library and
-    the script's own modules (so that no rank can import torch, short of importing it by name at
-    run time); False for a file that cannot be read or parsed, or where more than
-    :data:`_MAX_FILES` would have to be."""
+def _read_imports(script: str | None) -> tuple[tuple[str, ...], bool, bool]:
+    """:func:`script_imports`; whether every file read imports only the standard library and the
+    script's own modules (so that no rank can import torch, short of importing it by name at run
+    time); and whether they import nothing else but torch and ``lockstep.dist`` either, and none
+    names :data:`_DYNAMO_WORDS` (no rank imports torch._dynamo). Both False for a file that cannot
+    be read or parsed, or where more than :data:`_MAX_FILES` would have to be."""
     if script is None or not script.endswith(".py"):
-        return (), False
+        return (), False, False
     folder = os.path.dirname(os.path.abspath(script))
     found: dict[str, None] = {}
-    todo, read, stdlib_only = [os.path.abspath(script)], set(), True
+    todo, read, stdlib_only, plain = [os.path.abspath(script)], set(), True, True
     while todo:
         path = todo.pop()
         if path in read:
             continue
         if len(read) >= _MAX_FILES:
-            return tuple(found), False
+            return tuple(found), False, False
         read.add(path)
-        imports = _imports(path)
+        imports, words = _imports(path)
         stdlib_only = stdlib_only and imports is not None
+        plain = plain and imports is not None and not words
         for name, own in imports or ():
             root = name.split(":")[0].split(".")[0]
             if root in _SAFE_ROOTS:
@@ -115,22 +124,32 @@ def _read_imports(script: str | None) -> tuple[tuple[str, ...], bool]:
             todo.extend(own_files)
             if not own_files and root not in sys.stdlib_module_names and not _is_own(folder, root):
                 stdlib_only = False  # a relative import's root is "": never the standard library's
-    return tuple(found), stdlib_only
+                plain = plain and _plain(name)
+    return tuple(found), stdlib_only, plain
+
+
+def _plain(name: str) -> bool:
+    """Whether importing ``name`` (as :func:`_imports` gives it) leaves torch._dynamo unimported:
+    torch's modules do, and of lockstep only ``lockstep.dist``."""
+    module, _, attr = name.partition(":")
+    return module.split(".")[0] == "torch" or module == "lockstep.dist" or (module == "lockstep" and attr in ("", "dist"))
 
 
 _MAX_FILES = 50
 """The most files :func:`script_imports` reads for one script."""
 
 
-def _imports(path: str) -> list[tuple[str, bool]] | None:
+def _imports(path: str) -> tuple[list[tuple[str, bool]] | None, bool]:
     """(module, or ``module:name`` for ``from module import name``; whether it may be one of the
     script's own modules) for each absolute import in the file, in order, and ``("", False)`` for
-    each relative one; None for a file that cannot be read or parsed."""
+    each relative one, None for a file that cannot be read or parsed; and whether the file names
+    one of :data:`_DYNAMO_WORDS`."""
     try:
         with open(path, "rb") as f:
-            tree = ast.parse(f.read(), path)
+            source = f.read()
+        tree = ast.parse(source, path)
     except (OSError, SyntaxError, ValueError):
-        return None
+        return None, True
     out: list[tuple[str, bool]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -142,7 +161,7 @@ def _imports(path: str) -> list[tuple[str, bool]] | None:
             out.extend((f"{node.module}:{a.name}", False) for a in node.names if a.name != "*")
             out.extend((f"{node.module}.{a.name}", True) for a in node.names
                        if a.name != "*" and node.module.split(".")[0] not in _SAFE_ROOTS)
-    return out
+    return out, any(word in source for word in _DYNAMO_WORDS)
 
 
 def _own_files(folder: str, module: str) -> list[str]:
