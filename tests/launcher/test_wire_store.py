@@ -78,9 +78,10 @@ def test_a_server_that_is_not_a_c10d_store_gets_torchs_client() -> None:
         assert wire_store.connect("127.0.0.1", port, 5, lambda: "torch's client") == "torch's client"
 
 
-def test_a_launcher_whose_node_hosts_no_store_never_imports_torch(tmp_path: Path) -> None:
-    # node 1 of a two-node job: its launcher joins node 0's store with its own client, and its
-    # rank (a shell command) needs no torch either; python -X importtime lists what it imported
+def test_neither_the_launcher_that_hosts_the_store_nor_the_others_import_torch(tmp_path: Path) -> None:
+    # node 0 of a two-node job serves the store itself (store_server), node 1's launcher joins it
+    # with its own client, and their ranks need no torch either; python -X importtime lists what
+    # each launcher imported
     port = free_port()
     script = tmp_path / "rank.py"
     script.write_text("import os\nprint('rank', os.environ['RANK'])\n")
@@ -93,6 +94,6 @@ def test_a_launcher_whose_node_hosts_no_store_never_imports_torch(tmp_path: Path
     assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
     imported = [{line.rsplit("|", 1)[1].strip() for line in err.splitlines() if line.startswith("import time:")}
                 for _, err in outs]
-    assert "torch" in imported[0]  # node 0 hosts the store: torch's TCPStore
+    assert "lockstep.launcher.store_server" in imported[0] and "torch" not in imported[0]
     assert "lockstep.launcher.wire_store" in imported[1] and "torch" not in imported[1]
-    assert "rank 1" in outs[1][0]  # its rank ran
+    assert "rank 0" in outs[0][0] and "rank 1" in outs[1][0]  # their ranks ran

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 
 from lockstep.launcher.ranks import Rank, Waiter
 from lockstep.launcher.report import report_failure, say, shell_code
-from lockstep.launcher.store import Stopped
 from lockstep.launcher.tree import below_me, job_processes, kill_job, reap_adopted, signal_job
 from lockstep.launcher.watchdog import Watchdog
 
@@ -45,46 +44,6 @@ def caught_signals() -> Iterator[int]:
             signal.signal(s, handler)
         os.close(wake_r)
         os.close(wake_w)
-
-
-class _Interrupted(BaseException):
-    """Raised by :func:`stopping_at_once`'s handler: a BaseException, so that no ``except
-    Exception`` in the code it interrupts (torch's optional imports have them) swallows it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextmanager
-def stopping_at_once() -> Iterator[None]:
-    """Within the block a stopping signal raises :class:`Stopped` at once, wherever the main
-    thread is: for long work in Python code with no wait to poll signals in, such as loading
-    torch (seconds on a busy host). Python runs the handler between two bytecodes, so a long
-    call into C (the dynamic loader's) delays it to that call's end. C code that swallows the
-    interruption (torch's extension does, in its import of numpy) delays it to the block's end."""
-    came: list[int] = []
-
-    def interrupt(signum: int, _frame: object) -> None:
-        came.append(signum)
-        raise _Interrupted(signum)
-
-    previous = {s: signal.signal(s, interrupt) for s in STOPPING}
-
-    def restore() -> None:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-    try:
-        try:
-            yield
-        finally:
-            restore()
-        if came:
-            raise _Interrupted(came[0])
-    except _Interrupted as e:
-        restore()  # again: the signal may have come while the handlers were put back
-        raise Stopped(e.signum) from None
 
 
 def forward(ranks: list[Rank], signum: int) -> None:

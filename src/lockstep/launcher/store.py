@@ -12,7 +12,6 @@ client lost for good (:class:`StoreLost`); a node that restarts connects again.
 
 from __future__ import annotations
 
-import datetime
 import ipaddress
 import os
 import queue
@@ -22,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from lockstep.launcher.store_server import StoreServer
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -129,51 +130,11 @@ def tcp_store() -> type[TCPStore]:
     return store_class
 
 
-def start_within(make: Callable[[], Any], meanwhile: Meanwhile = idle, deadline: float = CALL_S) -> Any:
-    """``make()``, a store's constructor, on a thread of its own, waited for at most ``deadline``
-    seconds through ``meanwhile`` (which raises :class:`Stopped` at a stopping signal).
-
-    A TCPStore that hosts the store also connects a client to it, and c10d then looks up the name
-    of the address it connects to (``getnameinfo``) on the calling thread, for as long as the name
-    server takes: where it does not answer, a minute a try, deaf to signals. Not started within the
-    deadline, or failed: :class:`StoreLost`."""
-    box: list[Any] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box.append((True, make()))
-        except Exception as e:  # noqa: BLE001 - reported as the store's loss, in one line
-            box.append((False, e))
-        done.set()
-
-    threading.Thread(target=run, name="lockstep-store-start", daemon=True).start()
-    until = time.monotonic() + deadline
-    pause = 0.001
-    while not done.wait(pause):
-        remaining = until - time.monotonic()
-        if remaining <= 0:
-            raise StoreLost(f"not started within {deadline:g} s")
-        pause = min(2 * pause, _SLICE_S, remaining)
-        meanwhile(pause)
-    ok, value = box[0]
-    if not ok:
-        raise StoreLost(str(value).splitlines()[0] if str(value) else type(value).__name__)
-    return value
-
-
-def host_store(world_size: int, listener: socket.socket | None = None) -> TCPStore:
-    """A c10d store hosted by this launcher: on ``listener``'s socket (-c runs commands that do
-    not host one; a multi-node job's store outlives its ranks), or on a free port of every
-    interface (the ranks of a multi-node restart). Its own client connects to an address of this
-    host (:func:`own_address`), never to the master's name: c10d would look that up on the main
-    thread, retrying for as long as the store's timeout while a name server does not answer."""
-    store_class = tcp_store()
-    if listener is None:
-        return store_class("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=1800),
-                           wait_for_workers=False)
-    return store_class(own_address(listener), listener.getsockname()[1], world_size, True,
-                       datetime.timedelta(seconds=1800), wait_for_workers=False, master_listen_fd=listener.fileno())
+def host_store(listener: socket.socket | None = None) -> StoreServer:
+    """The c10d store this launcher hosts (:class:`StoreServer`, torch not imported): on
+    ``listener``'s socket (-c runs commands that do not host one; a multi-node job's store
+    outlives its ranks), or on a free port of every interface (the ranks of a restart)."""
+    return StoreServer(listener)
 
 
 def own_address(listener: socket.socket | None) -> str:

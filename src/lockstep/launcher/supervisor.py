@@ -13,8 +13,6 @@ any node makes every node print its own ranks' stacks.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import shutil
 import signal
@@ -55,8 +53,6 @@ from lockstep.launcher.store import (
     host_store,
     idle,
     own_address,
-    start_within,
-    tcp_store,
 )
 from lockstep.launcher.stopping import (
     HANDLED,
@@ -66,7 +62,6 @@ from lockstep.launcher.stopping import (
     forward,
     pass_on,
     signalled_code,
-    stopping_at_once,
     teardown,
 )
 from lockstep.launcher.tree import Reaper, become_subreaper, marked, new_mark
@@ -164,8 +159,6 @@ class Supervisor:
                 prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
             try:
                 launcher_store = self._launchers_store(listener)
-                if isinstance(launcher_store, int):
-                    return launcher_store
                 if self.plan.is_multinode:
                     self._interface, line = interface_env(self.plan.master_addr, os.environ,
                                                           lambda: self._stopping(wake_r))
@@ -187,6 +180,9 @@ class Supervisor:
                     self._channel.close()
                 if self._board is not None:
                     self._board.close()
+                for store in (self._attempt_store, self._launcher_store):
+                    if store is not None:
+                        store.close()
                 shutil.rmtree(self._control_dir, ignore_errors=True)
                 if self._prefork is not None:
                     self._prefork.close()
@@ -195,47 +191,15 @@ class Supervisor:
                     listener.close()
 
     def _launchers_store(self, listener: socket.socket | None) -> Any:
-        """The store this launcher hosts (the exit code if it did not start), or None where rank 0
-        hosts it. On several nodes the store must outlive ranks and restarts, and in an elastic
-        job any rank, rank 0 too: this launcher hosts it."""
+        """The store this launcher hosts, or None where rank 0 hosts it. On several nodes the store
+        must outlive ranks and restarts, and in an elastic job any rank, rank 0 too: this launcher
+        hosts it (served in the standard library: no torch in the launcher)."""
         plan = self.plan
         if not listener or not (plan.mode is Mode.COMMAND or plan.is_multinode or plan.min_ranks):
             return None
-        self._launcher_store = self._host_store(listener)
+        self._launcher_store = host_store(listener)
         self._launcher_port = listener.getsockname()[1]
         return self._launcher_store
-
-    def _host_store(self, listener: socket.socket) -> Any:
-        """The store this launcher hosts on ``listener``, started within a deadline (the exit code if not)."""
-        code = self._load_torch()  # on the main thread, and not on the deadline's time
-        if code is not None:
-            return code
-        try:
-            return start_within(lambda: host_store(self.plan.world_size, listener), self._meanwhile)
-        except Stopped as e:
-            return 128 + e.signum
-        except StoreLost as e:
-            say(f"error: the rendezvous store on port {listener.getsockname()[1]} did not start ({e}); torch's "
-                f"store looks up the names of the addresses it connects to: check this host's name server")
-            return LOST_EXIT_CODE
-
-    def _load_torch(self) -> int | None:
-        """Load torch for the store this launcher hosts, a stopping signal ending the launcher at
-        once meanwhile (the exit code then, else None)."""
-        try:
-            with stopping_at_once():
-                if self._stopping(self._wake_r):  # it came before the handlers that interrupt
-                    raise Stopped(self._signals_seen[0])
-                with contextlib.suppress(ImportError):
-                    # first: torch's extension imports numpy and swallows any error, an interruption too
-                    importlib.import_module("numpy")
-                tcp_store()
-        except Stopped as e:
-            if not self._signals_seen:
-                self._signals_seen.append(e.signum)
-            say(f"received {signal.Signals(e.signum).name} while loading torch")
-            return 128 + e.signum
-        return None
 
     def _join_job(self, port: int, launcher_store: Any, wake_r: int) -> JobChannel | int:
         """Connect this node's launcher to the others through the store (the exit code if not)."""
@@ -311,7 +275,9 @@ class Supervisor:
         """A restart's ranks rendezvous in a store of their own, whose port this returns, where
         this launcher hosts the job's store (on several nodes, and on one for a command or an
         elastic job); the membership stays in the launcher's."""
-        self._attempt_store = start_within(lambda: host_store(self.plan.world_size), self._meanwhile)
+        if self._attempt_store is not None:
+            self._attempt_store.close()
+        self._attempt_store = host_store()
         return int(self._attempt_store.port)
 
     def _keep_membership(self, channel: JobChannel | None, attempt: int) -> None:
