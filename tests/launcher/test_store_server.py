@@ -121,5 +121,4 @@ def test_ranks_form_a_gloo_group_through_it_and_a_dropped_client_leaves_it_servi
         assert [o[0].split()[-1] for o in outs] == ["3", "3"]
     finally:
         server.close()
-    started = time.monotonic()
-    assert not server._thread.is_alive() and time.monotonic() - started < 1
+    assert not server._thread.is_alive()  # close() ended the serving thread
