@@ -25,15 +25,12 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
+from lockstep.launcher import c10d_wire as wire
+from lockstep.launcher.c10d_wire import as_bytes, framed
+
 __all__ = ["StoreServer"]
 
-_MAGIC = 0x3C85F7CE
-(_VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT, _NUM_KEYS, _DELETE_KEY, _APPEND, _MULTI_GET,
- _MULTI_SET, _CANCEL_WAIT, _PING, _QUEUE_PUSH, _QUEUE_POP, _QUEUE_LEN, _LIST_KEYS, _BARRIER) = range(19)
-_READY, _NOT_READY = 0, 1  # CheckResponseType
-_STOP_WAITING, _WAIT_CANCELED = 0, 1  # WaitResponseType
 _MAX_KEYS, _MAX_KEY, _MAX_PAYLOAD = 128 * 1024, 8 * 1024, 8 * 1024 * 1024  # c10d's limits
-_PREFIX = b"/"
 _TIMEOUT_S = 1800.0
 """How long the launcher's own get waits for a key, as the TCPStore it replaces did."""
 
@@ -66,11 +63,14 @@ class _Reader:
             raise _BadMessage(f"a string of {n} bytes")
         return self.take(n)
 
-    def keys(self) -> list[bytes]:
+    def count(self) -> int:
         n = self.value("<Q")
         if n > _MAX_KEYS:
             raise _BadMessage(f"{n} keys")
-        return [self.bytes(_MAX_KEY) for _ in range(n)]
+        return n
+
+    def keys(self) -> list[bytes]:
+        return [self.bytes(_MAX_KEY) for _ in range(self.count())]
 
 
 class _Client:
@@ -80,14 +80,6 @@ class _Client:
         self.outbox = bytearray()
         self.validated = False
         self.awaited = 0  # keys its WAIT still waits for
-
-
-def _bytes(data: bytes) -> bytes:
-    return struct.pack("<Q", len(data)) + data
-
-
-def _as_bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _listen_everywhere() -> socket.socket:
@@ -134,11 +126,11 @@ class StoreServer:
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._set(_PREFIX + key.encode(), _as_bytes(value))
+            self._set(wire.PREFIX + key.encode(), as_bytes(value))
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, once it exists (TimeoutError after the store's 1800 s)."""
-        name = _PREFIX + key.encode()
+        name = wire.PREFIX + key.encode()
         with self._changed:
             if not self._changed.wait_for(lambda: name in self._data, _TIMEOUT_S):
                 raise TimeoutError(f"no key {key} within {_TIMEOUT_S:g} s")
@@ -146,26 +138,26 @@ class StoreServer:
 
     def add(self, key: str, value: int) -> int:
         with self._changed:
-            return self._add(_PREFIX + key.encode(), value)
+            return self._add(wire.PREFIX + key.encode(), value)
 
     def check(self, keys: Sequence[str]) -> bool:
         with self._changed:
-            return self._check([_PREFIX + k.encode() for k in keys])
+            return self._check([wire.PREFIX + k.encode() for k in keys])
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         with self._changed:
-            return self._compare_set(_PREFIX + key.encode(), _as_bytes(expected), _as_bytes(desired))
+            return self._compare_set(wire.PREFIX + key.encode(), as_bytes(expected), as_bytes(desired))
 
     def append(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._append(_PREFIX + key.encode(), _as_bytes(value))
+            self._append(wire.PREFIX + key.encode(), as_bytes(value))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
     def delete_key(self, key: str) -> bool:
         with self._changed:
-            return self._data.pop(_PREFIX + key.encode(), None) is not None
+            return self._data.pop(wire.PREFIX + key.encode(), None) is not None
 
     def num_keys(self) -> int:
         with self._changed:
@@ -211,7 +203,7 @@ class StoreServer:
         for client in self._waiting.get(key, []):
             client.awaited -= 1
             if client.awaited == 0:
-                self._reply(client, bytes([_STOP_WAITING]))
+                self._reply(client, bytes([wire.STOP_WAITING]))
                 if one:
                     self._waiting[key].remove(client)
                     return
@@ -299,69 +291,62 @@ class StoreServer:
     def _handle(self, client: _Client, r: _Reader) -> None:
         query = r.value("<B")
         if not client.validated:
-            if query != _VALIDATE or r.value("<I") != _MAGIC:
+            if query != wire.VALIDATE or r.value("<I") != wire.MAGIC:
                 raise _BadMessage("a connection that did not begin with c10d's VALIDATE")
             client.validated = True
-        elif query == _PING:
+        elif query == wire.PING:
             self._reply(client, r.take(4))
-        elif query == _SET:
+        elif query == wire.SET:
             self._set(r.bytes(_MAX_KEY), r.bytes(_MAX_PAYLOAD))
-        elif query == _COMPARE_SET:
+        elif query == wire.COMPARE_SET:
             key, expected, desired = r.bytes(_MAX_KEY), r.bytes(_MAX_PAYLOAD), r.bytes(_MAX_PAYLOAD)
-            self._reply(client, _bytes(self._compare_set(key, expected, desired)))
-        elif query == _GET:
-            self._reply(client, _bytes(self._data.get(r.bytes(_MAX_KEY), b"")))
-        elif query == _ADD:
+            self._reply(client, framed(self._compare_set(key, expected, desired)))
+        elif query == wire.GET:
+            self._reply(client, framed(self._data.get(r.bytes(_MAX_KEY), b"")))
+        elif query == wire.ADD:
             key = r.bytes(_MAX_KEY)
             self._reply(client, struct.pack("<q", self._add(key, r.value("<q"))))
-        elif query == _CHECK:
-            self._reply(client, bytes([_READY if self._check(r.keys()) else _NOT_READY]))
-        elif query == _WAIT:
+        elif query == wire.CHECK:
+            self._reply(client, bytes([wire.READY if self._check(r.keys()) else wire.NOT_READY]))
+        elif query == wire.WAIT:
             self._wait(client, r.keys())
-        elif query == _NUM_KEYS:
+        elif query == wire.NUM_KEYS:
             self._reply(client, struct.pack("<q", len(self._data)))
-        elif query == _DELETE_KEY:
+        elif query == wire.DELETE_KEY:
             self._reply(client, struct.pack("<q", int(self._data.pop(r.bytes(_MAX_KEY), None) is not None)))
-        elif query == _APPEND:
+        elif query == wire.APPEND:
             self._append(r.bytes(_MAX_KEY), r.bytes(_MAX_PAYLOAD))
-        elif query == _MULTI_GET:
-            self._reply(client, b"".join(_bytes(self._data.get(k, b"")) for k in r.keys()))
-        elif query == _MULTI_SET:
-            for _ in range(self._count(r)):
+        elif query == wire.MULTI_GET:
+            self._reply(client, b"".join(framed(self._data.get(k, b"")) for k in r.keys()))
+        elif query == wire.MULTI_SET:
+            for _ in range(r.count()):
                 self._set(r.bytes(_MAX_KEY), r.bytes(_MAX_PAYLOAD))
-        elif query == _CANCEL_WAIT:
+        elif query == wire.CANCEL_WAIT:
             self._forget_waits(client)
-            self._reply(client, bytes([_WAIT_CANCELED]))
+            self._reply(client, bytes([wire.WAIT_CANCELED]))
         else:
             self._handle_queues(client, query, r)
 
     def _handle_queues(self, client: _Client, query: int, r: _Reader) -> None:
-        if query == _QUEUE_PUSH:
+        if query == wire.QUEUE_PUSH:
             key = r.bytes(_MAX_KEY)
             self._queues.setdefault(key, deque()).append(r.bytes(_MAX_PAYLOAD))
             self._wake_waiters(key, one=True)
-        elif query == _QUEUE_POP:
+        elif query == wire.QUEUE_POP:
             queue = self._queues.setdefault(r.bytes(_MAX_KEY), deque())
-            self._reply(client, struct.pack("<q", len(queue)) + (_bytes(queue.popleft()) if queue else b""))
-        elif query == _QUEUE_LEN:
+            self._reply(client, struct.pack("<q", len(queue)) + (framed(queue.popleft()) if queue else b""))
+        elif query == wire.QUEUE_LEN:
             self._reply(client, struct.pack("<q", len(self._queues.get(r.bytes(_MAX_KEY), ()))))
-        elif query == _LIST_KEYS:
-            self._reply(client, struct.pack("<q", len(self._data)) + b"".join(_bytes(k) for k in self._data))
-        elif query == _BARRIER:
+        elif query == wire.LIST_KEYS:
+            self._reply(client, struct.pack("<q", len(self._data)) + b"".join(framed(k) for k in self._data))
+        elif query == wire.BARRIER:
             self._barrier(client, r.bytes(_MAX_KEY), r.value("<q"))
         else:
             raise _BadMessage(f"unknown query {query}")
 
-    @staticmethod
-    def _count(r: _Reader) -> int:
-        n = r.value("<Q")
-        if n > _MAX_KEYS:
-            raise _BadMessage(f"{n} keys")
-        return n
-
     def _wait(self, client: _Client, keys: list[bytes]) -> None:
         if self._check(keys):
-            self._reply(client, bytes([_STOP_WAITING]))
+            self._reply(client, bytes([wire.STOP_WAITING]))
             return
         missing = [k for k in keys if k not in self._data]
         for key in missing:

@@ -21,14 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lockstep.launcher import c10d_wire as wire
+from lockstep.launcher.c10d_wire import PREFIX, framed
+
 __all__ = ["WireStore", "connect"]
 
-_MAGIC = 0x3C85F7CE
-_VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
-_APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 9, 10, 12, 13
-_READY = 0  # CheckResponseType
-_STOP_WAITING, _WAIT_CANCELED = 0, 1  # WaitResponseType
-_PREFIX = b"/"
 
 
 class ProtocolMismatch(ConnectionError):
@@ -67,7 +64,7 @@ class WireStore:
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             nonce = int.from_bytes(os.urandom(4), "little")
-            self._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
+            self._send(struct.pack("<BI", wire.VALIDATE, wire.MAGIC) + struct.pack("<BI", wire.PING, nonce))
             if struct.unpack("<I", self._recv(4))[0] != nonce:
                 raise ProtocolMismatch(f"{host}:{port} did not answer a c10d PING")
         except BaseException:
@@ -75,32 +72,32 @@ class WireStore:
             raise
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._send(bytes([_SET]) + _key(key) + _bytes(value))
+        self._send(bytes([wire.SET]) + _key(key) + framed(value))
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, once it exists (within the timeout, as torch's client waits)."""
         self._wait([key])
-        self._send(bytes([_GET]) + _key(key))
+        self._send(bytes([wire.GET]) + _key(key))
         return self._recv_bytes()
 
     def add(self, key: str, value: int) -> int:
-        self._send(bytes([_ADD]) + _key(key) + struct.pack("<q", value))
+        self._send(bytes([wire.ADD]) + _key(key) + struct.pack("<q", value))
         return struct.unpack("<q", self._recv(8))[0]
 
     def check(self, keys: Sequence[str]) -> bool:
-        self._send(bytes([_CHECK]) + struct.pack("<Q", len(keys)) + b"".join(_key(k) for k in keys))
-        return self._recv(1)[0] == _READY
+        self._send(bytes([wire.CHECK]) + struct.pack("<Q", len(keys)) + b"".join(_key(k) for k in keys))
+        return self._recv(1)[0] == wire.READY
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        self._send(bytes([_COMPARE_SET]) + _key(key) + _bytes(expected) + _bytes(desired))
+        self._send(bytes([wire.COMPARE_SET]) + _key(key) + framed(expected) + framed(desired))
         return self._recv_bytes()
 
     def append(self, key: str, value: str | bytes) -> None:
-        self._send(bytes([_APPEND]) + _key(key) + _bytes(value))
+        self._send(bytes([wire.APPEND]) + _key(key) + framed(value))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         self._wait(keys)
-        self._send(bytes([_MULTI_GET]) + struct.pack("<Q", len(keys)) + b"".join(_key(k) for k in keys))
+        self._send(bytes([wire.MULTI_GET]) + struct.pack("<Q", len(keys)) + b"".join(_key(k) for k in keys))
         return [self._recv_bytes() for _ in keys]
 
     def close(self) -> None:
@@ -108,16 +105,16 @@ class WireStore:
 
     def _wait(self, keys: Sequence[str]) -> None:
         """Until every key exists; past the timeout, the wait is cancelled and TimeoutError raised."""
-        self._send(bytes([_WAIT]) + struct.pack("<Q", len(keys)) + b"".join(_key(k) for k in keys))
+        self._send(bytes([wire.WAIT]) + struct.pack("<Q", len(keys)) + b"".join(_key(k) for k in keys))
         try:
             answer = self._recv(1)[0]
         except TimeoutError:
-            self._send(bytes([_CANCEL_WAIT]))
+            self._send(bytes([wire.CANCEL_WAIT]))
             # the keys may have come just before the cancel: then STOP_WAITING comes first
-            while self._recv(1)[0] != _WAIT_CANCELED:
+            while self._recv(1)[0] != wire.WAIT_CANCELED:
                 pass
             raise TimeoutError(f"no key {', '.join(keys)} within {self.timeout:g} s") from None
-        if answer != _STOP_WAITING:
+        if answer != wire.STOP_WAITING:
             raise ConnectionError(f"unexpected answer {answer} to a c10d WAIT")
 
     def _send(self, data: bytes) -> None:
@@ -136,13 +133,8 @@ class WireStore:
         return self._recv(struct.unpack("<Q", self._recv(8))[0])
 
 
-def _bytes(value: str | bytes) -> bytes:
-    data = value.encode() if isinstance(value, str) else bytes(value)
-    return struct.pack("<Q", len(data)) + data
-
-
 def _key(key: str) -> bytes:
-    return _bytes(_PREFIX + key.encode())
+    return framed(PREFIX + key.encode())
 
 
 def connect(host: str, port: int, timeout: float, fallback: Callable[[], Any]) -> Any:
