@@ -176,19 +176,20 @@ class Supervisor:
                 say(f"error: {e}")
                 return 2
             finally:
-                if self._channel is not None:
-                    self._channel.close()
-                if self._board is not None:
-                    self._board.close()
-                for store in (self._attempt_store, self._launcher_store):
-                    if store is not None:
-                        store.close()
-                shutil.rmtree(self._control_dir, ignore_errors=True)
-                if self._prefork is not None:
-                    self._prefork.close()
-                watchdog.close()
-                if listener:
-                    listener.close()
+                self._release(watchdog, listener)
+
+    def _release(self, watchdog: Watchdog, listener: socket.socket | None) -> None:
+        """What the launcher holds, at its end: the store's connections and the stores it serves,
+        the progress board, the control folder, the prefork server, the watchdog, the store port."""
+        for held in (self._channel, self._board, self._attempt_store, self._launcher_store):
+            if held is not None:
+                held.close()
+        shutil.rmtree(self._control_dir, ignore_errors=True)
+        if self._prefork is not None:
+            self._prefork.close()
+        watchdog.close()
+        if listener:
+            listener.close()
 
     def _launchers_store(self, listener: socket.socket | None) -> Any:
         """The store this launcher hosts, or None where rank 0 hosts it. On several nodes the store
