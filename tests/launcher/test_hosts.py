@@ -25,7 +25,7 @@ from lockstep.launcher.interface import interface_env, route_to
 from lockstep.launcher.store import StoreClient, Stopped, StoreLost, tcp_store
 from lockstep.launcher.output import RankLogs
 from lockstep.launcher.ranks import Rank, Waiter
-from tests.checkpoint.test_faults import JOB as TRAIN_JOB
+from tests.checkpoint.test_faults import JOB as TRAIN_JOB, batches_done
 from tests.helpers import assert_bitwise
 from tests.launcher import netns
 from tests.launcher.netns import Hosts, make_hosts
@@ -289,7 +289,7 @@ def _partition_and_heal(hosts: Hosts, tmp_path: Path) -> None:
     progress = tmp_path / "progress0"
     deadline = time.monotonic() + 150
     # after the checkpoint of batch 8, before the end (24 batches)
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 10):
+    while batches_done(progress) < 10:
         assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), [n.err for n in nodes]
         time.sleep(0.1)
     hosts.cut(1)
