@@ -305,6 +305,7 @@ class _Boom(ValueError):
 
 
 def _raise_on_rank_one() -> int:
+    dist.barrier()  # rank 0 past its connections, so rank 1's exit fails nothing of rank 0's
     if dist.get_global_rank() == 1:
         raise _Boom("deliberate failure 7f3a")
     return 0

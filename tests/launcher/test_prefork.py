@@ -198,15 +198,20 @@ def test_sigkill_of_the_launcher_leaves_neither_the_server_nor_a_rank(tmp_path: 
 def test_a_restart_forks_its_ranks_from_the_server_the_first_attempt_had(tmp_path: Path, write_script) -> None:
     # The teardown between attempts spares the server, so a restart imports torch no more.
     script = write_script("restarted.py", textwrap.dedent("""
-        import os, sys
+        import os, sys, time
         import torch
         launcher = os.getppid()
         servers = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
                    and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(launcher)
                    and b"lockstep.launcher.prefork" in open(f"/proc/{p}/cmdline", "rb").read()]
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-        with open(os.path.join(sys.argv[1], f"seen{attempt}-{os.environ['RANK']}"), "w") as f:
+        with open(os.path.join(sys.argv[1], f"seen{attempt}-{os.environ['RANK']}.tmp"), "w") as f:
             f.write(" ".join(map(str, [os.getpid(), *servers])))
+        os.rename(f.name, f.name[:-4])
+        # the first rank to fail tears the attempt down: each waits until both have written
+        other = os.path.join(sys.argv[1], f"seen{attempt}-{1 - int(os.environ['RANK'])}")
+        while not os.path.exists(other):
+            time.sleep(0.01)
         sys.exit(3 if attempt == "0" else 0)
     """))
     result = launch(["-n", "2", "--max_restarts", "1", str(script), str(tmp_path)], cwd=tmp_path, timeout=90)
