@@ -1,6 +1,7 @@
-"""The launchers' access to the rendezvous store: torch's TCPStore, with a deadline on every call.
+"""The launchers' access to the rendezvous store (c10d's TCPStore protocol: :mod:`wire_store`'s
+client, :mod:`store_server`'s server), with a deadline on every call.
 
-torch's client waits for an answer forever when the master's host is cut off (its timeout covers
+A client may wait for an answer forever when the master's host is cut off (torch's timeout covers
 waiting for keys, not a network that drops packets silently), and a launcher blocked in it would
 stop draining its ranks' output and handling signals. So :class:`StoreClient` runs the calls on a
 thread of its own, while the caller waits for the answer through a ``meanwhile`` hook that does the
@@ -57,7 +58,8 @@ class StoreClient:
     """A store whose every call ends within ``CALL_S``, answered or not.
 
     The calls run one at a time on a daemon thread. Past the deadline the client is given up: the
-    thread may stay blocked in torch's C++ for good (it holds no lock and no GIL meanwhile), and
+    thread may stay blocked for good (in a socket read, or in torch's C++ client where that is the
+    one in use: it holds no lock and no GIL meanwhile), and
     every later call raises :class:`StoreLost` at once.
     """
 
