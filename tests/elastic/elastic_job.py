@@ -1,11 +1,12 @@
 """The job of the elastic tests, run under the launcher: DDP over 44 indexed samples, 3 per rank,
 2 epochs (8 global batches of a 4-rank world).
 
-``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--save FOLDER] [--fsdp [TYPE]]``: the
+``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-full B] [--save FOLDER] [--fsdp [TYPE]]``: the
 rank launched as R SIGKILLs itself after batch B (with --save, once the checkpoint saved last is
 published); every rank sleeps S seconds after each batch;
 with ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a
-node joins) or OUT/release exists; ``--fail-to-join`` makes a rank that joins a running job exit 3
+node joins) or OUT/release exists, and with ``--hold-full B`` the full world waits so after batch B (for
+a test to kill a node at that step however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3
 as it starts; with ``--save``, it saves every 2 batches to FOLDER and autoresumes from it (a run
 under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead, saving checkpoints of that
 ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at that ZeRO stage. Each
@@ -43,10 +44,10 @@ EVAL_SAMPLES = 37
 
 class Record(Callback):
     def __init__(self, out: Path, kills: dict[int, int], sleep: float, hold: int | None = None,
-                 save: str | None = None) -> None:
+                 save: str | None = None, hold_full: int | None = None) -> None:
         self.rank = int(os.environ["RANK"])
         self.out, self.kill_after, self.sleep, self.hold = out, kills.get(self.rank), sleep, hold
-        self.save = save
+        self.save, self.hold_full = save, hold_full
         (out / f"pid{self.rank}").write_text(str(os.getpid()))
 
     def after_dataloader(self, state, logger) -> None:
@@ -67,8 +68,12 @@ class Record(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
         membership = elastic.current()
-        if int(state.timestamp.batch) == self.hold and membership is not None \
-                and len(membership.ranks) < int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"]):
+        full = membership is not None and len(membership.ranks) == int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"])
+        if int(state.timestamp.batch) == self.hold_full and full:
+            deadline = time.monotonic() + 150  # until the test has killed a node and the others know
+            while not membership.changed() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if int(state.timestamp.batch) == self.hold and membership is not None and not full:
             # until the ranks change again (a node joins), or the test says; long enough for two
             # launchers to start one after the other on a loaded machine (the first may fail to join)
             deadline = time.monotonic() + 150
@@ -163,6 +168,8 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=None, help="DeepSpeed at this ZeRO stage")
     parser.add_argument("--hold", type=int, default=None,
                         help="after this batch, fewer ranks than the full world wait until the ranks change")
+    parser.add_argument("--hold-full", type=int, default=None,
+                        help="after this batch, the full world waits until the ranks change")
     parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader for training")
     parser.add_argument("--eval", action="store_true", help="evaluate on EVAL_SAMPLES samples every 2 batches")
     parser.add_argument("--die-in-eval", default=None,
@@ -184,7 +191,7 @@ def main() -> None:
     model, data = MLP(train_accuracy=True), _Indexed()
     options = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
         if args.save else {}
-    callbacks = [Record(args.out, kills, args.sleep, args.hold, args.save)]
+    callbacks = [Record(args.out, kills, args.sleep, args.hold, args.save, args.hold_full)]
     if args.eval:
         held_out = dataset(EVAL_SAMPLES)
         options.update(eval_interval="2ba", eval_dataloader=DataLoader(held_out, batch_size=4,

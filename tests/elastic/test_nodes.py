@@ -99,7 +99,10 @@ def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_f
     # under FSDP (DeepSpeed) every rank shards the model (builds an engine) anew over four and
     # loads the batch-4 checkpoint
     job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()), *(sharded or ()))
-    master, other = [launch(out, *job, launcher=node_args(port, node), run=f"run{node}") for node in (0, 1)]
+    # the four ranks wait at the batch the kill comes after (on a loaded machine they trained past
+    # the hold of batch 5 before the kill landed, and finished without the node)
+    master, other = [launch(out, *job, "--hold-full", "3" if sharded else "2", launcher=node_args(port, node),
+                            run=f"run{node}") for node in (0, 1)]
     if sharded:  # once the batch-2 checkpoint (the first) is published, to go on from: under DeepSpeed
         # every rank writes a part of it, and node 1's, lost in the middle, would leave none
         wait_for(tmp_path / "save" / "latest-rank0.pt", [master, other], lines=0)
