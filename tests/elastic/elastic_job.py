@@ -1,18 +1,19 @@
 """The job of the elastic tests, run under the launcher: DDP over 44 indexed samples, 3 per rank,
 2 epochs (8 global batches of a 4-rank world).
 
-``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-full B] [--save FOLDER] [--fsdp [TYPE]]``: the
-rank launched as R SIGKILLs itself after batch B (with --save, once the checkpoint saved last is
-published); every rank sleeps S seconds after each batch;
-with ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a
-node joins) or OUT/release exists, and with ``--hold-full B`` the full world waits so after batch B (for
-a test to kill a node at that step however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3
-as it starts; with ``--save``, it saves every 2 batches to FOLDER and autoresumes from it (a run
-under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead, saving checkpoints of that
-``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at that ZeRO stage. Each
-rank writes its pid to OUT/pid<launch rank>; appends for each batch it reads a JSON line
-``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it
-is told of a JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters of
+``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-full B] [--save FOLDER]
+[--fsdp [TYPE]]``: the rank launched as R SIGKILLs itself after batch B (with --save, once the
+checkpoint saved last is published); every rank sleeps S seconds after each batch; with
+``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
+joins) or OUT/release exists; with ``--hold-full B``, the full world waits so after batch B (a
+test kills a node at that step, however loaded the machine); ``--fail-to-join`` makes a rank that
+joins a running job exit 3 as it starts; with ``--save``, it saves every 2 batches to FOLDER and
+autoresumes from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead,
+saving checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at
+that ZeRO stage. Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
+reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it
+ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it is told of
+a JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters of
 ``trainer.state.model`` (under FSDP a change of the ranks makes a new model) to OUT/params.pt."""
 
 from __future__ import annotations
