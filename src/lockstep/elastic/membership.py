@@ -156,12 +156,15 @@ class Membership:
 
 
 def _abandon_default_group() -> None:
-    """Take the default group out of torch's registry without shutting it down, and never free
-    it: gloo's shutdown, as its destructor, joins the group's worker threads, and one of them may
-    wait on a peer that is gone, or that left the group too, for the whole timeout. Each change of
-    the job's ranks leaks one group, its threads and its sockets, until the process ends."""
-    group = torch_dist.group.WORLD
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed, so never destroyed
+    """Take the default group, and every group made from it, out of torch's registry without
+    shutting any down, and never free them: gloo's shutdown, as its destructor, joins the group's
+    worker threads, and one of them may wait on a peer that is gone, or that left the group too,
+    for the whole timeout. A library's own group (DeepSpeed's copy of the world) would otherwise be
+    destroyed once the library lets it go, at whatever collection of garbage frees it, and that
+    rank would wait there. Each change of the job's ranks leaks these groups, their threads and
+    their sockets, until the process ends."""
+    for group in {torch_dist.group.WORLD, *torch_dist.distributed_c10d._world.pg_map}:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed, so never destroyed
     shutdown = torch_dist.ProcessGroup.__dict__["shutdown"]  # the descriptor itself, to put back as it was
     torch_dist.ProcessGroup.shutdown = lambda self: None  # type: ignore[method-assign]
     try:
