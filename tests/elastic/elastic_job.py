@@ -69,16 +69,16 @@ class Record(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
         membership = elastic.current()
-        full = membership is not None and len(membership.ranks) == int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"])
-        if int(state.timestamp.batch) == self.hold_full and full:
-            deadline = time.monotonic() + 150  # until the test has killed a node and the others know
-            while not membership.changed() and time.monotonic() < deadline:
-                time.sleep(0.02)
-        if int(state.timestamp.batch) == self.hold and membership is not None and not full:
-            # until the ranks change again (a node joins), or the test says; long enough for two
-            # launchers to start one after the other on a loaded machine (the first may fail to join)
+        if membership is None:
+            return
+        full = len(membership.ranks) == int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"])
+        # Until the ranks change: the full world until the test has killed a node and the others
+        # know; fewer ranks until a node joins, or the test says (long enough for two launchers to
+        # start one after the other on a loaded machine: the first may fail to join).
+        if int(state.timestamp.batch) == (self.hold_full if full else self.hold):
+            release = None if full else self.out / "release"
             deadline = time.monotonic() + 150
-            while not membership.changed() and not (self.out / "release").exists() and time.monotonic() < deadline:
+            while not membership.changed() and not (release and release.exists()) and time.monotonic() < deadline:
                 time.sleep(0.02)
 
 

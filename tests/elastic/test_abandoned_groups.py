@@ -30,7 +30,7 @@ def _drop_a_group_with_a_collective_in_flight(folder: str) -> float:
             time.sleep(0.05)
         return 0.0
     work = torch_dist.all_reduce(torch.ones(1), group=group, async_op=True)
-    membership._abandon_default_group()
+    membership._abandon_groups()
     started = time.monotonic()
     del work, group
     gc.collect()

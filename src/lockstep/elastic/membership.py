@@ -149,13 +149,13 @@ class Membership:
         Nothing happens where the group is the newest generation's already (a rank that joined)."""
         if regroup.newest(self._store, self.prefix) == self.generation:
             return
-        _abandon_default_group()
+        _abandon_groups()
         self.generation, self.ranks = regroup.form(self._store, self.prefix, self.launch_rank, self.timeout,
                                                    lambda: self._newest)  # the watcher reads the counter
         self._tell_local_world()
 
 
-def _abandon_default_group() -> None:
+def _abandon_groups() -> None:
     """Take the default group, and every group made from it, out of torch's registry without
     shutting any down, and never free them: gloo's shutdown, as its destructor, joins the group's
     worker threads, and one of them may wait on a peer that is gone, or that left the group too,
