@@ -150,7 +150,12 @@ def _key(item) -> str:
 
 def test_wandb_offline_run_is_written_without_a_network(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
     train([WandBLogger(project="lockstep-test", mode="offline")], run_folder=str(tmp_path), run_name="wb")
+    # run.finish() only tells wandb's service that the run is done; the service closes (flushes) the
+    # run's file afterwards, on its own time. Its teardown waits for that.
+    wandb.teardown()
     files = list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
     assert len(files) == 1
     history, config = [], {}
