@@ -5,9 +5,8 @@
 [--fsdp [TYPE]]``: the rank launched as R SIGKILLs itself after batch B (with --save, once the
 checkpoint saved last is published); every rank sleeps S seconds after each batch; with
 ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
-joins) or OUT/release exists; with ``--hold-full B``, the full world waits so after batch B (a
-test kills a node at that step, however loaded the machine); ``--fail-to-join`` makes a rank that
-joins a running job exit 3 as it starts; with ``--save``, it saves every 2 batches to FOLDER and
+joins); with ``--hold-full B``, the full world waits so after batch B (a test kills a node at that
+step, however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3 as it starts; with ``--save``, it saves every 2 batches to FOLDER and
 autoresumes from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead,
 saving checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at
 that ZeRO stage. Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
@@ -73,12 +72,11 @@ class Record(Callback):
             return
         full = len(membership.ranks) == int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"])
         # Until the ranks change: the full world until the test has killed a node and the others
-        # know; fewer ranks until a node joins, or the test says (long enough for two launchers to
-        # start one after the other on a loaded machine: the first may fail to join).
+        # know; fewer ranks until a node joins (long enough for two launchers to start one after
+        # the other on a loaded machine: the first may fail to join).
         if int(state.timestamp.batch) == (self.hold_full if full else self.hold):
-            release = None if full else self.out / "release"
             deadline = time.monotonic() + 150
-            while not membership.changed() and not (release and release.exists()) and time.monotonic() < deadline:
+            while not membership.changed() and time.monotonic() < deadline:
                 time.sleep(0.02)
 
 

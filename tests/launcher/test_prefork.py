@@ -201,9 +201,15 @@ def test_a_restart_forks_its_ranks_from_the_server_the_first_attempt_had(tmp_pat
         import os, sys, time
         import torch
         launcher = os.getppid()
-        servers = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
-                   and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(launcher)
-                   and b"lockstep.launcher.prefork" in open(f"/proc/{p}/cmdline", "rb").read()]
+
+        def is_server(p):
+            try:
+                return (open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(launcher)
+                        and b"lockstep.launcher.prefork" in open(f"/proc/{p}/cmdline", "rb").read())
+            except OSError:  # the process ended while we looked: not ours (ours wait for us)
+                return False
+
+        servers = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and is_server(p)]
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
         with open(os.path.join(sys.argv[1], f"seen{attempt}-{os.environ['RANK']}.tmp"), "w") as f:
             f.write(" ".join(map(str, [os.getpid(), *servers])))

@@ -336,10 +336,12 @@ def _serve(sock_fd: int, watchdog_fd: int, preload: list[str]) -> list[str] | No
     # Importing torch makes objects by the hundred thousand, nearly none of them garbage: the
     # collector's passes over them during the imports cost ~20% of their CPU, for nothing.
     gc.disable()
-    for name in preload:
-        with contextlib.suppress(Exception):
-            _preload(name)
-    gc.enable()
+    try:
+        for name in preload:
+            with contextlib.suppress(Exception):
+                _preload(name)
+    finally:
+        gc.enable()
     if "torch" in preload and "torch" not in sys.modules:
         return None  # torch did not import: ranks start fresh and report why themselves
     if len(os.listdir("/proc/self/task")) > 1:
