@@ -31,6 +31,7 @@ from lockstep.launcher.elastic_names import (
     finished_key,
     generation_key,
     members_key,
+    plain_key,
     ready_key,
 )
 
@@ -131,11 +132,15 @@ def start(timeout: float) -> None:
     started = True
 
 
-def enter(timeout: float) -> None:
+def enter(timeout: float, *, plain: bool = False) -> None:
     """Join the running job: say this rank is ready, and once the master's launcher has let its
-    node in (every rank of the node ready), the default process group of the generation with it."""
+    node in (every rank of the node ready), the default process group of the generation with it.
+    ``plain``: the script forms its group itself (torchrun's way); the master then has every node
+    start its ranks again instead, and this one is stopped by its launcher while it waits."""
     global entered
     store, prefix, launch_rank = client(), os.environ[ELASTIC_ENV], int(os.environ["RANK"])
+    if plain:
+        store.set(plain_key(prefix, os.environ[JOIN_ENV]), "1")
     store.add(ready_key(prefix, os.environ[JOIN_ENV]), 1)
     deadline = time.monotonic() + timeout
     while launch_rank not in members(store, prefix, newest(store, prefix)):
@@ -163,6 +168,9 @@ def route_init_process_group() -> None:
                              f"MIN:MAX) that started without some nodes or joins a running job: its ranks form "
                              f"their process group over gloo; use backend='gloo'")
         seconds = (timeout or torch_dist.default_pg_timeout).total_seconds()
-        (enter if joining() else start)(seconds)
+        if joining():
+            enter(seconds, plain=True)
+        else:
+            start(seconds)
 
     torch_dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # the name either way

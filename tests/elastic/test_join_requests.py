@@ -3,7 +3,8 @@ c10d store: the node is let in once its ranks are ready, never twice, not after 
 the request back, not while the job finishes (and ranks let in just before leave), and a newer
 launcher's request replaces an older one. A job that starts without a node late for the last
 call: every launcher follows the master's decision, and the late node is let in once the ranks
-the job started with follow its membership.
+the job started with follow its membership. A torchrun script's job lets a node in by starting
+every rank again.
 The whole join, with processes, is in test_nodes.py."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch.distributed as torch_dist
 
 from lockstep import regroup
-from lockstep.launcher.elastic_names import elastic_prefix, generation_key, members_key, ready_key
+from lockstep.launcher.elastic_names import RESTART, elastic_prefix, generation_key, members_key, plain_key, ready_key
 from lockstep.launcher.job import JobChannel
 from lockstep.launcher.membership import Members, admission, ask_to_join, was_let_go, withdraw
 
@@ -106,6 +107,28 @@ def test_no_node_joins_a_job_whose_master_ranks_finished(store: Any) -> None:
     late = ask_to_join(call(store), 0, 1)
     members.answer()
     assert admission(call(store), 0, late) == "the job is finishing"
+
+
+def test_a_node_that_asks_to_join_a_torchrun_scripts_job_is_answered_that_every_rank_starts_again(
+        store: Any) -> None:
+    """The job's ranks follow no change of the membership (a script that calls init_process_group
+    itself, as the joining node's ranks say of their own): the node is let in as torchrun lets a
+    node in, every node starting its ranks again; no generation is published."""
+    members = Members(store, 0, [0, 1, 2, 3], minimum=2, per_node=PER_NODE)
+    members.start_without([1], 1.0)
+    token = ask_to_join(call(store), 0, 1)
+    assert members.answer() == [] and admission(call(store), 0, token) is None and members.restart_for == []
+    store.set(plain_key(elastic_prefix(0), token), "1")  # a rank of it reached its own init_process_group
+    assert members.answer() == [] and members.restart_for == [1]
+    assert admission(call(store), 0, token) == RESTART and published(store) == [0, 1]
+
+
+def test_a_job_whose_ranks_follow_lets_in_a_node_whose_script_also_forms_its_group_itself(store: Any) -> None:
+    members = two_nodes_after_node_1_was_lost(store)  # every rank follows (a Trainer after init_process_group)
+    token = ask_to_join(call(store), 0, 1)
+    store.set(plain_key(elastic_prefix(0), token), "1")
+    ready(store, token)
+    assert members.answer() == [1] and members.restart_for == [] and admission(call(store), 0, token) == 2
 
 
 def test_ranks_let_in_as_the_job_finishes_leave_at_once_and_well(store: Any) -> None:

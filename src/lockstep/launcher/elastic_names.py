@@ -73,6 +73,18 @@ def ready_key(prefix: str, token: str) -> str:
     return f"{prefix}ready-{token}"
 
 
+def plain_key(prefix: str, token: str) -> str:
+    """Set by a joining node's rank whose script forms its process group itself (a torchrun script,
+    calling ``init_process_group``): the job's ranks, which run the same script, follow no change of
+    the membership, so the master lets the node in as torchrun does, by starting every rank again."""
+    return f"{prefix}plain-{token}"
+
+
+RESTART = "restart"
+"""The answer to a request to join a job whose ranks follow no change of the membership: every node
+starts its ranks again, the joining one with them (torchrun's agents restart for a new node too)."""
+
+
 def admit_key(prefix: str, token: str) -> str:
     """The answer to a request to join: the generation the node joins in, or ``no: why`` (the
     master's refusal, or its launcher's withdrawal, whichever came first)."""

@@ -79,6 +79,10 @@ STOPPED = "stopped"
 WAITING = "waiting"
 """A stall: the rank waits in a collective, and its node found no rank stopped outside one."""
 STALLS = (STOPPED, WAITING)
+GROWING = "growing"
+"""Not a failure: node ``node`` asks to join a job whose ranks follow no change of the membership
+(a torchrun script), and every node starts its ranks again with it, as torchrun's agents do. It
+counts against no ``--max_restarts``, and yields to any failure recorded with it."""
 
 
 @dataclass
@@ -115,7 +119,8 @@ def root_cause(failures: list[Failure]) -> Failure:
 
     def when(f: Failure) -> float:
         return f.ended or f.when if exact else f.when
-    return min(failures, key=lambda f: (f.cause == WAITING, f.cause == ECHOED, when(f), f.cause == LOST))
+    return min(failures, key=lambda f: (f.cause == GROWING, f.cause == WAITING, f.cause == ECHOED, when(f),
+                                        f.cause == LOST))
 
 
 class JobChannel:
@@ -269,19 +274,27 @@ class JobChannel:
     def close(self) -> None:
         self._stop_beating()
 
-    def publish_attempt(self, attempt: int) -> None:
-        """The master's: it is beginning ``attempt`` (after :meth:`publish_port`, before :meth:`begin`)."""
+    def publish_attempt(self, attempt: int, restarts: int = 0) -> None:
+        """The master's: it is beginning ``attempt`` (after :meth:`publish_port`, before :meth:`begin`),
+        with ``restarts`` of ``--max_restarts`` used so far (a node that joins later counts as the others)."""
+        self._call("set", f"lockstep/attempt{attempt}/restarts", str(restarts))
         self._call("set", ATTEMPT_KEY, str(attempt))
 
-    def attempt_to_join(self, timeout: float, tell: Callable[[str], None] | None = None) -> int | None:
+    def restarts(self, attempt: int) -> int:
+        """The restarts of ``--max_restarts`` used before ``attempt`` (after :meth:`begin`)."""
+        key = f"lockstep/attempt{attempt}/restarts"
+        return int(self._call("get", key)) if self._call("check", [key]) else attempt
+
+    def attempt_to_join(self, timeout: float, tell: Callable[[str], None] | None = None, *,
+                        after: int = -1) -> int | None:
         """The attempt this node joins: the master's, unless this node (or a launcher it replaces)
-        already took part in it; then the master's next one, waited for up to ``timeout`` s (None if
-        it does not begin by then). Every :data:`~lockstep.launcher.rendezvous.TELL_S` seconds
-        ``tell`` gets a line."""
+        already took part in it or it is not after ``after``; then the master's next one, waited for
+        up to ``timeout`` s (None if it does not begin by then). Every
+        :data:`~lockstep.launcher.rendezvous.TELL_S` seconds ``tell`` gets a line."""
         start = told = time.monotonic()
         while True:
             master = self.master_attempt()
-            if not self._call("check", [f"lockstep/attempt{master}/joined{self.node}"]):
+            if master > after and not self._call("check", [f"lockstep/attempt{master}/joined{self.node}"]):
                 return master
             now = time.monotonic()
             if now - start > timeout:

@@ -6,7 +6,8 @@ The ranks watch ``<prefix>generation`` and read ``<prefix>members<g>``, the rank
 launch) of generation g in their new order (lockstep.elastic.membership); each counts itself in
 ``<prefix>joined`` once it follows them. A job whose ranks do not all follow (a script without
 lockstep's Trainer) stops at a lost rank, as without ``--min_ranks``: the others would wait in a
-collective for the process group's timeout.
+collective for the process group's timeout. It lets a node in as torchrun does: every node starts
+its ranks again with the new node's (the node's ranks say they form their group themselves).
 
 Only the master's launcher (the one that hosts the store) publishes. Another node's launcher that
 loses a rank appends ``[rank, exit code]`` to ``<prefix>lost`` and waits for the master's answer
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lockstep.launcher.elastic_names import (
+    RESTART,
     admit_key,
     answer_key,
     elastic_prefix,
@@ -34,6 +36,7 @@ from lockstep.launcher.elastic_names import (
     joined_key,
     lost_key,
     members_key,
+    plain_key,
     ready_key,
 )
 from lockstep.launcher.report import describe_exit, say
@@ -58,6 +61,9 @@ class Members:
         """The requests to join (node, token), each let in once its node's ranks are ready."""
         self.finishing = False
         """Whether this node's ranks finished: no node joins any more."""
+        self.restart_for: list[int] = []
+        """Nodes that asked to join a job whose ranks follow no change of the membership (a torchrun
+        script): each was answered :data:`RESTART`, and every node starts its ranks again with it."""
 
     def start_without(self, nodes: list[int], waited_s: float) -> None:
         """The job starts without ``nodes`` (they did not join within ``waited_s`` seconds of
@@ -127,6 +133,10 @@ class Members:
                 self._answer_join(token, "no: the job is finishing" + (
                     "" if self._all_follow() else "; its ranks never followed a change of the job's ranks, which "
                                                   "letting a node in takes (lockstep's Trainer does)"))
+            elif self._store.check([plain_key(self._prefix, token)]) and not self._all_follow():
+                self._joining.remove((node, token))
+                if self._answer_join(token, RESTART):  # unless its launcher withdrew the request first
+                    self.restart_for.append(node)
             elif int(self._store.add(ready_key(self._prefix, token), 0)) >= self.per_node and self._all_follow():
                 self._joining.remove((node, token))
                 if self._admit(node, token):
@@ -211,12 +221,13 @@ def ask_to_join(call: Callable[..., Any], attempt: int, node: int) -> str:
 
 def admission(call: Callable[..., Any], attempt: int, token: str) -> int | str | None:
     """The answer to :func:`ask_to_join`'s request ``token``: the generation the node's ranks
-    joined in, why not, or None while the master waits for them to be ready."""
+    joined in, :data:`RESTART` (every node starts its ranks again, this one's with them), why
+    not, or None while the master waits for them to be ready."""
     key = admit_key(elastic_prefix(attempt), token)
     if not call("check", [key]):
         return None
     answer = call("get", key).decode()
-    return int(answer) if answer.isdigit() else answer.removeprefix("no: ")
+    return int(answer) if answer.isdigit() else answer if answer == RESTART else answer.removeprefix("no: ")
 
 
 def withdraw(call: Callable[..., Any], attempt: int, token: str, why: str) -> bool:

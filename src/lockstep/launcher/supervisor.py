@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.launcher import resolver
-from lockstep.launcher.elastic_names import JOIN_ENV, START_ENV
+from lockstep.launcher.elastic_names import JOIN_ENV, RESTART, START_ENV
 from lockstep.launcher.interface import interface_env
 from lockstep.launcher.membership import Members, admission, ask_master, ask_to_join, was_let_go, withdraw
-from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
+from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, GROWING, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
 from lockstep.launcher.output import open_logs, prepare_run_directory
 from lockstep.launcher.plan import LaunchError, LaunchPlan, Mode
 from lockstep.launcher.prefork import PreforkServer, command_forkable, preload_list
@@ -101,6 +101,12 @@ class _Refused:
     code: int
 
 
+@dataclass
+class _Rejoin:
+    """This node's ranks join the job at its next attempt: the running job's ranks follow no change
+    of the membership (a torchrun script), so every node starts its ranks again with this one's."""
+
+
 class Supervisor:
     """Runs one LaunchPlan to completion and returns the launcher's exit code."""
 
@@ -139,6 +145,13 @@ class Supervisor:
         without, asks to join it and was not let in yet: not one of the job's nodes."""
         self._request: str | None = None
         """Its request to join (the token its ranks carry), until the master's launcher answers."""
+        self._rejoin_after: int | None = None
+        """The attempt this launcher asked to join and was answered :data:`RESTART`: it takes part in
+        the master's next one."""
+        self._restarts = 0
+        """The restarts of ``--max_restarts`` used (a restart to let a node in counts none)."""
+        self._joiners: set[int] = set()
+        """The nodes the master's launcher starts every rank again for, to let them in."""
         self._prefork: PreforkServer | None = None
         self._prefork_refused = False
         self._subreaper = False
@@ -252,9 +265,12 @@ class Supervisor:
             if outcome is None:
                 self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
                 return 0, attempt
-            if isinstance(outcome, _Refused):  # not one of the job's nodes: nothing to report
+            if isinstance(outcome, (_Refused, _Rejoin)):  # not one of the job's nodes (yet): nothing to report
                 assert channel is not None
                 self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+                if isinstance(outcome, _Rejoin):  # one of them from the master's next attempt
+                    self._rejoin_after = attempt
+                    return None, attempt
                 self._leave(channel, wake_r)
                 return outcome.code, attempt
             if isinstance(outcome, int):  # the launcher was signalled
@@ -328,9 +344,10 @@ class Supervisor:
         say(f"the job failed: the rendezvous store at {where}, which node 0's launcher hosts, stopped "
             f"answering ({why}): lost the master, silent since {clock} ({time.time() - since:.0f} s ago); "
             f"node 0 counts as failed")
-        if self._signals_seen or attempt >= self.plan.max_restarts:
+        if self._signals_seen or self._restarts >= self.plan.max_restarts:
             return 128 + self._signals_seen[0] if self._signals_seen else LOST_EXIT_CODE
-        say(f"restarting ({attempt + 1} of {self.plan.max_restarts}): this node's ranks stopped, "
+        self._restarts += 1
+        say(f"restarting ({self._restarts} of {self.plan.max_restarts}): this node's ranks stopped, "
             f"rejoining the master at {where} for up to {self.plan.rdzv_timeout:g} s (--rdzv_timeout)")
         return None
 
@@ -340,6 +357,14 @@ class Supervisor:
         or None to restart with the other nodes."""
         verdict = channel.decide(self._let_go)
         self._teardown(ranks, wake_r, watchdog, signal.SIGTERM)
+        if verdict.cause == GROWING:
+            say(f"node {verdict.node} asks to join, and the job's ranks follow no change of its ranks (a script "
+                f"that forms its process group itself): every node starts its ranks again with node "
+                f"{verdict.node}'s, as torchrun's agents do (no restart of --max_restarts is counted)")
+            if not self._signals_seen:
+                return None
+            self._leave(channel, wake_r)
+            return 128 + self._signals_seen[0]
         report_verdict(verdict, self.plan.node_rank)
         code = shell_code(verdict.code)
         if verdict.cause != SIGNALLED:  # as on the signalled node, a signal stops restarts
@@ -368,15 +393,16 @@ class Supervisor:
         if self.plan.hosts_store:
             if attempt:  # the previous attempt's store closes as this one replaces it
                 channel.publish_port(attempt, self._fresh_attempt_store())
-            channel.publish_attempt(attempt)
+            channel.publish_attempt(attempt, self._restarts)
         else:
-            if self.plan.min_ranks:
+            after, self._rejoin_after = self._rejoin_after, None
+            if self.plan.min_ranks and after is None:
                 running = channel.master_attempt()
                 if was_let_go(channel.call, running, self.plan.node_rank):
                     say(f"node {self.plan.node_rank}: the running job went on without this node; it asks to join, "
                         f"and its ranks start now and enter at a step boundary once the job lets them in")
                     return self._join_running(channel, running, port)
-            followed = channel.attempt_to_join(self.plan.rdzv_timeout, tell=say)
+            followed = channel.attempt_to_join(self.plan.rdzv_timeout, tell=say, after=-1 if after is None else after)
             if followed is None:
                 say(f"error: the master began no new attempt within {self.plan.rdzv_timeout:g} s (--rdzv_timeout): "
                     f"the job stops")
@@ -384,10 +410,12 @@ class Supervisor:
             attempt = followed
         missing = channel.begin(attempt, self.plan.rdzv_timeout, tell=say, enough=self._enough_nodes(),
                                 last_call=self.plan.rdzv_last_call)
+        self._joiners = set()
         if missing:
             say(f"error: node(s) {', '.join(map(str, missing))} did not join attempt {attempt} within "
                 f"{self.plan.rdzv_timeout:g} s (--rdzv_timeout): the job stops")
             return None
+        self._restarts = channel.restarts(attempt)
         if self.plan.node_rank in channel.without:  # the job started without this node: it joins
             say(f"node {self.plan.node_rank} joined attempt {attempt} after it started without it "
                 f"(--rdzv_last_call): it joins the running job")
@@ -395,15 +423,18 @@ class Supervisor:
         return attempt, channel.port(attempt) if attempt else port
 
     def _enough_nodes(self) -> Callable[[int], bool] | None:
-        """On the master's launcher of an elastic job: whether that many nodes may start the job."""
+        """On the master's launcher of an elastic job: whether that many nodes may start the job.
+        After a restart to let nodes in, not before as many as trained, and those, joined: else a
+        node slower than ``--rdzv_last_call`` to follow would be left out again, and ask again."""
         if not (self.plan.min_ranks and self.plan.hosts_store):
             return None
-        return lambda nodes: nodes * self.plan.nproc >= self.plan.min_ranks
+        need = self.plan.group_world_size - len(self._let_go - self._joiners) if self._joiners else 0
+        return lambda nodes: nodes * self.plan.nproc >= self.plan.min_ranks and nodes >= need
 
     def _join_running(self, channel: JobChannel, attempt: int, port: int) -> tuple[int, int]:
         """A launcher started again for a node that the running elastic ``attempt`` went on
         without: join that attempt, and ask the master's launcher to let this node's ranks back in
-        once they are ready (:meth:`_refused` follows its answer). The attempt and its ranks' store port."""
+        once they are ready (:meth:`_answered` follows its answer). The attempt and its ranks' store port."""
         self._rejoining = True
         channel.rejoin(attempt)
         self._request = ask_to_join(channel.call, attempt, self.plan.node_rank)
@@ -421,20 +452,26 @@ class Supervisor:
         say(f"node {self.plan.node_rank} does not join the running job: {why} before the job let its ranks in")
         return True
 
-    def _refused(self, channel: JobChannel) -> bool:
-        """Whether the master's launcher refused to let this node's ranks join the running job
-        (said here); once it let them in, it says so once."""
+    def _answered(self, channel: JobChannel) -> _Refused | _Rejoin | None:
+        """What the master's launcher answered this node's request to join the running job, once it
+        did (said here): refused, or let in at the next attempt (a torchrun script's job); None
+        while it waits, and once it let the ranks in (said once)."""
         if self._request is None or not self._rejoining:
-            return False
+            return None
         answer = admission(channel.call, channel.attempt, self._request)
         if answer is None:
-            return False
+            return None
         self._rejoining, self._request = False, None
+        if answer == RESTART:
+            say(f"node {self.plan.node_rank} joins the job as its ranks start again: they follow no change of "
+                f"the job's ranks (a script that forms its process group itself), so every node starts them "
+                f"again with this node's, as torchrun's agents do")
+            return _Rejoin()
         if isinstance(answer, str):
             say(f"error: node {self.plan.node_rank} cannot join the running job ({answer}): this launcher stops")
-            return True
+            return _Refused(LOST_EXIT_CODE)
         say(f"node {self.plan.node_rank} joined the running job in generation {answer} of its ranks")
-        return False
+        return None
 
     def _leave(self, channel: JobChannel, wake_r: int) -> None:
         """Tell the other nodes that this one is done with the store. Node 0's launcher, which
@@ -457,8 +494,9 @@ class Supervisor:
         """The launcher's exit code after a failure, or None to restart (a signal stops restarts)."""
         if self._signals_seen:
             return 128 + self._signals_seen[0]
-        if attempt < self.plan.max_restarts:
-            say(f"restarting {whose} ranks ({attempt + 1} of {self.plan.max_restarts})")
+        if self._restarts < self.plan.max_restarts:
+            self._restarts += 1
+            say(f"restarting {whose} ranks ({self._restarts} of {self.plan.max_restarts})")
             return None
         return code
 
@@ -599,11 +637,11 @@ class Supervisor:
         self._stashed = ([], [])
         return kept_signals + signals, kept_exits + exited
 
-    def _monitor(self, ranks: list[Rank], wake_r: int,
-                 channel: JobChannel | None = None) -> _Failure | _Stall | _Elsewhere | _Refused | int | None:
+    def _monitor(self, ranks: list[Rank], wake_r: int, channel: JobChannel | None = None
+                 ) -> _Failure | _Stall | _Elsewhere | _Refused | _Rejoin | int | None:
         """Wait until every rank exited 0 (None), one failed (_Failure), the job stalled (_Stall),
-        another node failed (_Elsewhere), this node may not join the running job (_Refused), or a
-        stopping signal came (int)."""
+        another node failed (_Elsewhere), this node may not join the running job (_Refused) or
+        joins it at the next attempt (_Rejoin), or a stopping signal came (int)."""
         stall_timeout = self.plan.stall_timeout
         poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
         self._echoes = []
@@ -631,6 +669,9 @@ class Supervisor:
                     stall = self._check_stall(ranks, stall_timeout, channel)
                     if stall is not None:
                         return stall
+                answered = self._answered(channel) if channel is not None else None
+                if answered is not None:  # first: a restart to let this node in is reported as one elsewhere
+                    return answered
                 if channel is not None and self._elsewhere(channel):
                     self._report_ended(ranks, channel)
                     if channel.stall_reported():
@@ -638,8 +679,6 @@ class Supervisor:
                             "node's ranks follow")
                         self._diagnose_stall(ranks, channel, [])
                     return _Elsewhere()
-                if channel is not None and self._refused(channel):
-                    return _Refused(LOST_EXIT_CODE)
         return None
 
     def _stop(self, ranks: list[Rank], signum: int, channel: JobChannel | None) -> None:
@@ -760,6 +799,9 @@ class Supervisor:
             for node in self._members.answer():  # a launcher started again for it: it beats anew
                 self._let_go.discard(node)
                 channel.welcome(node)
+            while self._members.restart_for:  # a torchrun script's job: every node starts again with it
+                self._joiners.add(self._members.restart_for[-1])
+                channel.report(Failure(self._members.restart_for.pop(), "?", -1, 0, time.time(), cause=GROWING))
         if channel.any_failed():
             return True
         now = time.monotonic()
