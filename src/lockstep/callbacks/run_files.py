@@ -15,6 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from lockstep import dist
+from lockstep.callbacks.loss_plot import draw_loss_curve
 from lockstep.core.callback import Callback
 from lockstep.core.eval_metrics import value_of
 from lockstep.launcher.elastic_names import ELASTIC_ENV
@@ -346,27 +347,12 @@ class LossCurve(Callback):
         self._train += self._pending.drain()
         if dist.get_global_rank() != 0 or not self._train:
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        ax.plot(*zip(*self._train), label="train loss", linewidth=1)
-        for label in dict.fromkeys(label for _, label, _ in self._eval):
-            losses = [(b, m["loss"]) for b, name, m in self._eval if name == label and "loss" in m]
-            if losses:  # a few measured points: markers with their values, no line implying a trend between them
-                ax.plot(*zip(*losses), "o", label=f"{label} loss")
-                for batch, loss in losses:
-                    ax.annotate(f"{loss:.3g}", (batch, loss), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_xlabel("batch")
-        ax.set_ylabel("loss")
-        ax.set_title(f"{state.run_name}")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        evaluations: dict[str, list[tuple[float, float]]] = {}
+        for batch, label, metrics in self._eval:
+            if "loss" in metrics:
+                evaluations.setdefault(label, []).append((batch, metrics["loss"]))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp.png")
-        fig.savefig(tmp)
-        plt.close(fig)
+        draw_loss_curve(tmp, f"{state.run_name}", self._train, evaluations)
         tmp.replace(self.path)
         logging.getLogger("lockstep").info("loss curve written to %s", self.path)

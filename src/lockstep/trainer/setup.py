@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import secrets
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from collections.abc import Iterator
@@ -356,7 +357,8 @@ def kept_out_of_gc() -> Iterator[None]:
 
     Those scan every object, torch's included: each took about 0.2 s, a stall of several steps.
     What exists before training lives through it. Nothing changes if the user manages freezing."""
-    freeze = gc.get_freeze_count() == 0
+    server = sys.modules.get("lockstep.launcher.prefork")  # a rank forked from it: frozen already
+    freeze = not getattr(server, "FROZEN", False) and gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
     try:
