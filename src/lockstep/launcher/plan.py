@@ -211,9 +211,12 @@ class LaunchPlan:
 
     def worker_env(
         self, local_rank: int, master_port: int, restart_count: int, base_env: dict[str, str],
-        store_port: int | None = None,
+        store_port: int | None = None, restarts_used: int | None = None,
     ) -> dict[str, str]:
         """The environment contract of one worker (DESIGN section 2), torchrun's names included.
+        ``restart_count``: the attempt (``LOCKSTEP_RESTART_COUNT``); ``restarts_used``: the restarts
+        of ``--max_restarts`` used before it (``TORCHELASTIC_RESTART_COUNT``, which, as torchrun's
+        agent counts, a restart to let a node in leaves unchanged), the attempt when None.
         ``store_port``: the port of the store the launcher hosts, where an elastic job's membership
         is, when the ranks rendezvous in another (a restart's on one node)."""
         rank = self.base_rank + local_rank
@@ -234,7 +237,7 @@ class LaunchPlan:
             ROLE_RANK=str(rank),
             ROLE_WORLD_SIZE=str(self.world_size),
             TORCHELASTIC_RUN_ID=self.run_id or self.run_directory.name,
-            TORCHELASTIC_RESTART_COUNT=str(restart_count),
+            TORCHELASTIC_RESTART_COUNT=str(restart_count if restarts_used is None else restarts_used),
             TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
             TORCHELASTIC_ERROR_FILE=str(self.error_file(rank, restart_count)),
             TORCHELASTIC_SIGNALS_TO_HANDLE=SIGNALS_TO_HANDLE,

@@ -573,7 +573,8 @@ class Supervisor:
         ranks: list[Rank] = []
         self._ranks = ranks  # each pid is in it before the reaper may collect an exit
         store_port = self._launcher_port if self._launcher_store is not None else None
-        envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env, store_port) for spec in specs]
+        envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env, store_port, self._restarts)
+                for spec in specs]
         if self._request is not None:  # they enter the running job's ranks, not the launch's group
             for env in envs:
                 env[JOIN_ENV] = self._request
