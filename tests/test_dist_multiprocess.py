@@ -29,6 +29,8 @@ WORLD_SIZE = 2
 
 
 def _getters_and_collectives() -> dict[str, Any]:
+    import torch._inductor.config as inductor
+
     rank = dist.get_global_rank()
     out: dict[str, Any] = {
         "initialized": dist.is_initialized(),
@@ -41,6 +43,7 @@ def _getters_and_collectives() -> dict[str, Any]:
         ),
         "omp": os.environ.get("OMP_NUM_THREADS"),
         "threads": torch.get_num_threads(),
+        "compile threads": inductor.compile_threads,
     }
     for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
         tensor = torch.tensor([rank + 1.0, 10.0 * (rank + 1)])
@@ -84,7 +87,7 @@ def test_getters_collectives_and_sampler() -> None:
     for rank, out in enumerate(results):
         assert out["initialized"] is True
         assert out["getters"] == (2, rank, rank, 2, 0)
-        assert (out["omp"], out["threads"]) == ("1", 1)
+        assert (out["omp"], out["threads"], out["compile threads"]) == ("1", 1, 1)  # no compile workers either
         assert out["SUM"] == (True, [3.0, 30.0])
         assert out["AVG"] == (True, [1.5, 15.0])
         assert out["MAX"] == (True, [2.0, 20.0])

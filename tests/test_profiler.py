@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -126,6 +127,14 @@ def test_gzip_and_the_memory_timeline(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mem0.2.html", "rank0.2.pt.trace.json.gz"]
     assert "aten::addmm" in names_in(read_trace(tmp_path / "rank0.2.pt.trace.json.gz"))
     assert (tmp_path / "mem0.2.html").read_text().startswith("<html>")
+
+
+def test_a_memory_timeline_without_matplotlib_is_refused_naming_the_extra(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    with pytest.raises(ImportError, match=r"^torch_prof_memory_filename needs the 'matplotlib' package: "
+                                          r"pip install 'torch-lockstep\[profiler\]'$"):
+        Profiler(cyclic_schedule(), torch_prof_memory_filename="mem{rank}.{batch}.html",
+                 torch_prof_record_shapes=True, torch_prof_with_stack=True)
 
 
 class Uploads(LoggerDestination):

@@ -75,6 +75,7 @@ def _worker(
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
+    _one_compile_thread()
     try:
         fn, args = pickle.loads(call)
         store = torch_dist.FileStore(store_path, world_size)
@@ -96,6 +97,15 @@ def _worker(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _one_compile_thread() -> None:
+    """torch.compile's kernels compiled in the rank's own process, one thread as torch's own, unless
+    ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise: inductor would start a pool of worker
+    processes in every rank (its setting was read when the server imported torch)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        config.compile_threads = 1
 
 
 def _kill(process: multiprocessing.process.BaseProcess) -> None:

@@ -129,8 +129,11 @@ def test_worker_env_contract(script: str) -> None:
                 "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
                 "TORCHELASTIC_ERROR_FILE": str((plan.run_directory / "rank3.error.json").absolute())}
     assert expected.items() <= env.items()
-    assert int(env["OMP_NUM_THREADS"]) >= 1
+    share = str(max(1, (os.cpu_count() or 1) // 2))  # each of the node's 2 ranks: its share of the cores
+    assert env["OMP_NUM_THREADS"] == env["TORCHINDUCTOR_COMPILE_THREADS"] == share
     assert plan.worker_env(0, 5, 0, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+    assert plan.worker_env(0, 5, 0, {"TORCHINDUCTOR_COMPILE_THREADS": "3"})["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
+    assert plan.worker_env(1, 5, 2, {}, restarts_used=1)["TORCHELASTIC_RESTART_COUNT"] == "1"
     # As torchrun's agent: on unless the user set it, in which case theirs is kept (even empty).
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     for users in ("0", "3", ""):

@@ -254,6 +254,14 @@ class LaunchPlan:
             env["LOCKSTEP_VERBOSE"] = "1"
         # As torchrun's agent: a failed NCCL collective raises instead of hanging until the timeout.
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if "OMP_NUM_THREADS" not in base_env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
+        self._thread_shares(env, base_env)
         return env
+
+    def _thread_shares(self, env: dict[str, str], base_env: dict[str, str]) -> None:
+        """Each rank's share of the node's cores for torch's threads and torch.compile's kernel
+        compiler, where the user set none: the compiler starts min(32, cores) worker processes in
+        every rank (8 ranks on 32 cores: 256, each holding its own copy of torch); at 1, none."""
+        share = str(max(1, (os.cpu_count() or 1) // self.nproc))
+        for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+            if name not in base_env:
+                env[name] = share

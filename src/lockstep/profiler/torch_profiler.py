@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import warnings
@@ -62,6 +63,10 @@ class TorchProfiler(Callback):
         remote_file_name = _checked_optional(remote_file_name, "torch_prof_remote_file_name")
         self.remote_file_name = None if remote_file_name is None else _gz(remote_file_name, use_gzip)
         self.memory_filename = _html(_checked_optional(memory_filename, "torch_prof_memory_filename"))
+        if self.memory_filename is not None and importlib.util.find_spec("matplotlib") is None:
+            # torch draws the timeline with matplotlib, and without it only prints that it wrote nothing
+            raise ImportError("torch_prof_memory_filename needs the 'matplotlib' package: pip install "
+                              "'torch-lockstep[profiler]'")
         self.memory_remote_file_name = _html(_checked_optional(memory_remote_file_name,
                                                                "torch_prof_memory_remote_file_name"))
         if not isinstance(num_traces_to_keep, int) or num_traces_to_keep < -1:
