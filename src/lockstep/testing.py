@@ -101,11 +101,12 @@ def _worker(
 
 def _one_compile_thread() -> None:
     """torch.compile's kernels compiled in the rank's own process, one thread as torch's own, unless
-    ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise: inductor would start a pool of worker
-    processes in every rank (its setting was read when the server imported torch)."""
+    the rank's ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise: inductor would start a pool of
+    worker processes in every rank. Inductor read its setting when the server imported torch, from
+    the server's environment, so it is set here from the rank's."""
     config = sys.modules.get("torch._inductor.config")
-    if config is not None and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        config.compile_threads = 1
+    if config is not None:
+        config.compile_threads = int(os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") or 1)
 
 
 def _kill(process: multiprocessing.process.BaseProcess) -> None:
