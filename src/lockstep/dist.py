@@ -447,6 +447,16 @@ def run_collective(collective: Callable[..., Any], *args: Any, **kwargs: Any) ->
         _waiter(collective(*args, **kwargs, async_op=True))
 
 
+def wait_collective(work: Any) -> None:
+    """Wait for the ``work`` of a collective issued with ``async_op=True`` as this module's own
+    collectives wait: through the waiter of :func:`set_collective_waiter` where one is set (an
+    elastic job), else inside torch."""
+    if _waiter is None:
+        work.wait()
+    else:
+        _waiter(work)
+
+
 def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
     """Wait until every rank (of ``group``, if given) reaches this call (no-op at world size 1)."""
     if _group_ready("barrier", group):

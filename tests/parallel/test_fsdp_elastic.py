@@ -1,12 +1,12 @@
-"""The pieces an elastic FSDP job rebuilds its model from (``lockstep.parallel.fsdp_elastic``); the
-rebuild itself, over real ranks, is in ``tests/elastic/test_shrink.py``."""
+"""The pieces an elastic FSDP or ZeRO-3 job rebuilds its model from (``lockstep.parallel.skeleton``)
+and FSDP's waited collectives; the rebuild itself, over real ranks, is in ``tests/elastic/test_shrink.py``."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lockstep.parallel import fsdp_elastic
+from lockstep.parallel import fsdp_elastic, skeleton
 
 
 class _Tied(nn.Module):
@@ -23,7 +23,7 @@ class _Tied(nn.Module):
 def test_a_skeleton_holds_the_modules_on_the_meta_device_with_ties_kept_and_the_model_untouched() -> None:
     model = _Tied()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    bones = fsdp_elastic.skeleton(model)
+    bones = skeleton.skeleton(model)
     assert all(t.is_meta for t in [*bones.parameters(), *bones.buffers()])
     assert bones.head.weight is bones.embed.weight and bones.head.weight is not model.head.weight
     assert not bones.frozen.requires_grad and bones.table.shape == (4,)
@@ -35,14 +35,14 @@ def test_a_model_made_from_the_skeleton_takes_the_old_buffers_and_the_optimizer_
     model.norm.running_mean.fill_(3.0)
     model.table.fill_(7.0)  # a non-persistent buffer, which no checkpoint holds
     optimizer = torch.optim.AdamW([{"params": [model.embed.weight]}, {"params": [model.norm.weight], "lr": 0.5}])
-    names = fsdp_elastic.parameter_names(model, [optimizer])
+    names = skeleton.parameter_names(model, [optimizer])
     model.head(model.embed(torch.tensor([1]))).sum().backward()
     optimizer.step()
     assert optimizer.state  # state for the old parameters
-    new = fsdp_elastic.materialize(fsdp_elastic.skeleton(model), torch.device("cpu"), model)
+    new = skeleton.materialize(skeleton.skeleton(model), torch.device("cpu"), model)
     assert torch.equal(new.norm.running_mean, torch.full((4,), 3.0)) and torch.equal(new.table, torch.full((4,), 7.0))
     assert new.head.weight is new.embed.weight
-    fsdp_elastic.point_optimizers(new, [optimizer], names)
+    skeleton.point_optimizers(new, [optimizer], names)
     assert optimizer.param_groups[0]["params"] == [new.embed.weight]
     assert optimizer.param_groups[1]["params"] == [new.norm.weight] and optimizer.param_groups[1]["lr"] == 0.5
     assert not optimizer.state

@@ -246,17 +246,28 @@ def test_every_collective_of_the_installed_deepspeed_is_waited_through_lockstep(
     assert len(present) >= 10  # all_reduce, broadcast, all_gather, reduce_scatter, barrier, ...
     unseen = [name for name in present if "async_op" not in _signature(getattr(TorchBackend, name)).parameters]
     assert unseen == []
-    calls = []
+    calls, waits = [], []
+
+    class Work:
+        def wait(self) -> bool:
+            waits.append(self)
+            return True
+
+        def is_completed(self) -> bool:
+            return True
 
     def issue(*args, **kwargs):
         calls.append((args, kwargs))
-        return "work"
+        return Work()
 
     waited = _waited(issue, _signature(TorchBackend.all_reduce))
-    assert waited(torch.ones(1), async_op=True) == "work"  # the caller waits for its own work
-    assert calls[-1][1] == {"async_op": True}
-    assert waited(torch.ones(1)) is None  # outside an elastic job lockstep.dist runs it as it is
-    assert list(calls[-1][1]) == ["tensor"]
+    work = waited(torch.ones(1), async_op=True)  # the caller waits for its work, through lockstep.dist
+    assert list(calls[-1][1]) == ["tensor", "async_op"] and calls[-1][1]["async_op"] and not waits
+    work.wait()
+    work.wait()
+    assert len(waits) == 1
+    assert waited(torch.ones(1)) is None  # issued asynchronously too, and waited for here
+    assert calls[-1][1]["async_op"] and len(waits) == 2
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="needs DeepSpeed")

@@ -121,10 +121,10 @@ class DeepSpeedLayout(ReplicatedLayout, FolderLayout):
 
     def load_folder(self, folder: Path, content: dict[str, Any], *, weights_only: bool, strict: bool) -> None:
         """Resume exactly: the engine loads its model and optimizer states (the same stage; at
-        another world size, in an elastic job, stages 0-2 only: :mod:`deepspeed_reshard`)."""
+        another world size, in an elastic job, the partitions cut anew: :mod:`deepspeed_reshard`)."""
         assert not weights_only  # weights alone come through export_weights at any world size
         saved = content["lockstep"].get("world_size")
-        if self.stage in (1, 2) and saved != torch.distributed.get_world_size():
+        if self.stage > 0 and saved != torch.distributed.get_world_size():
             from lockstep.checkpoint import deepspeed_reshard
             try:
                 deepspeed_reshard.load(self.engine, folder, TAG, saved, strict=strict)

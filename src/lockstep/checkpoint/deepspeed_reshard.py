@@ -1,4 +1,4 @@
-"""A DeepSpeed checkpoint of ZeRO stage 1 or 2 loaded at another world size (an elastic job).
+"""A DeepSpeed checkpoint of ZeRO stage 1, 2 or 3 loaded at another world size (an elastic job).
 
 DeepSpeed's engine refuses to load optimizer partitions saved by another number of ranks, and its
 own merge (``elastic_checkpoint``) needs the step in the optimizer's param groups, where torch's
@@ -8,6 +8,14 @@ that ends the last slice, and the base optimizer's state of that slice (with tha
 saved as an ``elastic_checkpoint``). So the
 slices of all ranks, concatenated, are each group in full; this rank takes its slice of the new
 partitioning from them. The module's weights come from the model states file, which is whole.
+
+ZeRO-3 partitions each parameter on its own: every rank holds ``ceil(numel / world size)``
+elements of it (the last rank's slice padded), and a rank's flat fp32 partition is its slices of
+the parameters one after another, in the order the model states file's ``param_shapes`` names
+them. So each parameter is whole again as the ranks' slices of it end to end, and this rank's slice
+of the new partitioning is cut from that; the base optimizer's state (Adam's moments) has the
+layout of the fp32 partition and is cut the same way. DeepSpeed's own loader then copies the
+fp32 partitions into the parameters' partitions, as on a resume at the same world size.
 """
 
 from __future__ import annotations
@@ -25,8 +33,15 @@ _OPTIMIZER = "optimizer_state_dict"
 
 def load(engine: Any, folder: Path, tag: str, saved_world_size: int, *, strict: bool) -> None:
     """Load the checkpoint in ``folder/tag``, saved by ``saved_world_size`` ranks, into ``engine``
-    (ZeRO stage 1 or 2, any world size): the module's weights, the fp32 master partitions and the
-    base optimizer's state of this rank's slice."""
+    (ZeRO stage 1, 2 or 3, any world size): the module's weights (and buffers), the fp32 master
+    partitions and the base optimizer's state of this rank's slice."""
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):
+        _load_stage3(engine, folder / tag, saved_world_size, strict=strict)
+    else:
+        _load_stage12(engine, folder, tag, saved_world_size, strict=strict)
+
+
+def _load_stage12(engine: Any, folder: Path, tag: str, saved_world_size: int, *, strict: bool) -> None:
     from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS
 
     optimizer = engine.optimizer
@@ -54,6 +69,133 @@ def load(engine: Any, folder: Path, tag: str, saved_world_size: int, *, strict: 
             else:  # the same on every rank (Adam's step: 0-dimensional)
                 target[key] = first.clone() if torch.is_tensor(first) else first
     optimizer._load_global_state(saved[0])  # the loss scaler's state: the same on every rank
+
+
+def _load_stage3(engine: Any, folder: Path, saved_world_size: int, *, strict: bool) -> None:
+    """ZeRO-3: each parameter made whole from the saved ranks' slices, this rank's slice of it cut
+    for the engine's partitioning, and the result given to DeepSpeed's loader as if this rank had
+    saved it; the buffers from the model states file."""
+    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
+
+    optimizer = engine.optimizer
+    states = _model_states(folder)
+    saved = [_optimizer_part(folder, rank) for rank in range(saved_world_size)]
+    layout = _Stage3Layout(states, saved_world_size)
+    groups = [[(engine.param_names[p], p.ds_tensor.ds_numel) for p in group] for group in optimizer.fp16_groups]
+    missing = {name for group in groups for name, _ in group} - set(layout.shapes)
+    if missing and strict:
+        raise CheckpointError(f"checkpoint {folder.parent} has no parameter {sorted(missing)[0]!r} "
+                              f"(and {len(missing) - 1} more) of this model: pass load_strict_model_weights=False "
+                              f"to keep the model's own values of those")
+    rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
+    masters = layout.whole([torch.cat([g.reshape(-1).float() for g in part[FP32_FLAT_GROUPS]]) for part in saved])
+    flats = [layout.cut(masters, group, rank, live.detach().float())
+             for group, live in zip(groups, optimizer.fp32_partitioned_groups_flat)]
+    state_dict = {LOSS_SCALER: saved[0][LOSS_SCALER], "dynamic_loss_scale": saved[0]["dynamic_loss_scale"],
+                  "overflow": saved[0]["overflow"], FP32_FLAT_GROUPS: flats,
+                  OPTIMIZER_STATE_DICT: _stage3_base_state(optimizer, saved, layout, groups, rank)}
+    optimizer.checkpoint_event_prologue()
+    try:  # DeepSpeed's own: the fp32 partitions into the parameters' partitions, and the base state
+        optimizer._rigid_load_state_dict(state_dict, load_optimizer_states=True)
+    finally:
+        optimizer.checkpoint_event_epilogue()
+    _load_buffers(engine.module, states["module"], folder.parent, strict=strict)
+
+
+class _Stage3Layout:
+    """Where each parameter lies in the flat partitions of a ZeRO-3 checkpoint of ``world_size``
+    ranks: its ``ceil(numel / world_size)`` elements at the same offset in every rank's."""
+
+    def __init__(self, model_states: dict[str, Any], world_size: int) -> None:
+        if model_states.get("frozen_param_shapes"):
+            raise CheckpointError("a ZeRO-3 checkpoint with frozen parameters (requires_grad=False) reshards to "
+                                  "another world size only without them: resume it at the world size that saved it")
+        self.shapes = {name: torch.Size(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
+        self.world_size = world_size
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = offset
+            offset += -(-shape.numel() // world_size)
+
+    def whole(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each parameter's elements, flat, from every rank's flat partition (``flats``, in rank order)."""
+        out = {}
+        for name, shape in self.shapes.items():
+            size, start = -(-shape.numel() // self.world_size), self.offsets[name]
+            out[name] = torch.cat([flat[start:start + size] for flat in flats])[:shape.numel()]
+        return out
+
+    def cut(self, whole: dict[str, torch.Tensor], group: list[tuple[str, int]], rank: int,
+            live: torch.Tensor) -> torch.Tensor:
+        """This rank's flat partition of a sub-group of the new partitioning (``group``: its
+        parameters' names and partition sizes, in order), zero-padded; a parameter the checkpoint
+        lacks keeps its slice of ``live``, the engine's partition now."""
+        pieces, offset = [], 0
+        for name, size in group:
+            if name in whole:
+                piece = torch.zeros(size)
+                mine = whole[name][rank * size:(rank + 1) * size]
+                piece[:mine.numel()] = mine
+            else:
+                piece = live[offset:offset + size]
+            pieces.append(piece)
+            offset += size
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+def _stage3_base_state(optimizer: Any, saved: list[dict[str, Any]], layout: _Stage3Layout,
+                       groups: list[list[tuple[str, int]]], rank: int) -> dict[str, Any]:
+    """The base optimizer's ``state_dict`` as this rank would have saved it under the engine's
+    partitioning: each sub-group's state cut as its fp32 partition is (a parameter the checkpoint
+    lacks starts with zeros), its parameter groups' settings as saved."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    bases = [part[OPTIMIZER_STATE_DICT] for part in saved]
+    first = bases[0]["state"]
+    state: dict[int, dict[str, Any]] = {}
+    for index, group in enumerate(groups):
+        state[index] = {}
+        zeros = torch.zeros(sum(size for _, size in group))
+        for key, value in (first[0] if first else {}).items():
+            if torch.is_tensor(value) and value.dim() == 1:  # laid out as the fp32 partition
+                flats = [torch.cat([base["state"][g][key].reshape(-1).float() for g in sorted(base["state"])])
+                         for base in bases]
+                state[index][key] = layout.cut(layout.whole(flats), group, rank, zeros)
+            else:  # the same for every sub-group (Adam's step)
+                state[index][key] = value.clone() if torch.is_tensor(value) else value
+    optimizer._set_fp32_optimizer_param_groups()
+    try:
+        live = optimizer.optimizer.state_dict()["param_groups"]
+    finally:
+        optimizer._clear_fp32_optimizer_param_groups()
+    kept = bases[0]["param_groups"]
+    if len(kept) != len(live):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(kept)} parameter group(s) and this one "
+                              f"{len(live)}: they must match to resume")
+    return {"state": state, "param_groups": [{**old, "params": new["params"]} for old, new in zip(kept, live)]}
+
+
+def _model_states(folder: Path) -> dict[str, Any]:
+    """Rank 0's model states file of a ZeRO-3 checkpoint (``param_shapes``, the buffers)."""
+    names = sorted(folder.glob("*zero_pp_rank_0_mp_rank_*model_states.pt"))
+    if len(names) != 1:
+        raise CheckpointError(f"{folder} holds {len(names)} model states file(s) of rank 0, not 1: a DeepSpeed "
+                              f"checkpoint of pipeline or tensor parallelism does not reshard")
+    return torch.load(names[0], map_location="cpu", weights_only=False)  # checked by check_folder first
+
+
+def _load_buffers(module: torch.nn.Module, saved: dict[str, Any], path: Path, *, strict: bool) -> None:
+    """The module's persistent buffers from its saved ``state_dict`` (its parameters there are
+    ZeRO-3's empty placeholders)."""
+    persistent = set(module.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in saved:
+                buffer.copy_(saved[name].to(buffer.dtype))
+            elif strict and name in persistent:
+                raise CheckpointError(f"checkpoint {path} has no buffer {name!r} of this model: pass "
+                                      f"load_strict_model_weights=False to keep the model's own")
 
 
 def _optimizer_part(folder: Path, rank: int) -> dict[str, Any]:

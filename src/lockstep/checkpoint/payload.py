@@ -239,18 +239,13 @@ def check_world_size(payload: dict[str, Any], path: Path, world_size: int) -> No
     """Only a sharded (DCP) checkpoint reshards to another world size; in an elastic job
     (``LOCKSTEP_FULL_WORLD_SIZE``), whose data follows the global batch whatever the world size,
     a DDP one, in which every rank holds the whole state, loads at any world size too, and so does
-    a DeepSpeed one of ZeRO stages 0-2 (:mod:`lockstep.checkpoint.deepspeed_reshard`)."""
+    a DeepSpeed one (:mod:`lockstep.checkpoint.deepspeed_reshard`)."""
     meta = payload["lockstep"]
     saved, layout = meta.get("world_size"), layout_of(meta)
     if saved == world_size or layout == SHARDED:
         return
-    reshards = layout == SINGLE or (layout == DEEPSPEED and meta.get("zero_stage") in (0, 1, 2))
-    if elastic.full_world_size() and reshards:
+    if elastic.full_world_size() and layout in (SINGLE, DEEPSPEED):
         return
-    if layout == DEEPSPEED and elastic.full_world_size():
-        raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) under ZeRO stage 3 and this run has "
-                              f"{world_size}: lockstep reshards DeepSpeed checkpoints of stages 0-2 only; train "
-                              f"an elastic job at stage 2, or under FSDP")
     raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
                           f"{world_size}: an exact resume needs the same world size; pass "
                           f"load_weights_only=True to start a new run from its weights")

@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +36,7 @@ from lockstep import batch as batches
 from lockstep import dist, elastic
 from lockstep.checks import check_keys
 from lockstep.optional import DEEPSPEED_INSTALL_HINT
+from lockstep.parallel import skeleton
 from lockstep.parallel.precision import NULL_CONTEXT
 from lockstep.parallel.strategy import Strategy
 
@@ -133,7 +134,7 @@ _WAITED = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "re
 
 
 def _wait_through_lockstep() -> None:
-    """In an elastic job: DeepSpeed's collectives waited for through :func:`lockstep.dist.run_collective`.
+    """In an elastic job: DeepSpeed's collectives waited for through :func:`lockstep.dist.wait_collective`.
     In torch's own wait, a rank whose peer had already left for the new process group (it saw the
     change first) would block until the group's timeout; lockstep's wait ends at the change."""
     from deepspeed.comm import comm
@@ -144,8 +145,63 @@ def _wait_through_lockstep() -> None:
     for name in _WAITED:
         method = getattr(type(backend), name, None)
         if method is not None:
-            setattr(backend, name, _waited(method.__get__(backend), _signature(method)))
+            issue = method.__get__(backend)
+            if name == "reduce_scatter_tensor":
+                issue = _reduce_scatter_on_gloo(issue, type(backend).all_reduce.__get__(backend))
+            setattr(backend, name, _waited(issue, _signature(method)))
     backend._lockstep_waited = True
+
+
+def _number_from_zero() -> None:
+    """Have the next ZeRO-3 engine number the model's modules and parameters from 0, as a process's
+    first does. DeepSpeed counts them process-wide (a default argument, a class attribute), so an
+    elastic job's engine built anew after a change would number on from the one before, and
+    disagree on the ids with a rank that joined with its first engine (the engine checks that they
+    agree, at the end of the first step)."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    defaults = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
+    if defaults and isinstance(defaults[0], list) and len(defaults[0]) == 1:
+        defaults[0][0] = 0
+    Init.param_id = 0
+
+
+class _Work:
+    """A collective's work whose :meth:`wait` goes through :func:`lockstep.dist.wait_collective`,
+    then runs ``then`` (once); anything else is the work's own."""
+
+    def __init__(self, work: Any, then: Callable[[], Any] | None = None) -> None:
+        self._work, self._then, self._waited = work, then, work is None
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        if not self._waited:
+            dist.wait_collective(self._work)
+            self._waited = True
+            if self._then is not None:
+                self._then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or self._work.is_completed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _reduce_scatter_on_gloo(reduce_scatter: Callable[..., Any], all_reduce: Callable[..., Any]) -> Callable[..., Any]:
+    """DeepSpeed's ``reduce_scatter_tensor``, which on gloo is an all-reduce of a copy of the input and
+    this rank's part of it: gloo's reduce-scatter work never says that it completed, so a polled
+    wait would never end (ZeRO-3 reduce-scatters its gradients)."""
+    def issue(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False,
+              **op: Any) -> Any:
+        if torch.distributed.get_backend(group) != "gloo":
+            return reduce_scatter(output_tensor, input_tensor, group=group, async_op=async_op, **op)
+        whole = input_tensor.clone()
+        rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        return _Work(all_reduce(whole, group=group, async_op=True, **op),
+                     lambda: output_tensor.copy_(whole.view(size, -1)[rank].view_as(output_tensor)))
+    return issue
 
 
 def _signature(function: Any) -> inspect.Signature:
@@ -159,18 +215,23 @@ def _signature(function: Any) -> inspect.Signature:
     return inspect.signature(function)
 
 
-def _waited(method: Any, signature: inspect.Signature) -> Any:
-    """``method`` (bound) as it is when called with ``async_op`` (the caller waits for its work);
-    otherwise issued asynchronously and waited for by :func:`lockstep.dist.run_collective`."""
+def _waited(issue: Any, signature: inspect.Signature) -> Any:
+    """A collective of DeepSpeed's torch backend (``issue``, bound) always issued asynchronously;
+    its work waited for through :func:`lockstep.dist.wait_collective`, here unless the caller asked
+    for ``async_op`` (it then gets work whose ``wait`` does so)."""
     if "async_op" not in signature.parameters:
-        return method
+        return issue
 
     def call(*args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(None, *args, **kwargs).arguments
         del arguments[next(iter(signature.parameters))]  # self
-        if arguments.pop("async_op", False):
-            return method(*args, **kwargs)
-        dist.run_collective(method, **arguments)
+        asked = arguments.pop("async_op", False)
+        work = issue(**arguments, async_op=True)
+        if not isinstance(work, _Work):
+            work = _Work(work)
+        if asked:
+            return work
+        work.wait()
         return None
     return call
 
@@ -328,6 +389,9 @@ class DeepSpeedStrategy(Strategy):
         self.engine: Any = None
         self._params: list[list[torch.Tensor]] | None = None
         """An elastic job's optimizer parameter groups as given (DeepSpeed replaces them)."""
+        self._skeleton: nn.Module | None = None
+        """An elastic ZeRO-3 job's model before partitioning, on the meta device (:meth:`reshard`)."""
+        self._names: list[list[list[str]]] = []
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Build the engine (a collective). A rank that joins a running elastic job builds it
@@ -335,6 +399,9 @@ class DeepSpeedStrategy(Strategy):
         membership = elastic.current()
         if membership is not None and self._params is None:
             self._params = [list(group["params"]) for group in (optimizers[0].param_groups if optimizers else [])]
+            if self.stage == 3:  # its parameters will be partitioned in place: a new model after a change
+                self._skeleton = skeleton.skeleton(model)
+                self._names = skeleton.parameter_names(model, optimizers)
         # DeepSpeed calls these torch collectives under their old names on every step; the warning is
         # for DeepSpeed to act on, and would otherwise flood the user's log.
         warnings.filterwarnings("ignore", category=FutureWarning,
@@ -360,12 +427,19 @@ class DeepSpeedStrategy(Strategy):
 
     def reshard(self) -> nn.Module:
         """After an elastic job's ranks changed, on the new process group: the engine taken off
-        the model and a new one built over the ranks now in the job, around the same model and
-        optimizer (its state left for a checkpoint to fill). Stages 0-2, whose model every rank
-        holds whole; ZeRO-3 (parameters partitioned in place) is refused before training."""
+        the model and a new one built over the ranks now in the job, around the same optimizer (its
+        state left for a checkpoint to fill). At stages 0-2, whose model every rank holds whole,
+        around the same model; at stage 3, whose parameters the lost ranks held part of, around a
+        new model made from the skeleton (its parameters for the checkpoint to fill)."""
         assert self._params is not None, "reshard() is for an elastic job's DeepSpeed strategy"
         if self.engine is not None:
             self._take_off(self.engine)
+        if self._skeleton is not None:
+            _number_from_zero()  # as a joining rank's first engine does
+            self.model = skeleton.materialize(self._skeleton, self.device, self.model)
+            skeleton.point_optimizers(self.model, self.optimizers, self._names)
+            self._params = [list(group["params"]) for group in (self.optimizers[0].param_groups
+                                                                 if self.optimizers else [])]
         for param in self.model.parameters():  # the interrupted step's partial gradients
             param.grad = None
         self.config = refill_world_size(self.config, dist.get_world_size())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lockstep import dist, elastic
-from lockstep.parallel import fsdp_elastic
+from lockstep.parallel import fsdp_elastic, skeleton
 from lockstep.parallel.fsdp_sharding import FSDPSetup, prepare_fsdp
 from lockstep.parallel.fsdp_config import FSDPConfig
 from lockstep.parallel.mesh import DataParallel, MeshShape, resolve_shape
@@ -43,8 +43,8 @@ class FSDPStrategy(Strategy):
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if elastic.current() is not None:
-            self._skeleton = fsdp_elastic.skeleton(model)
-            self._names = fsdp_elastic.parameter_names(model, optimizers)
+            self._skeleton = skeleton.skeleton(model)
+            self._names = skeleton.parameter_names(model, optimizers)
             fsdp_elastic.wait_dcp_through_lockstep()  # sharded checkpoints' writes and loads
         self._shard(model.to(self.device), optimizers)
 
@@ -61,8 +61,8 @@ class FSDPStrategy(Strategy):
         pointed at its parameters, with no state. Its parameters and the optimizers' state are
         for a checkpoint to fill; the model it replaces is left to be freed."""
         assert self._skeleton is not None, "reshard() is for an elastic job's FSDP strategy"
-        model = fsdp_elastic.materialize(self._skeleton, self.device, self.model)
-        fsdp_elastic.point_optimizers(model, self.optimizers, self._names)
+        model = skeleton.materialize(self._skeleton, self.device, self.model)
+        skeleton.point_optimizers(model, self.optimizers, self._names)
         self._shard(model, self.optimizers)
         return model
 

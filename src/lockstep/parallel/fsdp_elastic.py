@@ -2,10 +2,9 @@
 over the ranks left.
 
 A lost rank takes its shards with it, and FSDP2 cannot move a sharded module onto another process
-group. So the strategy keeps, from before the first sharding, a skeleton of the model: its modules
-with every parameter and buffer on the meta device (no memory). After a change the skeleton is
-copied, materialized and sharded over the new group; the Trainer then loads the last checkpoint
-into it, resharded to the new world size.
+group. So the strategy keeps, from before the first sharding, a skeleton of the model
+(:mod:`lockstep.parallel.skeleton`). After a change the skeleton is materialized and sharded over
+the new group; the Trainer then loads the last checkpoint into it, resharded to the new world size.
 
 FSDP waits for its all-gathers and reduce-scatters inside torch, where a peer that another
 survivor stopped talking to blocks a rank until the group's timeout. :class:`WaitedAllGather` and
@@ -15,8 +14,6 @@ wait an elastic job's membership polls.
 
 from __future__ import annotations
 
-import copy
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,8 +27,6 @@ from lockstep import dist
 # torch 2.13 names them *_single (the older names warn); older versions have only the older names
 _ALL_GATHER = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(torch_dist, "reduce_scatter_single", None) or torch_dist.reduce_scatter_tensor
-_WRAPPED = "_checkpoint_wrapped_module."
-"""The name part an activation-checkpointing wrapper adds (state dicts leave it out)."""
 
 
 class _PlainBuffers:
@@ -114,63 +109,3 @@ def _scatter_object(self: Any, objects: list[Any] | None) -> Any:
 def _barrier(self: Any) -> None:
     if self.use_dist:
         dist.barrier(group=self.group)
-
-
-def skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are on the meta device (tied ones stay
-    tied): its modules, attributes and wrap rules, without its memory."""
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) \
-            if isinstance(tensor, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
-def materialize(skeleton_model: nn.Module, device: torch.device, old: nn.Module) -> nn.Module:
-    """A new model from ``skeleton_model`` on ``device``, with the buffers of ``old`` (FSDP does not
-    shard buffers, so every rank still has them; a checkpoint overwrites the persistent ones). Its
-    parameters are uninitialized: a checkpoint fills them."""
-    model = copy.deepcopy(skeleton_model)
-    ties = _ties(model)
-    model.to_empty(device=device)  # gives each module its own tensor, tied or not
-    for module, name, owner, owner_name in ties:
-        setattr(module, name, getattr(owner, owner_name))
-    kept = {name.replace(_WRAPPED, ""): buffer for name, buffer in old.named_buffers()}
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in kept:
-                buffer.copy_(kept[name].to(buffer.dtype))
-    return model
-
-
-def _ties(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
-    """Each parameter that a module shares with one met before: (module, name, owner, its name)."""
-    first: dict[int, tuple[nn.Module, str]] = {}
-    ties = []
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            if id(param) in first:
-                ties.append((module, name, *first[id(param)]))
-            else:
-                first[id(param)] = (module, name)
-    return ties
-
-
-def parameter_names(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[list[list[str]]]:
-    """Each optimizer's parameter groups as the names of their parameters in ``model``."""
-    name_of = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-    return [[[name_of[id(p)] for p in group["params"]] for group in o.param_groups] for o in optimizers]
-
-
-def point_optimizers(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                     names: list[list[list[str]]]) -> None:
-    """Point ``optimizers`` at ``model``'s parameters (by ``names``, from :func:`parameter_names`),
-    with no state: the same objects, so that schedulers and callbacks that hold them still do."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for optimizer, groups in zip(optimizers, names):
-        optimizer.state.clear()
-        for group, group_names in zip(optimizer.param_groups, groups):
-            group["params"] = [params[name] for name in group_names]

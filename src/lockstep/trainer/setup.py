@@ -312,15 +312,12 @@ def check_auto_microbatching(parallel: Any) -> None:
 def check_elastic(strategy: Any, parallel: Any, save_folder: str | None) -> None:
     """What an elastic job (the launcher's ``--min_ranks``) goes on with after a lost rank: DDP,
     whose every rank holds the whole state, or FSDP over one mesh of all the ranks or DeepSpeed
-    ZeRO stages 0-2, from the last checkpoint in ``save_folder`` resharded (the lost ranks' shards
-    are nowhere else)."""
+    ZeRO, from the last checkpoint in ``save_folder`` resharded (the lost ranks' shards are
+    nowhere else)."""
     prefix = "the launcher's --min_ranks (an elastic job)"
     if not strategy.shards_state:
         return
     if parallel.deepspeed_config is not None:
-        if strategy.stage == 3:
-            raise ValueError(f"{prefix} under DeepSpeed goes on at ZeRO stages 0-2, not 3, whose parameters "
-                             "are partitioned in place: train at stage 2, or shard with fsdp_config")
         if save_folder is None:
             raise ValueError(f"{prefix} under DeepSpeed goes on from the last checkpoint, resharded over the ranks "
                              "left (a lost rank's ZeRO partitions are nowhere else): give save_folder and "
