@@ -402,3 +402,19 @@ def test_signal_helpers_refuse_without_process_group_when_env_says_distributed(
     with pytest.raises(RuntimeError, match="initialize_dist"):
         with dist.busy_wait_for_local_rank_zero(tmp_path):
             pytest.fail("the body must not run")
+
+
+def test_the_work_of_an_asynchronous_collective_is_waited_for_in_torch_or_through_the_waiter() -> None:
+    waited = []
+
+    class Work:
+        def wait(self) -> None:
+            waited.append("torch")
+
+    dist.wait_collective(Work())
+    dist.set_collective_waiter(lambda work: waited.append(f"waiter: {type(work).__name__}"))
+    try:
+        dist.wait_collective(Work())
+    finally:
+        dist.set_collective_waiter(None)
+    assert waited == ["torch", "waiter: Work"]

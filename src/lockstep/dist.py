@@ -69,6 +69,7 @@ __all__ = [
     "run_collective",
     "run_local_rank_zero_first",
     "scatter_object",
+    "wait_collective",
     "write_signal_file",
 ]
 
