@@ -52,3 +52,11 @@ def test_frozen_parameters_are_refused_in_one_line() -> None:
     with pytest.raises(CheckpointError, match="frozen parameters") as error:
         _Stage3Layout({"param_shapes": [{}], "frozen_param_shapes": {"a": torch.Size([2])}}, 2)
     assert "\n" not in str(error.value)
+
+
+def test_partitions_that_do_not_hold_the_parameters_slices_are_refused_in_one_line(tmp_path) -> None:
+    layout = _Stage3Layout({"param_shapes": [{"a": torch.Size([4]), "b": torch.Size([3])}]}, 2)
+    layout.check([[2, 2], [4]], tmp_path)  # 2 + 2 elements a rank, in sub-groups of any split
+    with pytest.raises(CheckpointError, match="does not reshard") as error:
+        layout.check([[4], [5]], tmp_path)  # one rank's partition holds more (another group's)
+    assert "\n" not in str(error.value)

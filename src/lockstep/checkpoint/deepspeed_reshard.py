@@ -81,12 +81,13 @@ def _load_stage3(engine: Any, folder: Path, saved_world_size: int, *, strict: bo
     states = _model_states(folder)
     saved = [_optimizer_part(folder, rank) for rank in range(saved_world_size)]
     layout = _Stage3Layout(states, saved_world_size)
+    layout.check([[g.numel() for g in part[FP32_FLAT_GROUPS]] for part in saved], folder.parent)
     groups = [[(engine.param_names[p], p.ds_tensor.ds_numel) for p in group] for group in optimizer.fp16_groups]
     missing = {name for group in groups for name, _ in group} - set(layout.shapes)
-    if missing and strict:
-        raise CheckpointError(f"checkpoint {folder.parent} has no parameter {sorted(missing)[0]!r} "
-                              f"(and {len(missing) - 1} more) of this model: pass load_strict_model_weights=False "
-                              f"to keep the model's own values of those")
+    if missing:  # the model here is new from its skeleton: it has no values of its own to keep
+        raise CheckpointError(f"checkpoint {folder.parent} has no parameter {sorted(missing)[0]!r} (and "
+                              f"{len(missing) - 1} more) of this model: a ZeRO-3 checkpoint loads at another world "
+                              f"size with every trainable parameter")
     rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
     masters = layout.whole([torch.cat([g.reshape(-1).float() for g in part[FP32_FLAT_GROUPS]]) for part in saved])
     flats = [layout.cut(masters, group, rank, live.detach().float())
@@ -117,6 +118,16 @@ class _Stage3Layout:
         for name, shape in self.shapes.items():
             self.offsets[name] = offset
             offset += -(-shape.numel() // world_size)
+
+    def check(self, flat_sizes: list[list[int]], path: Path) -> None:
+        """That every saved rank's flat partitions (their sizes, ``flat_sizes``) hold exactly the
+        parameters' slices this layout places in them."""
+        self.flat_sizes = flat_sizes
+        expected = sum(-(-shape.numel() // self.world_size) for shape in self.shapes.values())
+        if any(sum(sizes) != expected for sizes in flat_sizes):
+            raise CheckpointError(f"checkpoint {path}: its ZeRO-3 partitions hold {sum(flat_sizes[0])} elements a "
+                                  f"rank where its parameters' shapes make {expected}: it does not reshard (saved "
+                                  f"with expert or other parallel groups?); resume it at the world size that saved it")
 
     def whole(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each parameter's elements, flat, from every rank's flat partition (``flats``, in rank order)."""
@@ -153,17 +164,19 @@ def _stage3_base_state(optimizer: Any, saved: list[dict[str, Any]], layout: _Sta
 
     bases = [part[OPTIMIZER_STATE_DICT] for part in saved]
     first = bases[0]["state"]
+    partition = first[0] if first else {}
+    laid_out = {}  # each parameter's state whole, per key laid out as the fp32 partition (Adam's moments)
+    for key, value in partition.items():
+        if torch.is_tensor(value) and value.numel() == layout.flat_sizes[0][0]:
+            flats = [torch.cat([base["state"][g][key].reshape(-1).float() for g in sorted(base["state"])])
+                     for base in bases]
+            laid_out[key] = layout.whole(flats)
     state: dict[int, dict[str, Any]] = {}
     for index, group in enumerate(groups):
-        state[index] = {}
         zeros = torch.zeros(sum(size for _, size in group))
-        for key, value in (first[0] if first else {}).items():
-            if torch.is_tensor(value) and value.dim() == 1:  # laid out as the fp32 partition
-                flats = [torch.cat([base["state"][g][key].reshape(-1).float() for g in sorted(base["state"])])
-                         for base in bases]
-                state[index][key] = layout.cut(layout.whole(flats), group, rank, zeros)
-            else:  # the same for every sub-group (Adam's step)
-                state[index][key] = value.clone() if torch.is_tensor(value) else value
+        state[index] = {key: layout.cut(laid_out[key], group, rank, zeros) if key in laid_out
+                        else value.clone() if torch.is_tensor(value) else value  # the same for all (Adam's step)
+                        for key, value in partition.items()}
     optimizer._set_fp32_optimizer_param_groups()
     try:
         live = optimizer.optimizer.state_dict()["param_groups"]

@@ -455,6 +455,9 @@ class DeepSpeedStrategy(Strategy):
                 hook.remove()
         from deepspeed.utils import groups
         groups._WORLD_GROUP = None  # DeepSpeed reduces over this clone of the world group
+        if self.stage == 3:  # ZeRO-3's list of modules in a forward, which holds every engine's model
+            from deepspeed.runtime.zero import parameter_offload
+            parameter_offload.FWD_MODULE_STACK.clear()
         if self.optimizers:
             optimizer = self.optimizers[0]
             for group, params in zip(optimizer.param_groups, self._params or []):
