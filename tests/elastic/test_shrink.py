@@ -127,7 +127,8 @@ def test_a_rank_killed_from_outside_at_a_random_moment_costs_no_sample_and_no_ex
     err = finish(proc)
     assert f"rank {rank} left (signal SIGKILL): 3 of 4 ranks go on" in err, (rank, delay, err)
     assert_as_uninterrupted(out, reference)
-    assert [e["batch"] for e in _evaluations_as_one_process_over_every_sample(out)] == [2, 4, 6, 8]
+    evaluated = [e["batch"] for e in _evaluations_as_one_process_over_every_sample(out)]
+    assert evaluated == [2, 4, 6, 8], (rank, delay, err[-3000:])  # once missed batch 2's in CI: which kill?
 
 
 def test_below_min_ranks_the_job_stops_as_without_it(tmp_path: Path) -> None:
