@@ -73,3 +73,47 @@ def test_dcps_collectives_that_an_elastic_job_replaces_are_the_installed_torchs(
     # DCP's own steps, built on the gather, scatter and broadcast above
     assert alone.all_reduce("step", lambda: 1, sum) == 1
     assert alone.reduce_scatter("step", lambda: 5, lambda values: [v * 2 for v in values]) == 10
+
+
+def _shards_made_whole(_: int) -> dict:
+    """Two ranks shard a model whose tensors have fewer rows than ranks, an odd number and a tie,
+    take a step of AdamW, and make the whole state from the shards each holds."""
+    import torch.distributed as torch_dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    from lockstep import dist
+    from lockstep.parallel import fsdp_peers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))  # rows 5, 5, 1 (rank 1 holds none), 1
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3) + dist.get_global_rank()).sum().backward()
+    optimizer.step()
+    own = fsdp_peers.own_shards(model, [optimizer])
+    held = [None, *dist.all_gather_object(own)]  # and a rank that joined, holding none
+    full = StateDictOptions(full_state_dict=True)
+    out = {"whole": fsdp_peers.whole_state(held, own), "joined": fsdp_peers.whole_state(held, None),
+           "model": get_model_state_dict(model, options=full),
+           "optimizers": [get_optimizer_state_dict(model, optimizer, options=full)]}
+    torch_dist.barrier()
+    return out
+
+
+def test_fsdp_state_is_made_whole_from_the_shards_each_rank_holds() -> None:
+    from lockstep.testing import run_distributed
+
+    for rank in run_distributed(_shards_made_whole, world_size=2, args=(0,), timeout=120):
+        for view in ("whole", "joined"):
+            made = rank[view]
+            assert made["model"].keys() == rank["model"].keys()
+            for key, value in rank["model"].items():
+                assert torch.equal(made["model"][key], value), (view, key)
+            state, expected = made["optimizers"][0]["state"], rank["optimizers"][0]["state"]
+            assert state.keys() == expected.keys() and len(state) == 4
+            for name, moments in expected.items():
+                for key, value in moments.items():
+                    assert torch.equal(state[name][key], value), (view, name, key)
+            assert made["optimizers"][0]["param_groups"] == rank["optimizers"][0]["param_groups"]

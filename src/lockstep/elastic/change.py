@@ -15,8 +15,10 @@ class RanksChanged:
     Ranks are named by the rank each had at launch. ``batch`` is the batch the job goes on at:
     the step that was in flight is trained again on the ranks left, and no finished step is (the
     ranks first take the furthest rank's weights); ``ranks_behind`` is how many ranks had not
-    taken that furthest step. Under FSDP the lost ranks' shards exist nowhere else: the job goes on
-    from its last checkpoint, resharded, and ``trained_again`` finished steps are trained again.
+    taken that furthest step. Under FSDP and DeepSpeed the lost ranks' shards exist nowhere else:
+    the job goes on from its last checkpoint, resharded, and ``trained_again`` finished steps are
+    trained again; when ranks only joined an FSDP job, the ranks that trained give them the state
+    from their shards, and none is.
     ``seconds`` runs from this rank's noticing the change to the new process group's first step
     being ready.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +20,9 @@ from lockstep.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.layout import Layout
+
+PEERS = Path("<the shards of the ranks that trained>")
+"""What an error of state taken from peers names where a checkpoint's path would be."""
 
 
 class FSDPStrategy(Strategy):
@@ -64,6 +68,26 @@ class FSDPStrategy(Strategy):
         model = skeleton.materialize(self._skeleton, self.device, self.model)
         skeleton.point_optimizers(model, self.optimizers, self._names)
         self._shard(model, self.optimizers)
+        return model
+
+    @property
+    def whole_from_peers(self) -> bool:  # type: ignore[override]
+        return self._skeleton is not None and self.tp is None and self.shape is None
+
+    def held_state(self) -> Any:
+        from lockstep.parallel import fsdp_peers  # DCP's state dicts: only an elastic job's change needs them
+
+        return fsdp_peers.own_shards(self.model, self.optimizers)
+
+    def reshard_from(self, held: list[Any], own: Any) -> nn.Module:
+        from lockstep.checkpoint.fsdp_states import FullLayout
+        from lockstep.parallel import fsdp_peers
+
+        whole = fsdp_peers.whole_state(held, own)
+        model = self.reshard()
+        layout = FullLayout(model, self.optimizers, self.fsdp.buffer_dtypes)
+        layout.load_model(whole["model"], PEERS, strict=True)
+        layout.load_optimizers(whole["optimizers"], PEERS)
         return model
 
     def data_parallel(self) -> DataParallel:

@@ -50,6 +50,11 @@ class Strategy:
     lost in an elastic job takes state no other rank has, and the job goes on from :meth:`reshard`
     and the last checkpoint instead of from a peer's state."""
 
+    whole_from_peers = False
+    """Whether, after ranks joined an elastic job and none was lost, the ranks that trained can
+    give the state they hold to a model sharded anew (:meth:`held_state`, :meth:`reshard_from`),
+    rather than every rank reading the last checkpoint."""
+
     def __init__(self, device: torch.device, precision: str) -> None:
         self.device, self.precision = device, precision
         self.scaler = make_grad_scaler(precision, device)
@@ -70,6 +75,17 @@ class Strategy:
     def reshard(self) -> nn.Module:
         """A backend that :attr:`shards_state`: the model sharded anew over the ranks now in the job."""
         raise NotImplementedError(f"{type(self).__name__} keeps the whole state on every rank")
+
+    def held_state(self) -> Any:
+        """A backend that is :attr:`whole_from_peers`: what this rank holds of the model's and the
+        optimizers' state, for every rank of the new group (picklable, on the CPU)."""
+        raise NotImplementedError(f"{type(self).__name__} does not give its state to ranks that join")
+
+    def reshard_from(self, held: list[Any], own: Any) -> nn.Module:
+        """A backend that is :attr:`whole_from_peers`: :meth:`reshard`, with the state that every
+        rank of the new group ``held`` (:meth:`held_state`; None from one that joined) loaded
+        into the new model and the optimizers; ``own`` is this rank's."""
+        raise NotImplementedError(f"{type(self).__name__} does not give its state to ranks that join")
 
     def data_parallel(self) -> DataParallel:
         """How the data is split among the ranks: every rank trains on its own share, unless

@@ -4,7 +4,9 @@ A rank whose gradient all-reduce completed just as a peer was lost took the opti
 others, whose all-reduce failed, did not; and a rank may have taken the step but failed in a
 collective of the batch's end (a metric's gather) before its timestamp moved. The lowest rank of
 those that got furthest sends its weights, optimizer, schedules and timestamp, and the batch it
-has yet to end, to the others.
+has yet to end, to the others. Under a backend that shards its state (FSDP), the ranks that trained
+hold every shard only when none was lost and all got equally far (:func:`peers_hold_the_state`);
+otherwise the job goes back to its last checkpoint.
 """
 
 from __future__ import annotations
@@ -16,12 +18,23 @@ from lockstep.state import State
 from lockstep.time import Timestamp
 
 
-def agree_room() -> None:
-    """Widen every rank's room for small objects (:mod:`lockstep._agreement`) to the widest, so
-    that their gathers match on the new process group: a collective of it. ``catch_up`` does this
-    too; a backend that reloads a checkpoint after the change instead (FSDP) calls this first."""
-    rooms = dist.all_gather(torch.tensor([_agreement.small_object_room()], dtype=torch.int64))
-    _agreement.widen_small_object_room(max(int(t[0]) for t in rooms))
+def _progress(state: State, unended: tuple | None, fresh: bool) -> int:
+    """How far this rank got: twice its batch, plus one for a batch whose optimizer step it took
+    but whose end it did not; -1 for a rank that joined (its weights are its own script's)."""
+    return -1 if fresh else 2 * state.timestamp.batch.value + (unended is not None)
+
+
+def peers_hold_the_state(state: State, unended: tuple | None, can: bool, *, fresh: bool = False) -> bool:
+    """Whether the ranks of a backend that shards its state take it from the ranks that trained
+    rather than from the last checkpoint (a collective of the new process group): only if every
+    rank ``can`` (no rank that held a shard was lost) and every rank that trained got equally far,
+    so that its shards belong to one step. Widens every rank's room for small objects
+    (:mod:`lockstep._agreement`) to the widest too, so that their gathers match on the new group."""
+    gathered = dist.all_gather(torch.tensor([_progress(state, unended, fresh), int(can),
+                                             _agreement.small_object_room()], dtype=torch.int64))
+    _agreement.widen_small_object_room(max(int(t[2]) for t in gathered))
+    reached = {int(t[0]) for t in gathered if int(t[0]) >= 0}
+    return all(int(t[1]) for t in gathered) and len(reached) == 1
 
 
 def end_pending(taken: int, ends_epoch: bool, batch: int) -> bool:
@@ -42,14 +55,17 @@ def end_pending(taken: int, ends_epoch: bool, batch: int) -> bool:
     return False
 
 
-def catch_up(state: State, unended: tuple | None, *, fresh: bool = False) -> tuple[int, tuple | None]:
+def catch_up(state: State, unended: tuple | None, *, fresh: bool = False,
+             weights: bool = True) -> tuple[int, tuple | None]:
     """Bring every rank to the furthest rank's step (a collective of the new process group): how
     many ranks were behind, and the batch whose optimizer step was taken but whose end (the
     timestamp's move, BATCH_END) was not, if the furthest rank has one (``unended`` is this
     rank's: ``(samples, tokens, is_last)``). A ``fresh`` rank (one that joined the running job)
-    is behind every other, whatever its timestamp: its weights are its own script's."""
-    progress = -1 if fresh else 2 * state.timestamp.batch.value + (unended is not None)
-    gathered = dist.all_gather(torch.tensor([progress, _agreement.small_object_room()], dtype=torch.int64))
+    is behind every other, whatever its timestamp: its weights are its own script's. Without
+    ``weights`` the model and optimizers stay as they are (a backend that shards its state moves
+    them itself)."""
+    gathered = dist.all_gather(torch.tensor([_progress(state, unended, fresh), _agreement.small_object_room()],
+                                            dtype=torch.int64))
     reached = [int(t[0]) for t in gathered]
     _agreement.widen_small_object_room(max(int(t[1]) for t in gathered))  # the same on every rank
     furthest = max(reached)
@@ -59,14 +75,16 @@ def catch_up(state: State, unended: tuple | None, *, fresh: bool = False) -> tup
     source = reached.index(furthest)
     payload: list = [None]
     if dist.get_global_rank() == source:
-        payload = [{"model": state.model.state_dict(), "optimizers": [o.state_dict() for o in state.optimizers],
+        payload = [{"model": state.model.state_dict() if weights else None,
+                    "optimizers": [o.state_dict() for o in state.optimizers] if weights else [],
                     "schedulers": [s.state_dict() for s in state.schedulers],
                     "timestamp": state.timestamp.state_dict(),
                     "unended": None if unended is None else (unended[0], int(unended[1]), unended[2])}]
     dist.broadcast_object_list(payload, src=source)
     if dist.get_global_rank() != source:
         sent = payload[0]
-        state.model.load_state_dict(sent["model"])
+        if sent["model"] is not None:
+            state.model.load_state_dict(sent["model"])
         for optimizer, saved in zip(state.optimizers, sent["optimizers"]):
             optimizer.load_state_dict(saved)
         for scheduler, saved in zip(state.schedulers, sent["schedulers"]):

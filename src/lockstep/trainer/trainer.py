@@ -664,7 +664,7 @@ class Trainer:
         assert membership is not None
         s, started = self.state, time.monotonic()
         trained = list(membership.ranks if membership.before is None else membership.before)
-        reached = s.timestamp.batch.value
+        reached, first = s.timestamp.batch.value, True
         while True:
             try:
                 if self.saver is not None:  # a write in flight meets in the old group: over before it goes
@@ -673,9 +673,9 @@ class Trainer:
                 for optimizer in s.optimizers:  # the abandoned step's partial gradients
                     optimizer.zero_grad(set_to_none=True)
                 reloaded = None
-                if self.strategy.shards_state:  # the lost ranks' shards are nowhere else
-                    rejoin.agree_room()
-                    behind, unended, reloaded = 0, None, self._reshard_from_checkpoint()
+                if self.strategy.shards_state:
+                    behind, unended, reloaded = self._reshard_after_change(trained, first)
+                    first = False
                 else:
                     behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh)
                 membership.caught_up()
@@ -699,6 +699,27 @@ class Trainer:
         """After a change of an elastic job's ranks: the epoch's batches already trained, skipped."""
         done = self.state.timestamp.batch_in_epoch.value
         return data.DataPosition(skip=done) if done else None
+
+    def _reshard_after_change(self, trained: list[int], first: bool) -> tuple[int, tuple | None,
+                                                                             data.DataPosition | None]:
+        """Under a backend that :attr:`~Strategy.shards_state`, on the new process group: from the
+        shards of the ranks that ``trained`` when ranks only joined (on the ``first`` try: one
+        interrupted by another change may have left some ranks with the new model), else from the
+        last checkpoint (a lost rank's shards are nowhere else). As :func:`rejoin.catch_up`: how
+        many ranks were behind, the batch left to end, and where the data goes on if reloaded."""
+        membership = elastic.current()
+        assert membership is not None
+        can = first and self.strategy.whole_from_peers and set(trained) <= set(membership.ranks)
+        if not rejoin.peers_hold_the_state(self.state, self._unended, can, fresh=membership.fresh):
+            return 0, None, self._reshard_from_checkpoint()
+        s = self.state
+        own = None if membership.fresh else self.strategy.held_state()
+        held = dist.all_gather_object(own)
+        behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh, weights=False)
+        s.model = self.layout.model = self.strategy.reshard_from(held, own)
+        if self.parallel.compile_config is not None:
+            self.strategy.compile(self.parallel.compile_config)
+        return behind, unended, None
 
     def _reshard_from_checkpoint(self) -> data.DataPosition | None:
         """On the new process group of a backend that :attr:`~Strategy.shards_state` (FSDP,
