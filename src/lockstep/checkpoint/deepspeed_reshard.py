@@ -42,8 +42,6 @@ def load(engine: Any, folder: Path, tag: str, saved_world_size: int, *, strict: 
 
 
 def _load_stage12(engine: Any, folder: Path, tag: str, saved_world_size: int, *, strict: bool) -> None:
-    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS
-
     optimizer = engine.optimizer
     if not hasattr(optimizer, "single_partition_of_fp32_groups"):
         raise CheckpointError(f"checkpoint {folder}: lockstep cuts anew the partitions of DeepSpeed's ZeRO optimizer, "
@@ -52,7 +50,16 @@ def _load_stage12(engine: Any, folder: Path, tag: str, saved_world_size: int, *,
     loaded, _ = engine.load_checkpoint(str(folder), tag=tag, load_module_strict=strict, load_module_only=True)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {folder / tag}")
-    saved = [_optimizer_part(folder / tag, rank) for rank in range(saved_world_size)]
+    cut_stage12(engine, [_optimizer_part(folder / tag, rank) for rank in range(saved_world_size)])
+
+
+def cut_stage12(engine: Any, saved: list[dict[str, Any]]) -> None:
+    """ZeRO-1/2: this rank's fp32 master partition and the base optimizer's state of it cut from
+    the optimizer states that every rank of another partitioning ``saved`` (in their rank order,
+    as ``DeepSpeedZeroOptimizer.state_dict()`` makes them), and the loss scaler's state."""
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS
+
+    optimizer = engine.optimizer
     base = optimizer.optimizer
     rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
     for g, partition in enumerate(optimizer.single_partition_of_fp32_groups):
@@ -75,17 +82,24 @@ def _load_stage3(engine: Any, folder: Path, saved_world_size: int, *, strict: bo
     """ZeRO-3: each parameter made whole from the saved ranks' slices, this rank's slice of it cut
     for the engine's partitioning, and the result given to DeepSpeed's loader as if this rank had
     saved it; the buffers from the model states file."""
+    saved = [_optimizer_part(folder, rank) for rank in range(saved_world_size)]
+    cut_stage3(engine, _model_states(folder), saved, folder.parent, strict=strict)
+
+
+def cut_stage3(engine: Any, states: dict[str, Any], saved: list[dict[str, Any]], path: Path, *,
+               strict: bool) -> None:
+    """ZeRO-3: :func:`_load_stage3` from what every rank of another partitioning ``saved`` (their
+    optimizer states, in rank order) and rank 0's model ``states`` (``param_shapes``, the
+    buffers under ``module``); ``path`` names where they came from in an error."""
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 
     optimizer = engine.optimizer
-    states = _model_states(folder)
-    saved = [_optimizer_part(folder, rank) for rank in range(saved_world_size)]
-    layout = _Stage3Layout(states, saved_world_size)
-    layout.check([[g.numel() for g in part[FP32_FLAT_GROUPS]] for part in saved], folder.parent)
+    layout = _Stage3Layout(states, len(saved))
+    layout.check([[g.numel() for g in part[FP32_FLAT_GROUPS]] for part in saved], path)
     groups = [[(engine.param_names[p], p.ds_tensor.ds_numel) for p in group] for group in optimizer.fp16_groups]
     missing = {name for group in groups for name, _ in group} - set(layout.shapes)
     if missing:  # the model here is new from its skeleton: it has no values of its own to keep
-        raise CheckpointError(f"checkpoint {folder.parent} has no parameter {sorted(missing)[0]!r} (and "
+        raise CheckpointError(f"checkpoint {path} has no parameter {sorted(missing)[0]!r} (and "
                               f"{len(missing) - 1} more) of this model: a ZeRO-3 checkpoint loads at another world "
                               f"size with every trainable parameter")
     rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
@@ -100,7 +114,7 @@ def _load_stage3(engine: Any, folder: Path, saved_world_size: int, *, strict: bo
         optimizer._rigid_load_state_dict(state_dict, load_optimizer_states=True)
     finally:
         optimizer.checkpoint_event_epilogue()
-    _load_buffers(engine.module, states["module"], folder.parent, strict=strict)
+    _load_buffers(engine.module, states["module"], path, strict=strict)
 
 
 class _Stage3Layout:

@@ -17,8 +17,8 @@ class RanksChanged:
     ranks first take the furthest rank's weights); ``ranks_behind`` is how many ranks had not
     taken that furthest step. Under FSDP and DeepSpeed the lost ranks' shards exist nowhere else:
     the job goes on from its last checkpoint, resharded, and ``trained_again`` finished steps are
-    trained again; when ranks only joined an FSDP job, the ranks that trained give them the state
-    from their shards, and none is.
+    trained again; when ranks only joined, the ranks that trained give them the state from their
+    shards, and none is.
     ``seconds`` runs from this rank's noticing the change to the new process group's first step
     being ready.
     """

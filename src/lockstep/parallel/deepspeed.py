@@ -392,6 +392,8 @@ class DeepSpeedStrategy(Strategy):
         self._skeleton: nn.Module | None = None
         """An elastic ZeRO-3 job's model before partitioning, on the meta device (:meth:`reshard`)."""
         self._names: list[list[list[str]]] = []
+        self._place = 0
+        """This rank's place in the engine's partitioning."""
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Build the engine (a collective). A rank that joins a running elastic job builds it
@@ -422,6 +424,7 @@ class DeepSpeedStrategy(Strategy):
                 model=self.model, optimizer=self.optimizers[0] if self.optimizers else None,
                 config=copy.deepcopy(self.config), dist_init_required=False)
         self.module = self.engine
+        self._place = dist.get_global_rank()  # in the engine's partitioning (its process group is the world)
         if self._params is not None:
             _wait_through_lockstep()
 
@@ -445,6 +448,23 @@ class DeepSpeedStrategy(Strategy):
         self.config = refill_world_size(self.config, dist.get_world_size())
         self._build()
         return self.model
+
+    @property
+    def whole_from_peers(self) -> bool:  # type: ignore[override]
+        # ZeRO-1 in bf16 or fp16 may be DeepSpeed's BF16_Optimizer, whose partitions lockstep does not cut
+        return self._params is not None and (self.stage in (2, 3) or (self.stage == 1 and self.dtype is None))
+
+    def held_state(self) -> Any:
+        from lockstep.parallel import deepspeed_peers
+
+        return deepspeed_peers.held(self.engine, self.stage, self._place)
+
+    def reshard_from(self, held: list[Any], own: Any) -> nn.Module:
+        from lockstep.parallel import deepspeed_peers
+
+        model = self.reshard()
+        deepspeed_peers.load(self.engine, self.stage, held)
+        return model
 
     def _take_off(self, engine: Any) -> None:
         """``engine``'s hooks off the model, DeepSpeed's clone of the old world forgotten, and the
