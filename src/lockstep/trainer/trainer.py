@@ -673,9 +673,9 @@ class Trainer:
                 for optimizer in s.optimizers:  # the abandoned step's partial gradients
                     optimizer.zero_grad(set_to_none=True)
                 reloaded = None
-                if self.strategy.shards_state:
-                    behind, unended, reloaded = self._reshard_after_change(trained, first)
-                    first = False
+                if self.strategy.shards_state:  # a try that another change ends may leave a new model
+                    first, peers = False, first
+                    behind, unended, reloaded = self._reshard_after_change(trained, peers)
                 else:
                     behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh)
                 membership.caught_up()
