@@ -108,7 +108,8 @@ def cut_stage3(engine: Any, states: dict[str, Any], saved: list[dict[str, Any]],
              for group, live in zip(groups, optimizer.fp32_partitioned_groups_flat)]
     state_dict = {LOSS_SCALER: saved[0][LOSS_SCALER], "dynamic_loss_scale": saved[0]["dynamic_loss_scale"],
                   "overflow": saved[0]["overflow"], FP32_FLAT_GROUPS: flats,
-                  OPTIMIZER_STATE_DICT: _stage3_base_state(optimizer, saved, layout, groups, rank)}
+                  OPTIMIZER_STATE_DICT: _stage3_base_state(optimizer, saved, layout, groups, rank,
+                                                           saved[0][FP32_FLAT_GROUPS][0].numel())}
     optimizer.checkpoint_event_prologue()
     try:  # DeepSpeed's own: the fp32 partitions into the parameters' partitions, and the base state
         optimizer._rigid_load_state_dict(state_dict, load_optimizer_states=True)
@@ -136,7 +137,6 @@ class _Stage3Layout:
     def check(self, flat_sizes: list[list[int]], path: Path) -> None:
         """That every saved rank's flat partitions (their sizes, ``flat_sizes``) hold exactly the
         parameters' slices this layout places in them."""
-        self.flat_sizes = flat_sizes
         expected = sum(-(-shape.numel() // self.world_size) for shape in self.shapes.values())
         if any(sum(sizes) != expected for sizes in flat_sizes):
             raise CheckpointError(f"checkpoint {path}: its ZeRO-3 partitions hold {sum(flat_sizes[0])} elements a "
@@ -170,10 +170,12 @@ class _Stage3Layout:
 
 
 def _stage3_base_state(optimizer: Any, saved: list[dict[str, Any]], layout: _Stage3Layout,
-                       groups: list[list[tuple[str, int]]], rank: int) -> dict[str, Any]:
+                       groups: list[list[tuple[str, int]]], rank: int, first_size: int) -> dict[str, Any]:
     """The base optimizer's ``state_dict`` as this rank would have saved it under the engine's
     partitioning: each sub-group's state cut as its fp32 partition is (a parameter the checkpoint
-    lacks starts with zeros), its parameter groups' settings as saved."""
+    lacks starts with zeros), its parameter groups' settings as saved. ``first_size``: the
+    elements of the first saved rank's first fp32 partition, which tell state laid out as it
+    (Adam's moments) from the rest."""
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 
     bases = [part[OPTIMIZER_STATE_DICT] for part in saved]
@@ -181,7 +183,7 @@ def _stage3_base_state(optimizer: Any, saved: list[dict[str, Any]], layout: _Sta
     partition = first[0] if first else {}
     laid_out = {}  # each parameter's state whole, per key laid out as the fp32 partition (Adam's moments)
     for key, value in partition.items():
-        if torch.is_tensor(value) and value.numel() == layout.flat_sizes[0][0]:
+        if torch.is_tensor(value) and value.numel() == first_size:  # the first saved sub-group's fp32 partition
             flats = [torch.cat([base["state"][g][key].reshape(-1).float() for g in sorted(base["state"])])
                      for base in bases]
             laid_out[key] = layout.whole(flats)
