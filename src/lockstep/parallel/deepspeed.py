@@ -451,8 +451,11 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def whole_from_peers(self) -> bool:  # type: ignore[override]
-        # ZeRO-1 in bf16 or fp16 may be DeepSpeed's BF16_Optimizer, whose partitions lockstep does not cut
-        return self._params is not None and (self.stage in (2, 3) or (self.stage == 1 and self.dtype is None))
+        # ZeRO-1 in bf16 or fp16 may be DeepSpeed's BF16_Optimizer, whose partitions lockstep does not cut;
+        # ZeRO-3's frozen parameters are in no optimizer partition (the checkpoint's way refuses them)
+        if self._params is None or (self.stage == 3 and not all(p.requires_grad for p in self.model.parameters())):
+            return False
+        return self.stage in (2, 3) or (self.stage == 1 and self.dtype is None)
 
     def held_state(self) -> Any:
         from lockstep.parallel import deepspeed_peers
