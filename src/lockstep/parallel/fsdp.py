@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,9 +19,6 @@ from lockstep.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from lockstep.checkpoint.layout import Layout
-
-PEERS = Path("<the shards of the ranks that trained>")
-"""What an error of state taken from peers names where a checkpoint's path would be."""
 
 
 class FSDPStrategy(Strategy):
@@ -86,8 +82,8 @@ class FSDPStrategy(Strategy):
         whole = fsdp_peers.whole_state(held, own)
         model = self.reshard()
         layout = FullLayout(model, self.optimizers, self.fsdp.buffer_dtypes)
-        layout.load_model(whole["model"], PEERS, strict=True)
-        layout.load_optimizers(whole["optimizers"], PEERS)
+        layout.load_model(whole["model"], fsdp_peers.PEERS, strict=True)
+        layout.load_optimizers(whole["optimizers"], fsdp_peers.PEERS)
         return model
 
     def data_parallel(self) -> DataParallel:

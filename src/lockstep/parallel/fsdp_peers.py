@@ -10,6 +10,7 @@ for a moment, as when every rank reads such a checkpoint's file).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.tensor import DTensor
 
 from lockstep import dist
+
+PEERS = Path("<the shards of the ranks that trained>")
+"""What an error of state taken from peers names where a checkpoint's path would be."""
 
 
 class _Shard:
