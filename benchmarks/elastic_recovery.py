@@ -68,10 +68,13 @@ def _start(kind: str, out: Path, launcher: list[str], run: str = "run",
            extra: list[str] | None = None) -> subprocess.Popen[str]:
     extra = extra or []
     extra = [*extra, *(["--save", str(out / "saves")] if kind == "restart" or _sharded(extra) else [])]
+    # with a training metric, which each change gathers anew, imported once by the prefork server
+    preload = os.environ.get("LOCKSTEP_PREFORK", "1")
+    preload = "+torchmetrics" if preload == "1" else preload + ",torchmetrics" if preload.startswith("+") else preload
     return subprocess.Popen([sys.executable, "-m", "lockstep", *launcher, "--run_directory", str(out / run),
-                             str(JOB), str(out), "--sleep", "0.1", *extra], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                             str(JOB), str(out), "--sleep", "0.1", "--train-accuracy", *extra], cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_PREFORK": preload},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _sharded(extra: list[str]) -> bool:

@@ -26,12 +26,16 @@ def free_port() -> int:
 
 def launcher_env(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of ``lockstep ARGV``: this process's, one OpenMP thread a rank, ``env``, and
-    for a test job that trains under DeepSpeed (``--zero STAGE``, or ``zero2`` among its ``--layouts``)
-    ``LOCKSTEP_PREFORK=+deepspeed``: its ranks fork with DeepSpeed imported once (~3 s of CPU less a rank)."""
+    ``LOCKSTEP_PREFORK=+...`` for what a test job imports only as it trains, so that its ranks fork
+    with it imported once (~3 s of CPU less a rank): DeepSpeed for a job that trains under it
+    (``--zero STAGE``, or ``zero2`` among its ``--layouts``), torchmetrics for the elastic job's
+    metrics (``--eval``, ``--train-accuracy``)."""
     layouts = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--layouts"]
-    zero = "--zero" in argv or any("zero" in value for value in layouts)
-    deepspeed = {"LOCKSTEP_PREFORK": "+deepspeed"} if zero else {}
-    return {**os.environ, "OMP_NUM_THREADS": "1", **deepspeed, **(env or {})}
+    preload = [name for name, wanted in (
+        ("deepspeed", "--zero" in argv or any("zero" in value for value in layouts)),
+        ("torchmetrics", "--eval" in argv or "--train-accuracy" in argv)) if wanted]
+    forking = {"LOCKSTEP_PREFORK": "+" + ",".join(preload)} if preload else {}
+    return {**os.environ, "OMP_NUM_THREADS": "1", **forking, **(env or {})}
 
 
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -9,7 +9,8 @@ joins); with ``--hold-full B``, the full world waits so after batch B (a test ki
 step, however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3 as it starts; with ``--save``, it saves every 2 batches to FOLDER and
 autoresumes from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead,
 saving checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at
-that ZeRO stage. Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
+that ZeRO stage; ``--train-accuracy`` gives the model a training metric (torchmetrics, ~3 s of
+CPU to import, so only the tests that change the ranks under it ask). Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
 reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it
 ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it is told of
 a JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters of
@@ -26,9 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-# the training metrics, which each change of the ranks must gather anew; imported here so that the
-# prefork server loads torchmetrics once, not every rank
-import torchmetrics  # noqa: F401
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -171,6 +169,8 @@ def main() -> None:
                         help="after this batch, the full world waits until the ranks change")
     parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader for training")
     parser.add_argument("--eval", action="store_true", help="evaluate on EVAL_SAMPLES samples every 2 batches")
+    parser.add_argument("--train-accuracy", action="store_true",
+                        help="training metrics too, which each change of the ranks must gather anew")
     parser.add_argument("--die-in-eval", default=None,
                         help="R:B: launch rank R is killed after its first batch of the evaluation at batch B")
     parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
@@ -187,7 +187,7 @@ def main() -> None:
         _, batch, where = args.die_in_save.split(":")
         die_in_save(int(batch), where)
     kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
-    model, data = MLP(train_accuracy=True), _Indexed()
+    model, data = MLP(train_accuracy=args.train_accuracy), _Indexed()
     options = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
         if args.save else {}
     callbacks = [Record(args.out, kills, args.sleep, args.hold, args.save, args.hold_full)]

@@ -74,7 +74,7 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
         tmp_path: Path, reference) -> None:
     delay = random.Random().uniform(0.0, 0.6)
     out = tmp_path / "out"
-    master, other = two_nodes(out, "--sleep", "0.1")
+    master, other = two_nodes(out, "--sleep", "0.1", "--train-accuracy")
     wait_for(out / "ends0", [master, other])
     time.sleep(delay)
     killed = time.time()
@@ -100,7 +100,8 @@ def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_f
     # checkpoint every 2 batches, whose agreements the joined ranks take part in from batch 6;
     # under FSDP (DeepSpeed) every rank shards the model (builds an engine) anew over four and cuts
     # its part from the two ranks' shards (partitions), not from the batch-4 checkpoint
-    job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()), *(sharded or ()))
+    job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()), *(sharded or ()),
+           *(("--train-accuracy",) if saving and sharded in (None, ("--fsdp",)) else ()))
     # the four ranks wait at the batch the kill comes after (on a loaded machine they trained past
     # the hold of batch 5 before the kill landed, and finished without the node)
     master, other = [launch(out, *job, "--hold-full", "3" if sharded else "2", launcher=node_args(port, node),
