@@ -91,8 +91,8 @@ def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saving,sharded", [(False, None), (True, None), (True, ("--fsdp",)),
                                             (True, ("--fsdp", "sharded")), (True, ("--zero", "2")),
-                                            (True, ("--zero", "3"))],
-                         ids=["no-checkpoint", "saving", "fsdp", "fsdp-sharded", "zero2", "zero3"])
+                                            (True, ("--zero", "3")), (True, ("--zero", "0"))],
+                         ids=["no-checkpoint", "saving", "fsdp", "fsdp-sharded", "zero2", "zero3", "zero0"])
 def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_four_ranks_would(
         tmp_path: Path, reference, saving: bool, sharded: tuple[str, ...] | None) -> None:
     port, out = str(free_port()), tmp_path / "out"

@@ -217,10 +217,9 @@ def test_under_fsdp_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_e
     assert_same_params(torch.load(last, weights_only=False)["state"]["model"], params, atol=1e-5)
 
 
-@pytest.mark.parametrize("stage,kill,again", [(0, ["2:3"], 1), (2, ["2:3"], 1),
-                                              (2, ["--die-in-save", "2:4:write"], 2), (3, ["2:3"], 1)],
-                         ids=["zero0-after-batch-3", "zero2-after-batch-3", "zero2-in-the-batch-4-write",
-                              "zero3-after-batch-3"])
+@pytest.mark.parametrize("stage,kill,again", [(2, ["2:3"], 1), (2, ["--die-in-save", "2:4:write"], 2),
+                                              (3, ["2:3"], 1)],
+                         ids=["zero2-after-batch-3", "zero2-in-the-batch-4-write", "zero3-after-batch-3"])
 def test_under_deepspeed_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_and_ends_as_four_ranks_would(
         tmp_path: Path, reference, stage: int, kill: list[str], again: int) -> None:
     # rank 2 is killed after batch 3 (once the batch-2 checkpoint is published), or in its writer
@@ -228,9 +227,9 @@ def test_under_deepspeed_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_
     # write met in collectives of the ranks that were). A lost rank's ZeRO partitions are nowhere
     # else, so the three ranks left build a new engine over themselves and load the batch-2
     # checkpoint, saved by four ranks: at stages 1-2 each takes its slice of the optimizer state of
-    # the new partitioning (lockstep's reshard); at stage 0 the engine loads it whole
+    # the new partitioning (lockstep's reshard)
     out, saves = tmp_path / "out", tmp_path / "ck"
-    metrics = ("--train-accuracy",) if stage == 2 else ()  # the training metric through a change under ZeRO
+    metrics = ("--train-accuracy",) if kill == ["2:3"] else ()  # the training metric through a change
     err = finish(launch(out, *kill, "--zero", str(stage), "--save", str(saves), *metrics))
     assert ("rank 2 (at launch) left: the job goes on at world size 3 (was 4; generation 1) from batch 2, "
             in err), err
@@ -242,6 +241,20 @@ def test_under_deepspeed_a_lost_rank_goes_on_from_the_last_checkpoint_resharded_
     assert saved == ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt",
                      "latest-rank0.pt"], saved
     assert (saves / "ep1-ba4-rank0.pt" / "deepspeed").is_dir()  # written by the three
+
+
+def test_under_deepspeed_zero0_a_lost_rank_costs_what_it_costs_under_ddp_and_no_checkpoint_is_needed(
+        tmp_path: Path, reference) -> None:
+    # ZeRO-0 in fp32 steps the user's optimizer, whose state every rank holds: the three ranks left
+    # build a new engine around the same model and optimizer, as they were, with no save folder
+    out = tmp_path / "out"
+    err = finish(launch(out, "2:3", "--zero", "0", "--train-accuracy"))
+    assert "rank 2 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
+    assert "from batch 3, " in err and "no finished step is trained again" in err, err
+    assert_as_uninterrupted(out, reference)
+    for rank in (0, 1, 3):
+        told = [json.loads(line) for line in (out / f"changes{rank}").read_text().splitlines()]
+        assert [(c["world_size"], c["left"], c["batch"], c["trained_again"]) for c in told] == [(3, [2], 3, 0)], told
 
 
 def test_fsdp_under_min_ranks_without_a_save_folder_is_refused_in_one_line_before_training(tmp_path: Path) -> None:
@@ -292,6 +305,7 @@ def test_with_max_restarts_such_a_script_is_started_again_at_every_rank_as_under
     ({"deepspeed_config": {"zero_optimization": {"stage": 3}}}, "ck", None),
     ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, None, "give save_folder and save_interval"),
     ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, "ck", None),
+    ({"deepspeed_config": {"zero_optimization": {"stage": 0}}}, None, None),  # every rank holds the state
     ({"fsdp_config": {"sharding_strategy": "HYBRID_SHARD"}}, "ck", "drop HYBRID_SHARD, the mesh degrees"),
     ({"fsdp_config": {"state_dict_type": "local"}}, "ck", "not 'local', whose per-rank files load only at"),
     ({"fsdp_config": {"state_dict_type": "sharded"}}, "ck", None),

@@ -73,7 +73,7 @@ def _resume_exactly(stage: int, folder: str) -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])  # 0: no partitions, the weights whole in the model states file
 def test_exact_resume_and_export(stage: int, tmp_path: Path) -> None:
     results = run_distributed(_resume_exactly, world_size=2, args=(stage, str(tmp_path)), timeout=220)
     for uninterrupted, resumed, extra in results:

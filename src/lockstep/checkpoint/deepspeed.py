@@ -36,6 +36,8 @@ from lockstep.optional import DEEPSPEED_INSTALL_HINT
 
 TAG = "deepspeed"
 """The engine's checkpoint tag: the subfolder its files go in."""
+_MODEL_STATES = "mp_rank_00_model_states.pt"
+"""The engine's file of the model's weights (and, at ZeRO-0, the optimizer's state)."""
 _ALLOWED_GLOBALS = frozenset({
     "deepspeed.runtime.zero.config.ZeroStageEnum",  # an IntEnum
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",  # plain attributes
@@ -217,8 +219,13 @@ def check_folder(folder: Path, meta: dict[str, Any], *, share: tuple[int, int] =
 
 def export_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights (and buffers) of a DeepSpeed checkpoint folder at any ZeRO stage, rebuilt
-    in this process from the fp32 master partitions by DeepSpeed's own ``zero_to_fp32``. The
-    caller has run :func:`check_folder`."""
+    in this process from the fp32 master partitions by DeepSpeed's own ``zero_to_fp32``; at ZeRO-0
+    in fp32, which keeps no partitions (the optimizer's state is in the model states file), the
+    model's weights as saved. The caller has run :func:`check_folder`."""
+    tagged = folder / TAG
+    if not any(tagged.glob("*optim_states.pt")):
+        states = torch.load(tagged / _MODEL_STATES, map_location="cpu", weights_only=False)
+        return {name: t.detach().contiguous() for name, t in states["module"].items()}
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as e:

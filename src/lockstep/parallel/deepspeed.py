@@ -367,9 +367,6 @@ class DeepSpeedStrategy(Strategy):
     """
 
     needs_process_group = True
-    shards_state = True
-    """ZeRO partitions the optimizer state (and gradients, parameters) over the ranks, and an engine
-    cannot move onto another process group: an elastic job builds a new one (:meth:`reshard`)."""
 
     def __init__(self, device: torch.device, precision: str, config: dict[str, Any]) -> None:
         super().__init__(device, precision)
@@ -448,6 +445,24 @@ class DeepSpeedStrategy(Strategy):
         self.config = refill_world_size(self.config, dist.get_world_size())
         self._build()
         return self.model
+
+    @property
+    def shards_state(self) -> bool:  # type: ignore[override]
+        """ZeRO-1-3 partition the optimizer state (and gradients, parameters) over the ranks: an
+        elastic job builds a new engine (:meth:`reshard`) and fills it from peers or the last
+        checkpoint. ZeRO-0 in fp32 steps the user's optimizer, whose state every rank holds whole, as
+        under DDP: the engine is built anew around it as it is (:meth:`regroup`). In bf16 or fp16,
+        DeepSpeed keeps fp32 master weights in an optimizer of its own, which only a checkpoint fills."""
+        return not (self.stage == 0 and self.dtype is None)
+
+    def regroup(self) -> None:
+        """ZeRO-0 in fp32 after an elastic job's ranks changed: a new engine over the new process
+        group around the same model and optimizer, whose state is kept (a rank that joined builds its
+        first engine here and takes the state from the furthest rank after)."""
+        kept = [optimizer.state_dict() for optimizer in self.optimizers]
+        self.reshard()
+        for optimizer, state in zip(self.optimizers, kept):
+            optimizer.load_state_dict(state)
 
     @property
     def whole_from_peers(self) -> bool:  # type: ignore[override]

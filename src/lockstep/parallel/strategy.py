@@ -72,6 +72,12 @@ class Strategy:
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def regroup(self) -> None:
+        """After an elastic job's ranks changed, on the new process group, a backend that holds the
+        whole state on every rank (not :attr:`shards_state`): ready to train over the new group,
+        with the state it held. DDP needs nothing: its collectives go through :mod:`lockstep.dist`,
+        which follows the group."""
+
     def reshard(self) -> nn.Module:
         """A backend that :attr:`shards_state`: the model sharded anew over the ranks now in the job."""
         raise NotImplementedError(f"{type(self).__name__} keeps the whole state on every rank")

@@ -310,10 +310,10 @@ def check_auto_microbatching(parallel: Any) -> None:
 
 
 def check_elastic(strategy: Any, parallel: Any, save_folder: str | None) -> None:
-    """What an elastic job (the launcher's ``--min_ranks``) goes on with after a lost rank: DDP,
-    whose every rank holds the whole state, or FSDP over one mesh of all the ranks or DeepSpeed
-    ZeRO, from the last checkpoint in ``save_folder`` resharded (the lost ranks' shards are
-    nowhere else)."""
+    """What an elastic job (the launcher's ``--min_ranks``) goes on with after a lost rank: DDP or
+    DeepSpeed ZeRO-0 in fp32, whose every rank holds the whole state, or FSDP over one mesh of all
+    the ranks or the other ZeRO stages, from the last checkpoint in ``save_folder`` resharded (the
+    lost ranks' shards are nowhere else)."""
     prefix = "the launcher's --min_ranks (an elastic job)"
     if not strategy.shards_state:
         return

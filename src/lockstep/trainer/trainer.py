@@ -677,6 +677,7 @@ class Trainer:
                     first, peers = False, first
                     behind, unended, reloaded = self._reshard_after_change(trained, peers)
                 else:
+                    self.strategy.regroup()
                     behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh)
                 membership.caught_up()
                 if stop is not None:
