@@ -99,7 +99,8 @@ def test_a_node_started_again_joins_the_running_job_from_a_peer_and_it_ends_as_f
     # while two ranks train, they wait after batch 5 for the node to join; with saving, a
     # checkpoint every 2 batches, whose agreements the joined ranks take part in from batch 6;
     # under FSDP (DeepSpeed) every rank shards the model (builds an engine) anew over four and cuts
-    # its part from the two ranks' shards (partitions), not from the batch-4 checkpoint
+    # its part from the two ranks' shards (partitions), not from the batch-4 checkpoint; at ZeRO-0,
+    # whose every rank holds the whole state, all build an engine anew and take the state as under DDP
     job = ("--hold", "5", *(("--save", str(tmp_path / "save")) if saving else ()), *(sharded or ()),
            *(("--train-accuracy",) if saving and sharded in (None, ("--fsdp",)) else ()))
     # the four ranks wait at the batch the kill comes after (on a loaded machine they trained past
