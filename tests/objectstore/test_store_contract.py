@@ -112,6 +112,39 @@ def test_problems_are_one_line_and_name_the_bucket(remote, monkeypatch: pytest.M
         assert "\n" not in message
 
 
+def _timed_out(scheme: str) -> Exception:
+    """The client's own error for a reply that never came, as a store method raises it: inside an
+    ObjectStoreTransientError."""
+    from lockstep.objectstore.store import ObjectStoreTransientError
+
+    if scheme == "s3":
+        import botocore.exceptions
+        error: Exception = botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:1")
+    elif scheme == "gs":
+        import requests
+        error = requests.exceptions.ReadTimeout("Read timed out. (read timeout=5.0)")
+    else:
+        from azure.core.exceptions import ServiceResponseError
+        error = ServiceResponseError("Read timed out")
+    try:
+        raise ObjectStoreTransientError(f"{scheme}://b/k: {error}") from error
+    except ObjectStoreTransientError as e:
+        return e
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "azure"])
+def test_a_timeout_in_the_probes_write_is_said_as_a_silent_endpoint(scheme: str) -> None:
+    # the listing may be answered and the write not (a server that stops between the two): the
+    # write's error comes through the store's translation, and is said as the listing's would be
+    from lockstep.objectstore import azure, gcs, s3_errors
+    from lockstep.objectstore.probe import underlying
+
+    error = underlying(_timed_out(scheme))
+    said = (s3_errors._explained(error, object()) if scheme == "s3" else
+            gcs._explained(error, "bucket 'b'") if scheme == "gs" else azure._explained(error, "container 'b'"))
+    assert "does not answer" in said, said
+
+
 def test_an_endpoint_that_takes_connections_and_never_answers_is_said_in_seconds(remote) -> None:
     """A black hole (the server paused): the probe a Trainer runs gives up in seconds, not after
     the client's own timeouts and retries (minutes)."""

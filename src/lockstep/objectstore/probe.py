@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from lockstep.objectstore.store import ObjectStore
+from lockstep.objectstore.store import ObjectStore, ObjectStoreTransientError
 
 
 def problem(store: ObjectStore, key: str, *, write: bool) -> str | None:
@@ -29,6 +29,14 @@ def try_a_write(store: ObjectStore, key: str) -> None:
     name = f"{key.rstrip('/')}/{name}" if key else name
     store.upload_bytes(name, b"")  # type: ignore[attr-defined]
     store.delete_object(name)  # type: ignore[attr-defined]
+
+
+def underlying(error: Exception) -> Exception:
+    """The client's own error behind a store's :class:`ObjectStoreTransientError` (a store method,
+    such as the probe's write, raises it from the client's timeout or refused connection), which
+    each backend's explanation knows; any other error as it is."""
+    cause = error.__cause__
+    return cause if isinstance(error, ObjectStoreTransientError) and isinstance(cause, Exception) else error
 
 
 def first_line(error: BaseException) -> str:
