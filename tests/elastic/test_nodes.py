@@ -206,6 +206,35 @@ def test_a_job_starts_without_a_node_that_is_late_and_it_joins_later_ending_as_f
         [(2, 4, 2, [2, 3])], changes
 
 
+@pytest.mark.parametrize("sharded", [("--fsdp",), ("--zero", "2")], ids=["fsdp", "zero2"])
+def test_a_late_node_that_joins_before_the_first_checkpoint_takes_the_shards_from_its_peers(
+        tmp_path: Path, reference, sharded: tuple[str, ...]) -> None:
+    """Node 0 starts alone under FSDP (DeepSpeed ZeRO-2, whose first engine is built over the two
+    ranks there are, not the launch's four) and waits after batch 1, before its first checkpoint
+    (every 2 batches); node 1 joins and its ranks take the state from node 0's shards: nothing is
+    trained again and the run ends as the uninterrupted 4-rank one."""
+    import torch
+
+    from tests.elastic.jobs import global_batches
+
+    port, out, save = str(free_port()), tmp_path / "out", tmp_path / "save"
+    last_call = ("--rdzv_last_call", "2")
+    job = ("--hold", "1", "--save", str(save), *sharded)
+    master = launch(out, *job, launcher=(*node_args(port, 0), *last_call), run="run0")
+    wait_for(out / "ends0", [master], lines=1)
+    assert not list(save.glob("ep*"))  # no checkpoint to go back to
+    late = launch(out, *job, launcher=(*node_args(port, 1), *last_call), run="run1")
+    said = finish(master)
+    finish(late)
+    assert "node 1 (ranks 2, 3) joined: 4 of 4 ranks go on at world size 4 (generation 2" in said, said
+    changes = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
+    assert [(c["world_size"], c["joined"], c["batch"], c["trained_again"]) for c in changes] == \
+        [(4, [2, 3], 1, 0)], changes
+    params, batches = reference
+    assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
+    assert global_batches(out) == batches
+
+
 PLAIN = """\
 import os, torch, torch.distributed as dist
 from torch.distributed import distributed_c10d

@@ -416,6 +416,9 @@ class DeepSpeedStrategy(Strategy):
         self._build()
 
     def _build(self) -> None:
+        # over the ranks there are: an elastic job may start with fewer than the launch's world (a late
+        # node), whose global batch the config was filled for
+        self.config = refill_world_size(self.config, dist.get_world_size())
         with _without_inference_all_reduce_op():
             self.engine, _, _, _ = self._deepspeed.initialize(
                 model=self.model, optimizer=self.optimizers[0] if self.optimizers else None,
@@ -442,7 +445,6 @@ class DeepSpeedStrategy(Strategy):
                                                                  if self.optimizers else [])]
         for param in self.model.parameters():  # the interrupted step's partial gradients
             param.grad = None
-        self.config = refill_world_size(self.config, dist.get_world_size())
         self._build()
         return self.model
 
