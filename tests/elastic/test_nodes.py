@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from lockstep.checkpoint import export_state_dict
-from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, launch
+from tests.elastic.jobs import JOB, REPO, assert_as_uninterrupted, finish, global_batches, launch
 from tests.helpers import free_port
 from tests.trainer.common import assert_same_params
 from tests.launcher.netns import Hosts, make_hosts
@@ -213,10 +214,6 @@ def test_a_late_node_that_joins_before_the_first_checkpoint_takes_the_shards_fro
     ranks there are, not the launch's four) and waits after batch 1, before its first checkpoint
     (every 2 batches); node 1 joins and its ranks take the state from node 0's shards: nothing is
     trained again and the run ends as the uninterrupted 4-rank one."""
-    import torch
-
-    from tests.elastic.jobs import global_batches
-
     port, out, save = str(free_port()), tmp_path / "out", tmp_path / "save"
     last_call = ("--rdzv_last_call", "2")
     job = ("--hold", "1", "--save", str(save), *sharded)
