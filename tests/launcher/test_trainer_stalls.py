@@ -19,6 +19,11 @@ from tests.launcher.conftest import launch
 pytestmark = pytest.mark.timeout(150)
 REPO = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("trainer_stall_job.py")
+# Seconds without progress that make a stall. A healthy step or the set-up of an evaluation can take
+# 2 s on two cores shared with other tests' ranks; STALL_S leaves room for that, and the work that
+# must not count as a stall (SLOW_S) is longer than it.
+STALL_S = "5"
+SLOW_S = 6
 
 
 def _two_nodes(tmp_path: Path, env: dict[str, str], per_node: int) -> list[tuple[int, str, str]]:
@@ -28,7 +33,7 @@ def _two_nodes(tmp_path: Path, env: dict[str, str], per_node: int) -> list[tuple
     nodes = [subprocess.Popen([sys.executable, "-m", "lockstep", "-n", str(per_node), "--world_size", str(2 * per_node),
                                "--node_rank",
                                str(node), "--master_addr", "127.0.0.1", "--master_port", port,
-                               "--rdzv_timeout", "60", "--stall_timeout", "2", "--run_directory",
+                               "--rdzv_timeout", "60", "--stall_timeout", STALL_S, "--run_directory",
                                str(tmp_path / f"run{node}"), str(JOB), str(tmp_path / f"ckpt{node}")],
                               cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
@@ -46,7 +51,7 @@ def stopped_before_save(tmp_path_factory) -> tuple[subprocess.CompletedProcess[s
     its save folder (which keeps the checkpoints of batches 1 and 2)."""
     tmp = tmp_path_factory.mktemp("stopped")
     began = time.monotonic()
-    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp / "ckpt")], tmp,
+    result = launch(["-n", "2", "--stall_timeout", STALL_S, str(JOB), str(tmp / "ckpt")], tmp,
                     env={"STOP_RANK": "1", "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
     return result, time.monotonic() - began, tmp / "ckpt"
 
@@ -74,19 +79,19 @@ def test_across_two_nodes_both_launchers_end_naming_the_rank_that_stopped(tmp_pa
 
 
 def test_a_long_write_that_the_other_node_waits_for_is_not_a_stall(tmp_path: Path) -> None:
-    # each of the 3 writes of rank 0 takes 3 s against a 2 s stall timeout: the next save waits for the
+    # each of the 3 writes of rank 0 takes longer than the stall timeout: the next save waits for the
     # first two (training went on meanwhile), and node 1's rank waits for the last one
     began = time.monotonic()
-    results = _two_nodes(tmp_path, {"SLOW_WRITE": "3"}, per_node=1)
+    results = _two_nodes(tmp_path, {"SLOW_WRITE": str(SLOW_S)}, per_node=1)
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
-    assert time.monotonic() - began >= 3 * 3  # the writes, one at a time, were slow
+    assert time.monotonic() - began >= 3 * SLOW_S  # the writes, one at a time, were slow
     assert all("finished" in out and "stall" not in err for _, out, err in results)
 
 
 def test_long_work_of_one_rank_at_fit_end_is_not_a_stall(tmp_path: Path) -> None:
-    # rank 0's FIT_END takes 4 s against a 2 s stall timeout (a loss curve drawn on a loaded machine did)
-    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path,
-                    env={"SLOW_FIT_END": "4", "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
+    # rank 0's FIT_END outlasts the stall timeout (a loss curve drawn on a loaded machine did)
+    result = launch(["-n", "2", "--stall_timeout", STALL_S, str(JOB), str(tmp_path / "ckpt")], tmp_path,
+                    env={"SLOW_FIT_END": str(SLOW_S), "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 finished" in result.stdout and "stall" not in result.stderr, result.stderr[-3000:]
 
@@ -96,7 +101,7 @@ def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(stopped_bef
     saved = stopped_before_save[2]  # the job that stalled saved batch 2 before it
     assert (saved / "ep0-ba2-rank0.pt").is_file(), sorted(p.name for p in saved.iterdir())
     load = str(saved / "ep0-ba2-rank{rank}.pt")
-    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "again")], tmp_path,
+    result = launch(["-n", "2", "--stall_timeout", STALL_S, str(JOB), str(tmp_path / "again")], tmp_path,
                     env={**env, "LOAD": load, "STOP_IN_LOAD": "1"}, timeout=100)
     assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
     err = result.stderr
@@ -104,7 +109,7 @@ def test_a_rank_that_stops_on_its_way_into_a_load_is_the_stall_named(stopped_bef
 
 
 def test_a_rank_that_stops_in_an_evaluation_is_the_stall_named(tmp_path: Path) -> None:
-    result = launch(["-n", "2", "--stall_timeout", "2", str(JOB), str(tmp_path / "ckpt")], tmp_path,
+    result = launch(["-n", "2", "--stall_timeout", STALL_S, str(JOB), str(tmp_path / "ckpt")], tmp_path,
                     env={"STOP_IN_EVAL": "1", "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=100)
     assert result.returncode == STALL_EXIT_CODE, result.stderr[-3000:]
     err = result.stderr
