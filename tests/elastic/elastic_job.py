@@ -33,7 +33,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lockstep import Callback, Trainer, dist, elastic  # noqa: E402
-from tests.elastic.test_global_batch import PER_RANK_BATCH, _Indexed  # noqa: E402
+from tests.elastic.indexed import PER_RANK_BATCH, Indexed  # noqa: E402
 from tests.trainer.common import MLP, dataset, full_params  # noqa: E402
 
 EVAL_SAMPLES = 37
@@ -187,7 +187,7 @@ def main() -> None:
         _, batch, where = args.die_in_save.split(":")
         die_in_save(int(batch), where)
     kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
-    model, data = MLP(train_accuracy=args.train_accuracy), _Indexed()
+    model, data = MLP(train_accuracy=args.train_accuracy), Indexed()
     options = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
         if args.save else {}
     callbacks = [Record(args.out, kills, args.sleep, args.hold, args.save, args.hold_full)]

@@ -5,7 +5,6 @@ moved on to the new generation) would make its rank wait for the group's whole t
 from __future__ import annotations
 
 import gc
-import os
 import time
 from datetime import timedelta
 from pathlib import Path

@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lockstep import Callback, Trainer, dist
 from lockstep.elastic import FULL_WORLD_ENV, GlobalBatchSampler, full_world_size, share_loader
 from lockstep.testing import run_distributed
+from tests.elastic.indexed import PER_RANK_BATCH, SAMPLES, Indexed
 from tests.trainer.common import MLP, assert_same_params, error_of, full_params
 
-SAMPLES = 44  # at 4 ranks of 3: global batches of 12, 12, 12 and 8 per epoch
-PER_RANK_BATCH = 3
 FULL_WORLD = 4
 
 
@@ -79,20 +78,6 @@ def test_loaders_that_cannot_be_shared_and_bad_settings_are_one_line_errors(monk
     assert full_world_size() == 4
 
 
-class _Indexed(Dataset):
-    """Features, labels and each sample's index (which the model ignores)."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(SAMPLES, 6, generator=g), torch.randint(0, 3, (SAMPLES,), generator=g)
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i], i
-
-
 class _Log(Callback):
     """The samples of each step this rank trains, and the largest microbatch it ran."""
 
@@ -112,7 +97,7 @@ SHARDED = {"fsdp_config": {"sharding_strategy": "FULL_SHARD", "state_dict_type":
 
 def _train(folder: str, load: str | None, sharded: bool = False,
            stateful: bool = False) -> tuple[dict[str, torch.Tensor], dict[int, list[int]], int]:
-    model, data, log = MLP(), _Indexed(), _Log()
+    model, data, log = MLP(), Indexed(), _Log()
     loader = StatefulDataLoader if stateful else DataLoader
     trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",
                       train_dataloader=loader(data, batch_size=PER_RANK_BATCH,
