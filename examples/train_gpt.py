@@ -62,9 +62,13 @@ END_OF_TEXT = "<|endoftext|>"
 
 def stdlib_files(root: str | None = None) -> list[Path]:
     """The standard library's ``*.py`` files, sorted, without site-packages and test suites."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-    return sorted(p for p in base.rglob("*.py") if not skip & set(p.relative_to(base).parts))
+    found = []
+    for folder, subfolders, names in os.walk(root or sysconfig.get_paths()["stdlib"]):
+        # pruned, not filtered: a Python's own site-packages may hold 40,000 files
+        subfolders[:] = [name for name in subfolders if name not in skip]
+        found.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    return sorted(found)
 
 
 def split_files(files: list[Path], split: str, max_bytes: int | None = None) -> list[bytes]:
