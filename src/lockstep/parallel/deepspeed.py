@@ -434,9 +434,14 @@ class DeepSpeedStrategy(Strategy):
         state left for a checkpoint to fill). At stages 0-2, whose model every rank holds whole,
         around the same model; at stage 3, whose parameters the lost ranks held part of, around a
         new model made from the skeleton (its parameters for the checkpoint to fill)."""
+        return self._rebuild(keep_state=False)
+
+    def _rebuild(self, keep_state: bool) -> nn.Module:
+        """:meth:`reshard`; with ``keep_state``, the optimizer's state kept as it is (ZeRO-0 in fp32,
+        whose engine steps the user's optimizer over its own parameter groups)."""
         assert self._params is not None, "reshard() is for an elastic job's DeepSpeed strategy"
         if self.engine is not None:
-            self._take_off(self.engine)
+            self._take_off(self.engine, keep_state)
         if self._skeleton is not None:
             _number_from_zero()  # as a joining rank's first engine does
             self.model = skeleton.materialize(self._skeleton, self.device, self.model)
@@ -461,10 +466,7 @@ class DeepSpeedStrategy(Strategy):
         """ZeRO-0 in fp32 after an elastic job's ranks changed: a new engine over the new process
         group around the same model and optimizer, whose state is kept (a rank that joined builds its
         first engine here and takes the state from the furthest rank after)."""
-        kept = [optimizer.state_dict() for optimizer in self.optimizers]
-        self.reshard()
-        for optimizer, state in zip(self.optimizers, kept):
-            optimizer.load_state_dict(state)
+        self._rebuild(keep_state=True)
 
     @property
     def whole_from_peers(self) -> bool:  # type: ignore[override]
@@ -486,9 +488,10 @@ class DeepSpeedStrategy(Strategy):
         deepspeed_peers.load(self.engine, self.stage, held)
         return model
 
-    def _take_off(self, engine: Any) -> None:
+    def _take_off(self, engine: Any, keep_state: bool = False) -> None:
         """``engine``'s hooks off the model, DeepSpeed's clone of the old world forgotten, and the
-        optimizer's own parameter groups back (DeepSpeed replaced them with flat partitions)."""
+        optimizer's own parameter groups back (DeepSpeed replaced them with flat partitions), its
+        state cleared for a checkpoint or peers to fill unless ``keep_state``."""
         engine.destroy()  # the optimizer's gradient hooks
         for hook in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
             if hook is not None:
@@ -502,7 +505,8 @@ class DeepSpeedStrategy(Strategy):
             optimizer = self.optimizers[0]
             for group, params in zip(optimizer.param_groups, self._params or []):
                 group["params"] = list(params)
-            optimizer.state.clear()
+            if not keep_state:
+                optimizer.state.clear()
 
     def prepare_batch(self, batch: Any) -> Any:
         batch = super().prepare_batch(batch)
