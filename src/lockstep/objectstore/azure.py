@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.objectstore.probe import first_line, try_a_write, underlying
+from lockstep.objectstore.probe import first_line, try_a_write
 from lockstep.objectstore.store import ObjectStoreTransientError, Versioned, whole_file
 
 AZURE_INSTALL_HINT = "pip install 'torch-lockstep[azure]' (azure-storage-blob)"
@@ -183,7 +183,7 @@ class AzureObjectStore:
                 try_a_write(self, object_name)
             return None
         except Exception as e:
-            return _explained(underlying(e), where)
+            return _explained(e, where)
 
     def quick(self) -> AzureObjectStore:
         return AzureObjectStore(self.bucket, **{**self._options, "timeout_s": 5.0, "retry_total": 1})

@@ -23,20 +23,19 @@ def problem(store: ObjectStore, key: str, *, write: bool) -> str | None:
 
 
 def try_a_write(store: ObjectStore, key: str) -> None:
-    """Put a small object under ``key`` and delete it (raises what the store raises): a write is
-    tried for real, since read permissions say nothing of write ones."""
+    """Put a small object under ``key`` and delete it: a write is tried for real, since read
+    permissions say nothing of write ones. Raises the client's own error, as the listing before
+    it does, which each backend's explanation knows: a store method raises its client's timeout or
+    refused connection inside an :class:`ObjectStoreTransientError`, unwrapped here."""
     name = f".lockstep-probe-{uuid.uuid4().hex}"
     name = f"{key.rstrip('/')}/{name}" if key else name
-    store.upload_bytes(name, b"")  # type: ignore[attr-defined]
-    store.delete_object(name)  # type: ignore[attr-defined]
-
-
-def underlying(error: Exception) -> Exception:
-    """The client's own error behind a store's :class:`ObjectStoreTransientError` (a store method,
-    such as the probe's write, raises it from the client's timeout or refused connection), which
-    each backend's explanation knows; any other error as it is."""
-    cause = error.__cause__
-    return cause if isinstance(error, ObjectStoreTransientError) and isinstance(cause, Exception) else error
+    try:
+        store.upload_bytes(name, b"")  # type: ignore[attr-defined]
+        store.delete_object(name)  # type: ignore[attr-defined]
+    except ObjectStoreTransientError as e:
+        if isinstance(e.__cause__, Exception):
+            raise e.__cause__ from None
+        raise
 
 
 def first_line(error: BaseException) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from lockstep.objectstore.probe import first_line, try_a_write, underlying
+from lockstep.objectstore.probe import first_line, try_a_write
 
 
 class S3ObjectStore(Protocol):
@@ -27,7 +27,7 @@ def problem(store: S3ObjectStore, key: str, *, write: bool) -> str | None:
             try_a_write(store, key)
         return None
     except Exception as e:
-        return _explained(_with_body(underlying(e), store), store)
+        return _explained(_with_body(e, store), store)
 
 
 def _with_body(error: Exception, store: S3ObjectStore) -> Exception:
