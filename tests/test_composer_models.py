@@ -32,8 +32,9 @@ from lockstep.loggers import InMemoryLogger
 from lockstep.models import ComposerClassifier
 from lockstep.testing import run_distributed
 from lockstep import Trainer
+from tests.fixtures.numerics import for_this_machine
 
-FIXTURE_PATH = Path(__file__).parent / "fixtures" / "composer" / "metrics.pt"
+FIXTURE_PATH = for_this_machine(Path(__file__).parent / "fixtures" / "composer" / "metrics.pt")
 LOSS_FUNCTIONS = {"cross_entropy": F.cross_entropy, "mse_loss": F.mse_loss}
 
 # __all__ of composer.models, composer.metrics, composer.loss and composer.loss.utils in Composer 0.32.1

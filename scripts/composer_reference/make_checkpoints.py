@@ -15,6 +15,10 @@ path (``FSDP_VERSION=2``), which runs on CPU. Each checkpoint is then resumed by
     sharded/                        Composer's ep0-ba6 folder (.metadata, __0_0.distcp, __1_0.distcp)
     continued_monolithic.pt         {'params': {name: tensor}, 'batch': 12} after Composer resumed monolithic.pt
     continued_sharded.pt            the same for sharded/
+
+With ``--this-machine`` it keeps the checkpoints and only has Composer continue them again, writing
+the two ``continued_*.pt`` for machines whose floating-point results are this one's
+(``tests/fixtures/numerics.py``) under ``checkpoints/numerics/<tag>/``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "fixtures" / "composer" / "resume_classifier.py"
 OUT = REPO / "tests" / "fixtures" / "composer" / "checkpoints"
+sys.path.insert(0, str(REPO))
+from tests.fixtures import numerics  # noqa: E402  (the repository, on the path above)
 
 
 def on_two_ranks(*args: str, fsdp: bool = False) -> None:
@@ -45,7 +51,19 @@ def on_two_ranks(*args: str, fsdp: bool = False) -> None:
         raise SystemExit(f"{SCRIPT.name} {' '.join(args)} failed")
 
 
+def continue_here() -> None:
+    """Composer's continuations of the checkpoints in OUT, as this machine computes them."""
+    for checkpoint, flags in (("monolithic.pt", ()), ("sharded", ("sharded",))):
+        out = numerics.this_machines(OUT / f"continued_{checkpoint.removesuffix('.pt')}.pt")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        on_two_ranks("resume", str(OUT / checkpoint), str(out), *flags, fsdp=bool(flags))
+        print(out.relative_to(REPO), out.stat().st_size)
+
+
 def main() -> None:
+    if "--this-machine" in sys.argv[1:]:
+        continue_here()
+        return
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,6 +19,9 @@ lockstep's objects without drawing random numbers:
 
 The file is ``{"flat": {dtype: 1-d tensor}, "fixture": ...}``, each tensor of the fixture written as
 ``("tensor:<dtype>", offset, shape)`` into ``flat[dtype]``.
+
+With ``--this-machine`` it writes, instead, the copy for machines whose floating-point results are
+this one's (``tests/fixtures/numerics.py``), beside the fixture under ``numerics/<tag>/``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ from composer.loss import utils as composer_loss_utils
 from composer.models import ComposerClassifier
 from torch.nn import functional as F
 
-OUT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "composer" / "metrics.pt"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from tests.fixtures import numerics  # noqa: E402  (the repository, on the path above)
+
+OUT = REPO / "tests" / "fixtures" / "composer" / "metrics.pt"
 LOSS_FUNCTIONS = {"cross_entropy": F.cross_entropy, "mse_loss": F.mse_loss}
 
 
@@ -244,6 +251,7 @@ def pack(obj: Any, flat: dict[str, list[torch.Tensor]], refs: dict[int, tuple]) 
 
 
 def main() -> None:
+    out = numerics.this_machines(OUT) if "--this-machine" in sys.argv[1:] else OUT
     t = tensors(seed=0)
     fixture = {
         "versions": {"composer": composer.__version__, "torch": str(torch.__version__),
@@ -252,13 +260,13 @@ def main() -> None:
         "metrics": {name: {**case, **run_metric(case)} for name, case in metric_cases(t).items()},
         "classifier": classifier(t),
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     # ~100 tensors of a few numbers each cost ~200 bytes apiece in a torch.save; one flat tensor per
     # dtype and references into it make the file 15 KB instead of 45
     flat: dict[str, list[torch.Tensor]] = {}
     packed = pack(fixture, flat, {})
-    torch.save({"flat": {dtype: torch.cat(parts) for dtype, parts in flat.items()}, "fixture": packed}, OUT)
-    print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
+    torch.save({"flat": {dtype: torch.cat(parts) for dtype, parts in flat.items()}, "fixture": packed}, out)
+    print(f"wrote {out} ({out.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

@@ -14,18 +14,26 @@ needs no matrix product, whose rounding may vary with the CPU) and the parameter
 (flattened: weight, bias, gain; float32, which holds the bf16 and fp16 cases' values exactly), plus
 Composer's optimizer ``state_dict`` after half the steps for some cases.
 ``tests/test_optim_decoupled.py`` replays the same gradients through lockstep's optimizers.
+
+With ``--this-machine`` it writes, instead, the copy for machines whose floating-point results are
+this one's (``tests/fixtures/numerics.py``), beside the fixture under ``numerics/<tag>/``.
 """
 
 from __future__ import annotations
 
 import copy
 import pathlib
+import sys
 
 import composer
 import torch
 from composer.optim import DecoupledAdamW, DecoupledSGDW
 
-OUT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "composer" / "decoupled_optimizers.pt"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from tests.fixtures import numerics  # noqa: E402  (the repository, on the path above)
+
+OUT = REPO / "tests" / "fixtures" / "composer" / "decoupled_optimizers.pt"
 SAVE_STATE_AT = 5
 LR_MULTIPLIERS = [0.25, 0.5, 0.75, 1.0, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1]
 BIAS_FROZEN_STEPS = 2
@@ -93,6 +101,7 @@ def stack_cases(cases: dict[str, dict]) -> dict:
 
 
 def main() -> None:
+    out = numerics.this_machines(OUT) if "--this-machine" in sys.argv[1:] else OUT
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(8, 4, generator=generator)
     y = torch.randn(8, 3, generator=generator)
@@ -106,9 +115,9 @@ def main() -> None:
         "y": y,
         **stack_cases({name: run_case(*case, x, y) for name, case in CASES.items()}),
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(fixture, OUT)
-    print(f"{OUT} ({OUT.stat().st_size} bytes)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(fixture, out)
+    print(f"{out} ({out.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -51,16 +52,34 @@ def _port_free(port: int) -> bool:
 
 
 def free_port_pairs(count: int) -> list[int]:
-    """``count`` ports P, each with P and P + 10000 free."""
+    """``count`` ports P, each with P and P + 10000 free, below the kernel's ephemeral range where
+    it has room there. Ports that ``bind(0)`` and outgoing connections take come from that range, so
+    a server killed and started again on its ports (``restart``) finds them free, however many
+    connections the other tests' jobs opened meanwhile (with ports from that range, a restart in a
+    run of four workers once exited at start, most likely on a port taken while it was down)."""
+    low = _ephemeral_low()
+    below = low - _GRPC_OFFSET > 12000
     ports: list[int] = []
     while len(ports) < count:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + _GRPC_OFFSET < 65536 and port not in ports and _port_free(port + _GRPC_OFFSET) \
-                and all(abs(port - p) != _GRPC_OFFSET for p in ports):
+        port = random.randrange(10000, low - _GRPC_OFFSET) if below else _any_free_port()
+        if port + _GRPC_OFFSET < 65536 and port not in ports and _port_free(port) \
+                and _port_free(port + _GRPC_OFFSET) and all(abs(port - p) != _GRPC_OFFSET for p in ports):
             ports.append(port)
     return ports
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _any_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

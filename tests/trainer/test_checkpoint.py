@@ -17,6 +17,7 @@ from lockstep import Callback, Trainer, dist
 from lockstep.checkpoint import CheckpointError, export_safetensors, export_state_dict, staging, zipwriter
 from lockstep.optim import CosineAnnealingWithWarmupScheduler
 from lockstep.testing import run_distributed
+from tests.fixtures.numerics import for_this_machine
 from tests.trainer.common import MLP, DropoutMLP, NoisyDataset, assert_same_params, error_of, loader, params
 
 # 28 samples, batch 4 per rank at world size 1: 7 batches per epoch
@@ -130,7 +131,7 @@ def test_the_checkpoint_has_composers_top_level_layout(uninterrupted) -> None:
     assert state["optimizers"][0]["state"][0]["exp_avg"].shape == state["model"]["net.0.weight"].shape
 
 
-V1_CHECKPOINT = Path(__file__).parents[1] / "fixtures" / "lockstep_v1" / "ep0-ba3-rank0.pt"
+V1_CHECKPOINT = for_this_machine(Path(__file__).parents[1] / "fixtures" / "lockstep_v1" / "ep0-ba3-rank0.pt")
 
 
 def test_a_checkpoint_of_the_earlier_layout_resumes_bit_identically(uninterrupted, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lockstep.checkpoint import export_state_dict
+from tests.fixtures.numerics import for_this_machine
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "composer"
 CHECKPOINTS = FIXTURES / "checkpoints"
@@ -48,7 +49,7 @@ def test_lockstep_continues_a_composer_checkpoint_as_composer_did(tmp_path: Path
     """Model, optimizer (DecoupledAdamW's moments), LambdaLR's step count, timestamp (mid-epoch: the
     sampler passes over the 6 batches of epoch 0 already trained, then epoch 1 reshuffles) and every rank's RNG (dropout) all come
     back: lockstep's 6 further batches end at Composer's parameters, bit for bit."""
-    ours, theirs = resume(tmp_path, checkpoint, *flags), torch.load(CHECKPOINTS / composers, weights_only=True)
+    ours, theirs = resume(tmp_path, checkpoint, *flags), torch.load(for_this_machine(CHECKPOINTS / composers), weights_only=True)
     assert ours["batch"] == theirs["batch"] == 12
     assert ours["params"].keys() == theirs["params"].keys()
     for name, value in theirs["params"].items():
