@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "objectstore"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "objectstore"), str(ROOT)]  # emulators imports tests.helpers
 import emulators  # noqa: E402
 import seaweed  # noqa: E402
 
