@@ -53,8 +53,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lockstep  # noqa: E402
 from lockstep import dist  # noqa: E402
-from lockstep.checkpoint import loader, rng  # noqa: E402
-from trainer_throughput import BATCH, CLASSES, WIDTH, StepTimer, make_trainer  # noqa: E402
+from lockstep import rng  # noqa: E402
+from lockstep.checkpoint import loader  # noqa: E402
+from throughput_job import BATCH, CLASSES, Clock, StepTimer, make_loader, make_model  # noqa: E402
+
+WIDTH = 512  # throughput_job's "plain" workload
+
+
+def make_trainer(dataset: TensorDataset, batches: int, callbacks: list[lockstep.Callback] | None = None,
+                 **saving: object) -> lockstep.Trainer:
+    """The Trainer of throughput_job's "plain" workload over ``dataset`` for ``batches`` batches."""
+    model = make_model(WIDTH)
+    trainer = lockstep.Trainer(model=model, train_dataloader=make_loader(dataset), max_duration=f"{batches}ba",
+                               optimizers=torch.optim.AdamW(model.parameters()), callbacks=callbacks or [],
+                               **saving)
+    for callback in callbacks or []:
+        if isinstance(callback, StepTimer):
+            callback.trainer = trainer  # it waits for the background saves before its last tick
+    return trainer
 
 
 def timed(fn) -> float:
@@ -73,12 +89,12 @@ def shared_tmp() -> Path:
 
 def save_load(dataset: TensorDataset, rounds: int) -> None:
     tmp = shared_tmp()
-    trainer = make_trainer(dataset, None, 1, save_folder=str(tmp / "ls"), save_overwrite=True,
+    trainer = make_trainer(dataset, 1, save_folder=str(tmp / "ls"), save_overwrite=True,
                            save_latest_filename="latest.pt")
     trainer.fit()  # one step: AdamW's state exists; this also writes the end-of-training checkpoint
     state, saver = trainer.state, trainer.saver
     model, optimizer = state.model, state.optimizers[0]
-    ours_path = saver.folder / "ep0-ba1-rank0.pt"
+    ours_path = saver.where.local / "ep0-ba1-rank0.pt"
     plain_path = tmp / "plain.pt"
     is_zero = dist.get_global_rank() == 0
 
@@ -163,7 +179,7 @@ def train_cost(dataset: TensorDataset, rounds: int, warmup: int, steps: int, eve
     for r in range(rounds):
         order = list(rates) if r % 2 == 0 else list(rates)[::-1]
         for name in order:
-            timer = StepTimer(warmup, steps)
+            timer = StepTimer(Clock(warmup, steps))
             callbacks: list[lockstep.Callback] = [timer]
             kwargs = {}
             folder = tmp / f"{name}-{r}".replace(" ", "")
@@ -171,9 +187,9 @@ def train_cost(dataset: TensorDataset, rounds: int, warmup: int, steps: int, eve
                 kwargs = dict(save_folder=str(folder), save_interval=f"{name.split()[-1]}ba")
             elif name.startswith("plain"):
                 callbacks.append(PlainSaver(folder, int(name.split()[-1])))
-            trainer = make_trainer(dataset, None, warmup + steps, callbacks=callbacks, **kwargs)
+            trainer = make_trainer(dataset, warmup + steps, callbacks, **kwargs)
             trainer.fit()
-            rates[name].append(steps / timer.clock.elapsed)
+            rates[name].append(steps / (timer.clock.ticks[-1] - timer.clock.ticks[0]))
     if dist.get_global_rank() == 0:
         base = statistics.median(rates["none"])
         print(f"\ntraining, {dist.get_world_size()} ranks, {steps} timed steps, median of {rounds} rounds")

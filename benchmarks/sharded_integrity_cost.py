@@ -37,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lockstep import dist
 from lockstep.checkpoint import integrity
-from lockstep.checkpoint.states import ShardedLayout
+from lockstep.checkpoint.fsdp_states import ShardedLayout
 
 
 def _model(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
