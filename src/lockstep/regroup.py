@@ -27,7 +27,9 @@ from lockstep.launcher.elastic_names import (
     ELASTIC_ENV,
     ELASTIC_STORE_ENV,
     JOIN_ENV,
+    RESPAWN_ENV,
     START_ENV,
+    admit_key,
     finished_key,
     generation_key,
     members_key,
@@ -144,11 +146,27 @@ def enter(timeout: float, *, plain: bool = False) -> None:
     store.add(ready_key(prefix, os.environ[JOIN_ENV]), 1)
     deadline = time.monotonic() + timeout
     while launch_rank not in members(store, prefix, newest(store, prefix)):
+        if os.environ.get(RESPAWN_ENV):
+            _stop_if_refused(store, prefix, launch_rank)
         if time.monotonic() > deadline:
             raise RuntimeError(f"rank {launch_rank} (at launch) was not let into the running job within {timeout:g} s "
                                f"(dist_timeout): see its launcher's output")
         time.sleep(POLL_S)
     entered = form(store, prefix, launch_rank, timeout, lambda: newest(store, prefix))
+
+
+def _stop_if_refused(store: Any, prefix: str, launch_rank: int) -> None:
+    """A rank started again in place that the master's launcher will not let in exits, saying why."""
+    if store.check([finished_key(prefix)]):
+        raise JobFinished(f"lockstep: rank {launch_rank} (at launch), started again, finds the job's ranks done "
+                          f"training: nothing is left to train, it exits")
+    key = admit_key(prefix, os.environ[JOIN_ENV])
+    if store.check([key]):
+        answer = store.get(key).decode()
+        if answer.startswith("no: "):
+            print(f"lockstep: rank {launch_rank} (at launch), started again, was not let into the running job: "
+                  f"{answer.removeprefix('no: ')}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
 
 
 def route_init_process_group() -> None:

@@ -61,7 +61,10 @@ class Record(Callback):
     def batch_end(self, state, logger) -> None:
         with open(self.out / f"ends{self.rank}", "a") as f:
             f.write(f"{int(state.timestamp.batch)} {time.time()}\n")
-        if int(state.timestamp.batch) == self.kill_after and int(os.environ["LOCKSTEP_RESTART_COUNT"]) == 0:
+        # once: not again in a restart, nor in the rank started again in place (--rank_restarts),
+        # which may train the batch again where the others went back to a checkpoint
+        if int(state.timestamp.batch) == self.kill_after and int(os.environ["LOCKSTEP_RESTART_COUNT"]) == 0 \
+                and not os.environ.get("LOCKSTEP_ELASTIC_RESPAWN"):
             self._await_saved(self.kill_after - self.kill_after % 2)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)

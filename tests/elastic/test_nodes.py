@@ -71,6 +71,21 @@ def test_a_rank_lost_on_the_other_node_leaves_three_ranks_that_finish_as_four_wo
     assert_as_uninterrupted(out, reference)
 
 
+def test_with_rank_restarts_a_rank_lost_on_the_other_node_is_started_again_there_and_joins(
+        tmp_path: Path, reference) -> None:
+    """``--rank_restarts 1`` on every node: rank 3 (node 1) dies after batch 2; node 1's launcher
+    starts it again, the master's lets it in once ready (the three wait after batch 5 for it), and
+    the four end as the uninterrupted run."""
+    out, port = tmp_path / "out", str(free_port())
+    master, other = [launch(out, "3:2", "--hold", "5", launcher=(*node_args(port, node), "--rank_restarts", "1"),
+                            run=f"run{node}") for node in (0, 1)]
+    said, there = finish(master), finish(other)
+    assert "rank 3 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in said, said
+    assert "rank 3 (local rank 1) started again in place (1 of --rank_restarts 1)" in there, there
+    assert "rank 3 joined: 4 of 4 ranks go on at world size 4 (generation 2" in said, said
+    assert_as_uninterrupted(out, reference)
+
+
 def test_a_node_whose_launcher_is_killed_at_a_random_moment_costs_no_sample_and_no_exactness(
         tmp_path: Path, reference) -> None:
     delay = random.Random().uniform(0.0, 0.6)

@@ -116,6 +116,11 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
                         "go on at the smaller world size from the step in flight, training the same global "
                         "batches (a Trainer under DDP). torchrun's --nnodes MIN:MAX sets it to MIN nodes' "
                         "ranks. Default: off, a lost rank stops the job.")
+    p.add_argument("--rank_restarts", type=_non_negative_int, default=0,
+                   help="With --min_ranks (or --nnodes MIN:MAX): start a lost rank again in place, on its "
+                        "node, up to this many times per rank; it joins the running job at a step boundary "
+                        "and takes the state from its peers, and the world grows back. Default: 0 (a lost "
+                        "rank stays lost).")
     p.add_argument("--grace_period", type=_grace_seconds, default=5.0,
                    help="Seconds ranks get to exit after SIGTERM before SIGKILL. Default: 5.")
     p.add_argument("--stall_timeout", type=_stall_seconds, default=None,
@@ -396,6 +401,7 @@ def parse_plan(argv: Sequence[str], env: Mapping[str, str], now: datetime.dateti
         line_prefix=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_LINE_PREFIX,
         torchrun_logs=torchrun_logs and torchrun_logs / f"{run_id or run_directory.name}_{_token()}",
         stall_timeout=_stall_timeout(args, env), notes=tuple(notes), min_ranks=_min_ranks(args, nproc),
+        rank_restarts=getattr(args, "rank_restarts", 0),
         advice=_flags_after_the_script(parser, args.training_script, args.training_script_args),
     )
     _check_min_ranks(plan)
@@ -417,6 +423,9 @@ def _min_ranks(args: argparse.Namespace, nproc: int) -> int:
 
 
 def _check_min_ranks(plan: LaunchPlan) -> None:
+    if plan.rank_restarts and not plan.min_ranks:
+        raise LaunchError(f"--rank_restarts {plan.rank_restarts} starts lost ranks again in a job that goes on "
+                          f"without them: add --min_ranks (or --nnodes MIN:MAX), or use --max_restarts")
     if not plan.min_ranks:
         return
     if plan.min_ranks > plan.world_size:

@@ -14,6 +14,9 @@ JOIN_ENV = "LOCKSTEP_ELASTIC_JOIN"
 """Set in the ranks a launcher starts to join a running elastic job (its node was lost, and its
 launcher started again), to its request's token: they enter the first generation with them rather
 than the launch's process group."""
+RESPAWN_ENV = "LOCKSTEP_ELASTIC_RESPAWN"
+"""Set (with :data:`JOIN_ENV`) in a rank its launcher started again in place (``--rank_restarts``):
+refused by the master's launcher, it exits rather than wait to be let in."""
 START_ENV = "LOCKSTEP_ELASTIC_START"
 """Set in the ranks of a job that started without some of its nodes (they did not join in time):
 they form the newest generation's process group, of the ranks there are, rather than the launch's."""

@@ -57,8 +57,9 @@ class Members:
         """How many ranks count themselves in ``joined`` before the job may change: those it started with."""
         self._answered = 0  # the lines of <prefix>lost already answered
         self._asked = 0  # the lines of <prefix>join already answered
-        self._joining: list[tuple[int, str]] = []
-        """The requests to join (node, token), each let in once its node's ranks are ready."""
+        self._joining: list[tuple[int, str, tuple[int, ...]]] = []
+        """The requests to join (node, token, ranks), each let in once its ranks are ready: a node's
+        every rank (its launcher started again), or ranks its launcher started again in place."""
         self.finishing = False
         """Whether this node's ranks finished: no node joins any more."""
         self.restart_for: list[int] = []
@@ -119,50 +120,80 @@ class Members:
             self._answered = len(lines)
         if self._store.check([join_key(self._prefix)]):
             lines = self._store.get(join_key(self._prefix)).decode().splitlines()
-            for node, token in map(json.loads, lines[self._asked:]):
-                self._replace_request(node)
-                if self._may_join(node, token):
-                    self._joining.append((node, token))
+            for node, token, *ranks in map(json.loads, lines[self._asked:]):
+                request = (node, token, tuple(ranks[0]) if ranks else self._ranks_of(node))
+                self._replace_request(request, whole_node=not ranks)
+                if self._may_join(request, whole_node=not ranks):
+                    self._joining.append(request)
             self._asked = len(lines)
         admitted = []
-        for node, token in list(self._joining):
+        for request in list(self._joining):
+            node, token, ranks = request
             if self._answered_already(token):  # its launcher withdrew the request
-                self._joining.remove((node, token))
+                self._joining.remove(request)
             elif self.finishing:
-                self._joining.remove((node, token))
+                self._joining.remove(request)
                 self._answer_join(token, "no: the job is finishing" + (
                     "" if self._all_follow() else "; its ranks never followed a change of the job's ranks, which "
                                                   "letting a node in takes (lockstep's Trainer does)"))
             elif self._store.check([plain_key(self._prefix, token)]) and not self._all_follow():
-                self._joining.remove((node, token))
+                self._joining.remove(request)
                 if self._answer_join(token, RESTART):  # unless its launcher withdrew the request first
                     self.restart_for.append(node)
-            elif int(self._store.add(ready_key(self._prefix, token), 0)) >= self.per_node and self._all_follow():
-                self._joining.remove((node, token))
-                if self._admit(node, token):
+            elif int(self._store.add(ready_key(self._prefix, token), 0)) >= len(ranks) and self._all_follow() \
+                    and (ranks == self._ranks_of(node) or self._all_arrived()):
+                self._joining.remove(request)
+                if self._admit(request):
                     admitted.append(node)
         return admitted
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a request to join waits for an answer."""
+        return bool(self._joining)
+
+    def _ranks_of(self, node: int) -> tuple[int, ...]:
+        return tuple(node * self.per_node + local for local in range(self.per_node))
+
+    def _all_arrived(self) -> bool:
+        """Whether every rank of the newest generation formed its group: ranks let in before would
+        make the others skip that generation, and with it the change they must make (a lost rank's
+        shards are not where the ranks that trained think they are). Asked before a rank started
+        again in place joins, which can be ready in a fraction of a second; a node's launcher
+        started again takes seconds to start its ranks."""
+        return self.generation == 0 or int(self._store.add(
+            f"{self._prefix}g{self.generation}/arrived", 0)) >= len(self.ranks)
 
     def _all_follow(self) -> bool:
         """Whether every rank the job started with follows its membership (they see a change, and
         share their state with a node let in, only from then on)."""
         return int(self._store.add(joined_key(self._prefix), 0)) >= self._followers
 
-    def _may_join(self, node: int, token: str) -> bool:
-        """Whether node ``node``'s launcher, started again, may join (else its answer says why not)."""
+    def _may_join(self, request: tuple[int, str, tuple[int, ...]], *, whole_node: bool) -> bool:
+        """Whether the ranks of ``request`` may join: a node's launcher, started again, once the job
+        let the node go; ranks started again in place, once the job let them go (else its answer
+        says why not)."""
+        node, token, ranks = request
         refusal = "the job is finishing" if self.finishing else None
-        if any(r // self.per_node == node for r in self.ranks) or not self._store.check([gone_key(self._prefix, node)]):
+        if whole_node and (any(r // self.per_node == node for r in self.ranks)
+                           or not self._store.check([gone_key(self._prefix, node)])):
             refusal = f"node {node}'s ranks were not let go by the job"
+        elif not whole_node and (set(ranks) & set(self.ranks) or self._store.check([gone_key(self._prefix, node)])):
+            refusal = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} {'is' if len(ranks) == 1 else 'are'} " \
+                      f"not let go by the job, or {'its' if len(ranks) == 1 else 'their'} node is"
         if refusal is not None:
             self._answer_join(token, f"no: {refusal}")
         return refusal is None
 
-    def _replace_request(self, node: int) -> None:
-        """A newer launcher of node ``node`` asks to join: an earlier one's request that waits (its
-        launcher may have been killed before its ranks were ready) is answered no."""
-        for earlier in [(n, t) for n, t in self._joining if n == node]:
+    def _replace_request(self, request: tuple[int, str, tuple[int, ...]], *, whole_node: bool) -> None:
+        """A newer launcher of node ``node`` asks to join (or its launcher starts the same ranks
+        again): an earlier request that waits (its launcher may have been killed before its ranks
+        were ready, or the rank died again) is answered no."""
+        node, _, ranks = request
+        for earlier in [e for e in self._joining if (e[0] == node if whole_node else e[2] == ranks)]:
             self._joining.remove(earlier)
-            self._answer_join(earlier[1], f"no: another launcher of node {node} asked to join after it")
+            self._answer_join(earlier[1], f"no: another launcher of node {node} asked to join after it"
+                              if whole_node else f"no: rank {', '.join(map(str, ranks))} was started again after it")
 
     def _answered_already(self, token: str) -> bool:
         return bool(self._store.check([admit_key(self._prefix, token)]))
@@ -171,22 +202,29 @@ class Members:
         """Answer a request to join, unless its launcher withdrew it first; whether this answer stands."""
         return self._store.compare_set(admit_key(self._prefix, token), "", answer).decode() == answer
 
-    def _admit(self, node: int, token: str) -> bool:
-        """Publish the generation with node ``node``'s ranks back (their launcher was started
-        again, and they are ready), after the ranks that train, which keep their order; whether it
-        did (not when the node's launcher withdrew its request meanwhile)."""
+    def _admit(self, request: tuple[int, str, tuple[int, ...]]) -> bool:
+        """Publish the generation with the request's ranks back (node ``node``'s launcher was
+        started again, or it started them again in place, and they are ready), after the ranks
+        that train, which keep their order; whether it did (not when the launcher withdrew its
+        request meanwhile)."""
+        node, token, ranks = request
         if not self._answer_join(token, str(self.generation + 1)):
             return False
-        back = [node * self.per_node + local for local in range(self.per_node)]
+        back = list(ranks)
         started = time.monotonic()
         self.generation += 1
-        now = self.ranks + back
-        self._store.delete_key(gone_key(self._prefix, node))
+        whole_node = back == list(self._ranks_of(node))
+        # a node's ranks after the ranks that train; ranks started again in place back in their places
+        now = self.ranks + back if whole_node else sorted(self.ranks + back)
+        if whole_node:
+            self._store.delete_key(gone_key(self._prefix, node))
         self._store.set(members_key(self._prefix, self.generation), json.dumps(now))
         self._store.add(generation_key(self._prefix), 1)
         self.ranks = now
-        say(f"node {node} (ranks {', '.join(map(str, back))}) joined: {len(now)} of {self._full} ranks go on at world "
-            f"size {len(now)} (generation {self.generation}, published in {time.monotonic() - started:.2f} s)")
+        who = f"node {node} (ranks {', '.join(map(str, back))})" if whole_node else \
+            f"rank{'s' * (len(back) > 1)} {', '.join(map(str, back))}"
+        say(f"{who} joined: {len(now)} of {self._full} ranks go on at world size {len(now)} (generation "
+            f"{self.generation}, published in {time.monotonic() - started:.2f} s)")
         return True
 
     def _publish(self, gone: list[int], who: str, why: str) -> bool:
@@ -210,12 +248,14 @@ class Members:
         return True
 
 
-def ask_to_join(call: Callable[..., Any], attempt: int, node: int) -> str:
+def ask_to_join(call: Callable[..., Any], attempt: int, node: int, ranks: list[int] | None = None) -> str:
     """On a node the running job went on without, whose launcher was started again: ask the
-    master's launcher to let its ranks back in (once they are ready: see :func:`admission`); the
-    request's token, which its ranks carry in ``LOCKSTEP_ELASTIC_JOIN``."""
+    master's launcher to let its ranks back in (once they are ready: see :func:`admission`); with
+    ``ranks``, the ranks of this node the job went on without, which its launcher started again
+    in place (``--rank_restarts``). The request's token, which its ranks carry in
+    ``LOCKSTEP_ELASTIC_JOIN``."""
     token = uuid.uuid4().hex
-    call("append", join_key(elastic_prefix(attempt)), json.dumps([node, token]) + "\n")
+    call("append", join_key(elastic_prefix(attempt)), json.dumps([node, token, *([ranks] if ranks else [])]) + "\n")
     return token
 
 

@@ -125,6 +125,8 @@ class LaunchPlan:
     always printed."""
     min_ranks: int = 0
     """Elastic on one node: the ranks that must live for the job to go on after one is lost; 0: off."""
+    rank_restarts: int = 0
+    """Elastic: how many times each lost rank is started again in place, to join the running job."""
     python: str = field(default=sys.executable)
 
     @property

@@ -145,6 +145,15 @@ class Waiter:
     def __exit__(self, *exc: object) -> None:
         self._selector.close()
 
+    def add(self, rank: Rank) -> None:
+        """Wait for ``rank`` too, started after this waiter (in place of one in its list)."""
+        self._polling = self._polling or rank.pidfd is None
+        if rank.pidfd is not None:
+            self._selector.register(rank.pidfd, selectors.EVENT_READ)
+        for pump in rank.pumps:
+            if not pump.closed:
+                self._selector.register(pump, selectors.EVENT_READ)
+
     def wait(self, timeout: float | None) -> tuple[list[int], list[Rank]]:
         """The signals that arrived and the ranks that exited, within ``timeout`` seconds."""
         if self._polling:

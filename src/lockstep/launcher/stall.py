@@ -36,6 +36,13 @@ class ProgressBoard:
             with open(path, "rb") as f:
                 self._maps[rank] = mmap.mmap(f.fileno(), SLOT.size, access=mmap.ACCESS_READ)
 
+    def reset(self, rank: int) -> None:
+        """A fresh slot for ``rank``, started again in place: nothing its earlier process recorded."""
+        echo_path(self._control_dir, rank).unlink(missing_ok=True)
+        ended_path(self._control_dir, rank).unlink(missing_ok=True)
+        with open(slot_path(self._control_dir, rank), "r+b") as f:
+            f.write(bytes(SLOT.size))
+
     def echo_of(self, rank: int) -> int | None:
         """The rank whose error ``rank`` raised as its own (see :func:`lockstep.progress.echo`), if any."""
         try:

@@ -28,6 +28,7 @@ from typing import Any
 
 from lockstep.launcher import resolver
 from lockstep.launcher.elastic_names import JOIN_ENV, RESTART, START_ENV
+from lockstep.launcher.in_place import InPlace
 from lockstep.launcher.interface import interface_env
 from lockstep.launcher.membership import Members, admission, ask_master, ask_to_join, was_let_go, withdraw
 from lockstep.launcher.job import BEAT_S, ECHOED, EXITED, GROWING, LOST_EXIT_CODE, SIGNALLED, Failure, JobChannel
@@ -154,6 +155,7 @@ class Supervisor:
         """The nodes the master's launcher starts every rank again for, to let them in."""
         self._prefork: PreforkServer | None = None
         self._prefork_refused = False
+        self._in_place = InPlace(plan.rank_restarts)
         self._subreaper = False
 
     def run(self) -> int:
@@ -575,6 +577,7 @@ class Supervisor:
         store_port = self._launcher_port if self._launcher_store is not None else None
         envs = [self.plan.worker_env(spec.local_rank, port, attempt, base_env, store_port, self._restarts)
                 for spec in specs]
+        self._in_place.remember(attempt, {spec.local_rank: env for spec, env in zip(specs, envs)}, watchdog)
         if self._request is not None:  # they enter the running job's ranks, not the launch's group
             for env in envs:
                 env[JOIN_ENV] = self._request
@@ -647,8 +650,11 @@ class Supervisor:
         poll = BEAT_S if channel is not None else _STALL_POLL_S if stall_timeout else None
         self._echoes = []
         with Waiter(ranks, wake_r, HANDLED) as waiter:
+            self._in_place.waiter = waiter
             while any(r.returncode is None for r in ranks) or self._stashed[1] or self._echoes:
                 wait = 0 if any(self._stashed) else _ECHO_POLL_S if self._echoes and poll is None else poll
+                if channel is None and self._members is not None and self._members.waiting:
+                    wait = self._let_in(ranks, wait)
                 signals, exited = self._unstash(*waiter.wait(wait))
                 for signum in signals:
                     if signum in STOPPING:
@@ -718,6 +724,7 @@ class Supervisor:
         for r in exited:
             elastic = self.plan.min_ranks and not self._signals_seen
             if r.returncode != 0 and elastic and self._goes_on_without(r, channel):
+                self._start_again(r, channel)
                 continue
             if r.returncode != 0:
                 origin = self._board.echo_of(r.spec.rank) if self._board is not None else None
@@ -767,6 +774,41 @@ class Supervisor:
         if goes_on and self.plan.verbose:
             say(f"rank {r.spec.rank} was lost ({describe_exit(r.returncode)}): the job goes on without it")
         return goes_on
+
+    def _let_in(self, ranks: list[Rank], wait: float | None) -> float:
+        """On one node, where no beat polls the store: answer the ranks started again in place
+        (none joins ranks done training); how long the monitor may wait until it asks again."""
+        assert self._members is not None
+        if any(r.returncode == 0 for r in ranks):
+            self._members.finish()
+        self._members.answer()
+        return BEAT_S if wait is None else min(wait, BEAT_S)
+
+    def _start_again(self, r: Rank, channel: JobChannel | None) -> None:
+        """Start a rank the elastic job went on without again in place (``--rank_restarts``), to
+        join the running job once ready: what it left (its process group, its progress records)
+        is cleared, and the new process takes its place in this attempt's ranks."""
+        in_place, rank = self._in_place, r.spec.rank
+        nth = None if self._members is not None and self._members.finishing else in_place.take(rank)
+        if nth is None:
+            return
+        call = channel.call if channel is not None else \
+            lambda name, *args: getattr(self._launcher_store, name)(*args)
+        r.signal_group(signal.SIGKILL)  # what is left of it: its dataloader workers, say
+        if self._board is not None:
+            self._board.reset(rank)
+        env = in_place.env(r.spec.local_rank, ask_to_join(call, in_place.attempt, self.plan.node_rank, [rank]))
+        if self._members is not None:
+            self._members.answer()  # takes the request in: the monitor then answers it as its ranks get ready
+        with self._reaper.starting():
+            new = spawn(self.plan, r.spec, open_logs(r.spec), env, (), in_place.watchdog, self._prefork)
+        self._ranks[self._ranks.index(r)] = new
+        in_place.waiter.add(new)
+        if r.pidfd is not None:  # its pumps and logs close as the waiter reads the end of its output
+            os.close(r.pidfd)
+            r.pidfd = None
+        say(f"rank {rank} (local rank {r.spec.local_rank}) started again in place ({nth} of "
+            f"--rank_restarts {self.plan.rank_restarts}), pid {new.proc.pid}: it joins the running job once ready")
 
     def _failed(self, r: Rank, channel: JobChannel | None, *, echo: bool) -> _Failure:
         if channel is not None:
