@@ -181,8 +181,8 @@ def test_the_master_starts_without_a_node_late_for_the_last_call_and_lets_it_in_
 def test_a_rank_started_again_in_place_is_let_in_once_ready_and_once_the_others_formed_their_group(
         store: Any) -> None:
     """``--rank_restarts``: rank 2 (node 1) is lost, and its launcher starts it again. It is let in
-    once it is ready and every rank left arrived at the generation without it (else they would skip
-    it); a rank that trains is not let in twice, and a newer start of a rank replaces an older one."""
+    once it is ready and every rank left made the change to the generation without it (else they
+    would skip it); a rank that trains is not let in twice, and a newer start of a rank replaces an older one."""
     members = Members(store, 0, [0, 1, 2, 3], minimum=2, per_node=PER_NODE)
     store.add(elastic_prefix(0) + "joined", 4)
     assert members.lose(2, -9) and published(store) == [0, 1, 3]
@@ -191,10 +191,28 @@ def test_a_rank_started_again_in_place_is_let_in_once_ready_and_once_the_others_
     token = ask_to_join(call(store), 0, 1, [2])  # it died again, and was started again
     assert members.answer() == [] and admission(call(store), 0, first) == "rank 2 was started again after it"
     ready(store, token, 1)
-    assert members.answer() == [] and members.waiting  # the three have not formed generation 1 yet
-    store.add(elastic_prefix(0) + "g1/arrived", 3)
+    assert members.answer() == [] and members.waiting  # the three have not made the change to generation 1 yet
+    store.add(elastic_prefix(0) + "g1/settled", 3)
     assert members.answer() == [1] and not members.waiting
     assert admission(call(store), 0, token) == 2 and published(store) == [0, 1, 2, 3]  # back in its place
     again = ask_to_join(call(store), 0, 1, [2])
     members.answer()
     assert admission(call(store), 0, again) == "rank 2 is not let go by the job, or its node is"
+
+
+def test_with_one_rank_a_node_a_rank_started_again_is_still_a_rank_and_goes_back_in_its_place(store: Any) -> None:
+    """One rank per node: a rank's request is not taken for its node's (it waits for the others to
+    form their group, and goes back in its place, not after them), and a request withdrawn as its
+    rank died before it was let in is never let in."""
+    members = Members(store, 0, [0, 1, 2], minimum=1, per_node=1)
+    store.add(elastic_prefix(0) + "joined", 3)
+    assert members.lose(1, -9) and published(store) == [0, 2]
+    died = ask_to_join(call(store), 0, 1, [1])
+    ready(store, died, 1)
+    assert withdraw(call(store), 0, died, "rank 1 exited first")
+    token = ask_to_join(call(store), 0, 1, [1])
+    ready(store, token, 1)
+    assert members.answer() == [] and members.waiting  # the two have not made the change to generation 1 yet
+    store.add(elastic_prefix(0) + "g1/settled", 2)
+    assert members.answer() == [1] and admission(call(store), 0, token) == 2 and published(store) == [0, 1, 2]
+    assert admission(call(store), 0, died) == "withdrawn (rank 1 exited first)"

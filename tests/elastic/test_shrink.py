@@ -159,11 +159,12 @@ def test_with_rank_restarts_a_lost_rank_is_started_again_in_place_and_the_four_e
     if not fsdp:
         assert_as_uninterrupted(out, reference)  # and no checkpoint, so none read
     told = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
+    # let in only once the three made the change without it: two changes, never one skipped
     assert [(c["generation"], c["world_size"], c["left"], c["joined"]) for c in told] == \
         [(1, 3, [2], []), (2, 4, [], [2])], told
     # under FSDP a join that comes while some of the three took the step in flight and others not
     # goes back to the newest checkpoint (launcher.md), so a step may be trained again there
-    assert told[1]["batch"] >= told[0]["batch"] and told[1]["trained_again"] <= (2 if fsdp else 0), told
+    assert told[-1]["batch"] >= told[0]["batch"] and told[-1]["trained_again"] <= (2 if fsdp else 0), told
 
 
 def test_below_min_ranks_the_job_stops_as_without_it(tmp_path: Path) -> None:

@@ -51,6 +51,9 @@ def _port_free(port: int) -> bool:
     return True
 
 
+_PORTS = random.SystemRandom()  # not the module's generator, which a Trainer in the same process seeds
+
+
 def free_port_pairs(count: int) -> list[int]:
     """``count`` ports P, each with P and P + 10000 free, below the kernel's ephemeral range where
     it has room there. Ports that ``bind(0)`` and outgoing connections take come from that range, so
@@ -61,7 +64,7 @@ def free_port_pairs(count: int) -> list[int]:
     below = low - _GRPC_OFFSET > 12000
     ports: list[int] = []
     while len(ports) < count:
-        port = random.randrange(10000, low - _GRPC_OFFSET) if below else _any_free_port()
+        port = _PORTS.randrange(10000, low - _GRPC_OFFSET) if below else _any_free_port()
         if port + _GRPC_OFFSET < 65536 and port not in ports and _port_free(port) \
                 and _port_free(port + _GRPC_OFFSET) and all(abs(port - p) != _GRPC_OFFSET for p in ports):
             ports.append(port)

@@ -100,8 +100,11 @@ class Membership:
         return self._store.get(f"{self.prefix}shared/{name}").decode()
 
     def caught_up(self) -> None:
-        """This rank joined the running job and has taken a peer's state: it trains as the others do."""
+        """This rank follows the newest change (a rank that joined has taken a peer's state): it
+        trains as the others do. Counted for the launcher, which lets a rank started again in place
+        in only once every rank has (``g<generation>/settled``)."""
         self.fresh, self.before = False, None
+        self._store.add(f"{self.prefix}g{self.generation}/settled", 1)
 
     def changed(self) -> bool:
         return self._newest > self.generation

@@ -47,9 +47,10 @@ def lost_key(prefix: str) -> str:
     return f"{prefix}lost"
 
 
-def answer_key(prefix: str, rank: int) -> str:
-    """The master's answer about lost rank ``rank``: ``go`` (the job goes on without it) or ``stop``."""
-    return f"{prefix}answer{rank}"
+def answer_key(prefix: str, loss: int | str) -> str:
+    """The master's answer about a lost rank (by the key its launcher sent with the loss):
+    ``go`` (the job goes on without it) or ``stop``."""
+    return f"{prefix}answer{loss}"
 
 
 def gone_key(prefix: str, node: int) -> str:

@@ -17,7 +17,9 @@ class InPlace:
         self.attempt = 0
         self.watchdog: Any = None
         self.waiter: Any = None
-        """The monitor's waiter, which a rank started again is added to (None between attempts)."""
+        """The monitor's waiter, which a rank started again is added to (the newest attempt's)."""
+        self.tokens: dict[int, str] = {}
+        """Each launch rank started again and not lost since: its request to join."""
         self._envs: dict[int, dict[str, str]] = {}
         self._used: dict[int, int] = {}
 

@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from lockstep.launcher.elastic_names import (
     RESTART,
@@ -45,6 +45,16 @@ _ANSWER_WAIT_S = 30.0
 """How long another node's launcher waits for the master's answer before it stops the job."""
 
 
+class _Request(NamedTuple):
+    """A request to join: a node's launcher started again (every rank of the node), or ranks its
+    launcher started again in place (``--rank_restarts``)."""
+
+    node: int
+    token: str
+    ranks: tuple[int, ...]
+    whole_node: bool
+
+
 class Members:
     """This attempt's membership, kept by the master's launcher: the launch ranks that train now,
     and how many must."""
@@ -57,7 +67,7 @@ class Members:
         """How many ranks count themselves in ``joined`` before the job may change: those it started with."""
         self._answered = 0  # the lines of <prefix>lost already answered
         self._asked = 0  # the lines of <prefix>join already answered
-        self._joining: list[tuple[int, str, tuple[int, ...]]] = []
+        self._joining: list[_Request] = []
         """The requests to join (node, token, ranks), each let in once its ranks are ready: a node's
         every rank (its launcher started again), or ranks its launcher started again in place."""
         self.finishing = False
@@ -115,20 +125,21 @@ class Members:
         if self._store.check([lost_key(self._prefix)]):
             lines = self._store.get(lost_key(self._prefix)).decode().splitlines()
             for line in lines[self._answered:]:
-                rank, code = json.loads(line)
-                self._store.set(answer_key(self._prefix, rank), "go" if self.lose(rank, code) else "stop")
+                rank, code, *asked = json.loads(line)  # asked: the loss's own key (a rank may be lost again)
+                self._store.set(answer_key(self._prefix, asked[0] if asked else rank),
+                                "go" if self.lose(rank, code) else "stop")
             self._answered = len(lines)
         if self._store.check([join_key(self._prefix)]):
             lines = self._store.get(join_key(self._prefix)).decode().splitlines()
             for node, token, *ranks in map(json.loads, lines[self._asked:]):
-                request = (node, token, tuple(ranks[0]) if ranks else self._ranks_of(node))
-                self._replace_request(request, whole_node=not ranks)
-                if self._may_join(request, whole_node=not ranks):
+                request = _Request(node, token, tuple(ranks[0]) if ranks else self._ranks_of(node), not ranks)
+                self._replace_request(request)
+                if self._may_join(request):
                     self._joining.append(request)
             self._asked = len(lines)
         admitted = []
         for request in list(self._joining):
-            node, token, ranks = request
+            node, token, ranks, whole_node = request
             if self._answered_already(token):  # its launcher withdrew the request
                 self._joining.remove(request)
             elif self.finishing:
@@ -141,7 +152,7 @@ class Members:
                 if self._answer_join(token, RESTART):  # unless its launcher withdrew the request first
                     self.restart_for.append(node)
             elif int(self._store.add(ready_key(self._prefix, token), 0)) >= len(ranks) and self._all_follow() \
-                    and (ranks == self._ranks_of(node) or self._all_arrived()):
+                    and (whole_node or self._all_settled()):
                 self._joining.remove(request)
                 if self._admit(request):
                     admitted.append(node)
@@ -155,25 +166,26 @@ class Members:
     def _ranks_of(self, node: int) -> tuple[int, ...]:
         return tuple(node * self.per_node + local for local in range(self.per_node))
 
-    def _all_arrived(self) -> bool:
-        """Whether every rank of the newest generation formed its group: ranks let in before would
-        make the others skip that generation, and with it the change they must make (a lost rank's
-        shards are not where the ranks that trained think they are). Asked before a rank started
-        again in place joins, which can be ready in a fraction of a second; a node's launcher
-        started again takes seconds to start its ranks."""
+    def _all_settled(self) -> bool:
+        """Whether every rank of the newest generation has made its change (formed its group, taken
+        up the state: lockstep's Trainer counts itself in ``g<generation>/settled``). Ranks let in
+        before would land in the middle of it, and the others could skip that generation and the
+        change they must make (a lost rank's shards are not where the ranks that trained think
+        they are). Asked before a rank started again in place joins, which can be ready in a
+        fraction of a second; a node's launcher started again takes seconds to start its ranks."""
         return self.generation == 0 or int(self._store.add(
-            f"{self._prefix}g{self.generation}/arrived", 0)) >= len(self.ranks)
+            f"{self._prefix}g{self.generation}/settled", 0)) >= len(self.ranks)
 
     def _all_follow(self) -> bool:
         """Whether every rank the job started with follows its membership (they see a change, and
         share their state with a node let in, only from then on)."""
         return int(self._store.add(joined_key(self._prefix), 0)) >= self._followers
 
-    def _may_join(self, request: tuple[int, str, tuple[int, ...]], *, whole_node: bool) -> bool:
+    def _may_join(self, request: _Request) -> bool:
         """Whether the ranks of ``request`` may join: a node's launcher, started again, once the job
         let the node go; ranks started again in place, once the job let them go (else its answer
         says why not)."""
-        node, token, ranks = request
+        node, token, ranks, whole_node = request
         refusal = "the job is finishing" if self.finishing else None
         if whole_node and (any(r // self.per_node == node for r in self.ranks)
                            or not self._store.check([gone_key(self._prefix, node)])):
@@ -185,12 +197,12 @@ class Members:
             self._answer_join(token, f"no: {refusal}")
         return refusal is None
 
-    def _replace_request(self, request: tuple[int, str, tuple[int, ...]], *, whole_node: bool) -> None:
+    def _replace_request(self, request: _Request) -> None:
         """A newer launcher of node ``node`` asks to join (or its launcher starts the same ranks
         again): an earlier request that waits (its launcher may have been killed before its ranks
         were ready, or the rank died again) is answered no."""
-        node, _, ranks = request
-        for earlier in [e for e in self._joining if (e[0] == node if whole_node else e[2] == ranks)]:
+        node, _, ranks, whole_node = request
+        for earlier in [e for e in self._joining if (e.node == node if whole_node else e.ranks == ranks)]:
             self._joining.remove(earlier)
             self._answer_join(earlier[1], f"no: another launcher of node {node} asked to join after it"
                               if whole_node else f"no: rank {', '.join(map(str, ranks))} was started again after it")
@@ -202,18 +214,17 @@ class Members:
         """Answer a request to join, unless its launcher withdrew it first; whether this answer stands."""
         return self._store.compare_set(admit_key(self._prefix, token), "", answer).decode() == answer
 
-    def _admit(self, request: tuple[int, str, tuple[int, ...]]) -> bool:
+    def _admit(self, request: _Request) -> bool:
         """Publish the generation with the request's ranks back (node ``node``'s launcher was
         started again, or it started them again in place, and they are ready), after the ranks
         that train, which keep their order; whether it did (not when the launcher withdrew its
         request meanwhile)."""
-        node, token, ranks = request
+        node, token, ranks, whole_node = request
         if not self._answer_join(token, str(self.generation + 1)):
             return False
         back = list(ranks)
         started = time.monotonic()
         self.generation += 1
-        whole_node = back == list(self._ranks_of(node))
         # a node's ranks after the ranks that train; ranks started again in place back in their places
         now = self.ranks + back if whole_node else sorted(self.ranks + back)
         if whole_node:
@@ -287,12 +298,12 @@ def ask_master(call: Callable[..., Any], pause: Callable[[float], None], attempt
                code: int) -> bool:
     """On a node other than the master's: tell the master's launcher that ``rank`` exited with
     ``code``, and whether the job goes on without it (its answer; no answer in time: it stops)."""
-    prefix = elastic_prefix(attempt)
-    call("append", lost_key(prefix), json.dumps([rank, code]) + "\n")
+    prefix, asked = elastic_prefix(attempt), f"{rank}-{uuid.uuid4().hex}"  # the rank, started again, may be lost again
+    call("append", lost_key(prefix), json.dumps([rank, code, asked]) + "\n")
     deadline = time.monotonic() + _ANSWER_WAIT_S
     while time.monotonic() < deadline:
-        if call("check", [answer_key(prefix, rank)]):
-            return call("get", answer_key(prefix, rank)).decode() == "go"
+        if call("check", [answer_key(prefix, asked)]):
+            return call("get", answer_key(prefix, asked)).decode() == "go"
         pause(0.05)
     say(f"rank {rank} was lost ({describe_exit(code)}) and the master's launcher did not answer within "
         f"{_ANSWER_WAIT_S:g} s: the job stops")

@@ -653,7 +653,7 @@ class Supervisor:
             self._in_place.waiter = waiter
             while any(r.returncode is None for r in ranks) or self._stashed[1] or self._echoes:
                 wait = 0 if any(self._stashed) else _ECHO_POLL_S if self._echoes and poll is None else poll
-                if channel is None and self._members is not None and self._members.waiting:
+                if channel is None and self._members is not None and self.plan.rank_restarts:
                     wait = self._let_in(ranks, wait)
                 signals, exited = self._unstash(*waiter.wait(wait))
                 for signum in signals:
@@ -766,6 +766,9 @@ class Supervisor:
     def _goes_on_without(self, r: Rank, channel: JobChannel | None) -> bool:
         """An elastic job's rank exited with an error: whether the job goes on without it (the
         master's launcher decides, for every node)."""
+        token = self._in_place.tokens.pop(r.spec.rank, None)
+        if token is not None:  # started again in place: not let in after it died (if let in, lost again)
+            withdraw(self._store_call(channel), self._in_place.attempt, token, f"rank {r.spec.rank} exited first")
         if self._members is not None:
             return self._members.lose(r.spec.rank, r.returncode)
         if channel is None:
@@ -775,14 +778,22 @@ class Supervisor:
             say(f"rank {r.spec.rank} was lost ({describe_exit(r.returncode)}): the job goes on without it")
         return goes_on
 
-    def _let_in(self, ranks: list[Rank], wait: float | None) -> float:
+    def _let_in(self, ranks: list[Rank], wait: float | None) -> float | None:
         """On one node, where no beat polls the store: answer the ranks started again in place
-        (none joins ranks done training); how long the monitor may wait until it asks again."""
+        (none joins ranks done training, and one let in just before leaves); how long the monitor
+        may wait until it asks again."""
         assert self._members is not None
-        if any(r.returncode == 0 for r in ranks):
+        if any(r.returncode == 0 for r in ranks) and not self._members.finishing:
             self._members.finish()
+        if not self._members.waiting:
+            return wait
         self._members.answer()
         return BEAT_S if wait is None else min(wait, BEAT_S)
+
+    def _store_call(self, channel: JobChannel | None) -> Any:
+        """``call(name, *args)`` of the store where the membership is."""
+        return channel.call if channel is not None else \
+            lambda name, *args: getattr(self._launcher_store, name)(*args)
 
     def _start_again(self, r: Rank, channel: JobChannel | None) -> None:
         """Start a rank the elastic job went on without again in place (``--rank_restarts``), to
@@ -791,18 +802,21 @@ class Supervisor:
         in_place, rank = self._in_place, r.spec.rank
         nth = None if self._members is not None and self._members.finishing else in_place.take(rank)
         if nth is None:
+            if self.plan.rank_restarts:
+                say(f"rank {rank} is not started again (--rank_restarts {self.plan.rank_restarts} used, or the "
+                    f"job is finishing)")
             return
-        call = channel.call if channel is not None else \
-            lambda name, *args: getattr(self._launcher_store, name)(*args)
         r.signal_group(signal.SIGKILL)  # what is left of it: its dataloader workers, say
         if self._board is not None:
             self._board.reset(rank)
-        env = in_place.env(r.spec.local_rank, ask_to_join(call, in_place.attempt, self.plan.node_rank, [rank]))
-        if self._members is not None:
+        token = ask_to_join(self._store_call(channel), in_place.attempt, self.plan.node_rank, [rank])
+        in_place.tokens[rank] = token
+        if channel is None and self._members is not None:
             self._members.answer()  # takes the request in: the monitor then answers it as its ranks get ready
         with self._reaper.starting():
-            new = spawn(self.plan, r.spec, open_logs(r.spec), env, (), in_place.watchdog, self._prefork)
-        self._ranks[self._ranks.index(r)] = new
+            new = spawn(self.plan, r.spec, open_logs(r.spec), in_place.env(r.spec.local_rank, token), (),
+                        in_place.watchdog, self._prefork)
+            self._ranks[self._ranks.index(r)] = new
         in_place.waiter.add(new)
         if r.pidfd is not None:  # its pumps and logs close as the waiter reads the end of its output
             os.close(r.pidfd)
