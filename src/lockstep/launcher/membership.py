@@ -125,9 +125,8 @@ class Members:
         if self._store.check([lost_key(self._prefix)]):
             lines = self._store.get(lost_key(self._prefix)).decode().splitlines()
             for line in lines[self._answered:]:
-                rank, code, *asked = json.loads(line)  # asked: the loss's own key (a rank may be lost again)
-                self._store.set(answer_key(self._prefix, asked[0] if asked else rank),
-                                "go" if self.lose(rank, code) else "stop")
+                rank, code, asked = json.loads(line)  # asked: the loss's own key (a rank may be lost again)
+                self._store.set(answer_key(self._prefix, asked), "go" if self.lose(rank, code) else "stop")
             self._answered = len(lines)
         if self._store.check([join_key(self._prefix)]):
             lines = self._store.get(join_key(self._prefix)).decode().splitlines()

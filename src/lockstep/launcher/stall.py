@@ -29,8 +29,7 @@ class ProgressBoard:
         self._maps: dict[int, mmap.mmap] = {}
         self._control_dir = control_dir
         for rank in ranks:
-            echo_path(control_dir, rank).unlink(missing_ok=True)  # an earlier attempt's
-            ended_path(control_dir, rank).unlink(missing_ok=True)
+            self._forget(rank)  # an earlier attempt's
             path = slot_path(control_dir, rank)
             path.write_bytes(bytes(SLOT.size))  # a fresh slot for every attempt
             with open(path, "rb") as f:
@@ -38,10 +37,14 @@ class ProgressBoard:
 
     def reset(self, rank: int) -> None:
         """A fresh slot for ``rank``, started again in place: nothing its earlier process recorded."""
-        echo_path(self._control_dir, rank).unlink(missing_ok=True)
-        ended_path(self._control_dir, rank).unlink(missing_ok=True)
+        self._forget(rank)
         with open(slot_path(self._control_dir, rank), "r+b") as f:
             f.write(bytes(SLOT.size))
+
+    def _forget(self, rank: int) -> None:
+        """Remove the records of ``rank``'s script ending with an error (its own, or a peer's echoed)."""
+        echo_path(self._control_dir, rank).unlink(missing_ok=True)
+        ended_path(self._control_dir, rank).unlink(missing_ok=True)
 
     def echo_of(self, rank: int) -> int | None:
         """The rank whose error ``rank`` raised as its own (see :func:`lockstep.progress.echo`), if any."""

@@ -656,15 +656,9 @@ class Supervisor:
                 if channel is None and self._members is not None and self.plan.rank_restarts:
                     wait = self._let_in(ranks, wait)
                 signals, exited = self._unstash(*waiter.wait(wait))
-                for signum in signals:
-                    if signum in STOPPING:
-                        self._stop(ranks, signum, channel)
-                        return signum
-                    if signum == signal.SIGQUIT:
-                        say("received SIGQUIT: the stacks of this node's ranks follow; the job goes on")
-                        self._show_stacks(ranks)
-                    else:
-                        pass_on(ranks, signum)
+                stopping = self._on_signals(ranks, signals, channel)
+                if stopping is not None:
+                    return stopping
                 failed = next((r for r in exited if r.returncode not in (None, 0)), None)
                 if channel is not None and failed is not None and \
                         self._outside_the_job(channel, f"rank {failed.spec.rank} failed"):
@@ -686,6 +680,19 @@ class Supervisor:
                             "node's ranks follow")
                         self._diagnose_stall(ranks, channel, [])
                     return _Elsewhere()
+        return None
+
+    def _on_signals(self, ranks: list[Rank], signals: list[int], channel: JobChannel | None) -> int | None:
+        """Act on the signals the launcher received: the first stopping one, once passed on (else None)."""
+        for signum in signals:
+            if signum in STOPPING:
+                self._stop(ranks, signum, channel)
+                return signum
+            if signum == signal.SIGQUIT:
+                say("received SIGQUIT: the stacks of this node's ranks follow; the job goes on")
+                self._show_stacks(ranks)
+            else:
+                pass_on(ranks, signum)
         return None
 
     def _stop(self, ranks: list[Rank], signum: int, channel: JobChannel | None) -> None:
