@@ -80,18 +80,21 @@ def saved(s3_server, s3_env: dict[str, str], tmp_path_factory: pytest.TempPathFa
     return shared_run(tmp_path_factory, "s3-resume-saved-" + "-".join(kinds), every_kind)
 
 
-def _restore(saved: dict[str, Any], kind: str, store: S3ObjectStore, cwd: Path | None = None) -> Path | None:
-    """The saved job of ``kind`` put into ``store``'s bucket under ``runs/job/`` (its pointers
-    naming the new keys), and with ``cwd``, into that node's staging folder as the job left it
-    there; the staging folder."""
-    objects, prefix = Path(saved["folder"]) / "objects" / "runs" / "job" / kind, f"runs/job/{kind}/"
+def _restore(saved: dict[str, Any], kind: str, store: S3ObjectStore, cwd: Path | None = None,
+             prefix: str = "runs/job/") -> Path | None:
+    """The saved job of ``kind`` put into ``store``'s bucket under ``prefix`` (its pointers naming
+    the new keys), and with ``cwd``, into that node's staging folder as the job left it there; the
+    staging folder. ``prefix`` ``runs/job/KIND/`` keeps the saved keys, as a launch with
+    ``--layouts`` reads them."""
+    objects, saved_prefix = Path(saved["folder"]) / "objects" / "runs" / "job" / kind, f"runs/job/{kind}/"
     for path in sorted(p for p in objects.rglob("*") if p.is_file()):
-        key = "runs/job/" + path.relative_to(objects).as_posix()
+        key = prefix + path.relative_to(objects).as_posix()
         data = path.read_bytes()
-        store.upload_bytes(key, data.replace(prefix.encode(), b"runs/job/") if key.endswith(".symlink") else data)
+        store.upload_bytes(key, data.replace(saved_prefix.encode(), prefix.encode()) if key.endswith(".symlink")
+                           else data)
     if cwd is None:
         return None
-    staged = cwd / ".lockstep" / "s3" / store.bucket / "runs" / "job"
+    staged = cwd / ".lockstep" / "s3" / store.bucket / prefix.rstrip("/")
     shutil.copytree(Path(saved["folder"]) / "node" / ".lockstep" / "s3" / saved["bucket"] / "runs" / "job" / kind,
                     staged, symlinks=True)
     return staged
@@ -359,13 +362,14 @@ def _flip_a_byte(path: Path) -> bytes:
 
 def _stopped_after_batch_8(saved: dict[str, Any], kind: str, store: S3ObjectStore, cwd: Path, *,
                            bucket_too: bool = True) -> tuple[Path, str]:
-    """The saved one-node job of two ranks (checkpoints at batches 4, 8 and 12 in the bucket and in
-    the staging folder of the node in ``cwd``), set back as if it had stopped after batch 8: both
-    pointers (the bucket's, the staging folder's) name the batch-8 checkpoint, and the local
-    batch-12 one is gone. Without ``bucket_too`` only the staging folder is set back (a disk the
-    job left after batch 8, while it went on elsewhere). The staging folder and the batch-8
-    checkpoint's name."""
-    staged = _restore(saved, kind, store, cwd)
+    """The saved one-node job of two ranks of ``kind`` (checkpoints at batches 4, 8 and 12 in the
+    bucket and in the staging folder of the node in ``cwd``, under ``runs/job/KIND/`` as a launch
+    with ``--layouts`` saves them), set back as if it had stopped after batch 8: both pointers (the
+    bucket's, the staging folder's) name the batch-8 checkpoint, and the local batch-12 one is gone.
+    Without ``bucket_too`` only the staging folder is set back (a disk the job left after batch 8,
+    while it went on elsewhere). The staging folder and the batch-8 checkpoint's name."""
+    prefix = f"runs/job/{kind}/"
+    staged = _restore(saved, kind, store, cwd, prefix)
     name = next(p.name for p in staged.glob("*-ba8-rank0.pt"))
     for newer in staged.glob("*-ba12-rank*.pt"):
         files.remove(newer)
@@ -374,90 +378,95 @@ def _stopped_after_batch_8(saved: dict[str, Any], kind: str, store: S3ObjectStor
         target = own if (staged / own).exists() else name
         pointer.unlink()
         pointer.symlink_to(target)
-        if bucket_too and store.list_objects(f"runs/job/{pointer.name}.symlink"):
-            store.upload_bytes(f"runs/job/{pointer.name}.symlink", f"runs/job/{target}".encode())
+        if bucket_too and store.list_objects(f"{prefix}{pointer.name}.symlink"):
+            store.upload_bytes(f"{prefix}{pointer.name}.symlink", f"{prefix}{target}".encode())
     if bucket_too:
-        assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode() == f"runs/job/{name}"
+        assert store.read_bytes(f"{prefix}latest-rank0.pt.symlink").decode() == f"{prefix}{name}"
     return staged, name
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, damaged", [("ddp", ""), ("sharded", "__1_0.distcp"), ("local", ""),
-                                           ("zero2", "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt")])
-def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(saved: dict[str, Any], bucket: str, tmp_path: Path,
-                                                                 kind: str, damaged: str) -> None:
-    """One node of two ranks saves to the bucket through its staging folder; as if it had stopped
-    after batch 8 (both pointers set back to the batch-8 checkpoint, the local batch-12 one gone),
-    a byte is flipped in the local copy of a file a rank reads (the single file under DDP, rank 1's
-    shard under FSDP sharded, rank 1's own file under FSDP local, rank 1's optimizer partition under
-    DeepSpeed ZeRO-2). Autoresume sets that copy aside, downloads the bucket's, resumes from
-    batch 8 (not from the local batch-4 one) and ends with the uninterrupted run's parameters,
-    saying so once on rank 0."""
-    _skip_without_deepspeed(kind)
-    folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
-    cwd = tmp_path / "node"
-    staged, name = _stopped_after_batch_8(saved, kind, store, cwd)
-    if kind == "local":  # rank 1's own file
-        _flip_a_byte(staged / name.replace("-rank0.pt", "-rank1.pt"))
-    else:
-        _flip_a_byte(staged / name / damaged if damaged else staged / name)
+def _kinds(*kinds: str) -> list[str]:
+    """``kinds``, less DeepSpeed ZeRO-2 where it is not installed (and not required)."""
+    missing = importlib.util.find_spec("deepspeed") is None and not os.environ.get("LOCKSTEP_REQUIRE_DEEPSPEED")
+    return [kind for kind in kinds if kind != "zero2" or not missing]
 
-    again = job(cwd, folder, tmp_path / "second.pt", *extra)
+
+def _resumed_each_at(stdout: str, batch: int, kinds: list[str]) -> None:
+    """A launch with ``--layouts`` resumed each of its ``kinds`` at ``batch``."""
+    assert re.findall(r"attempt 0 resumed at batch \d+", stdout) == [f"attempt 0 resumed at batch {batch}"] * len(kinds), \
+        stdout
+
+
+DAMAGED = {"ddp": "", "sharded": "__1_0.distcp", "local": "",
+           "zero2": "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+"""The file of each kind's batch-8 checkpoint whose local copy is damaged ("": the single file)."""
+
+
+@pytest.mark.timeout(400)
+def test_a_damaged_local_copy_is_downloaded_again_from_the_bucket(saved: dict[str, Any], bucket: str,
+                                                                 tmp_path: Path) -> None:
+    """One node of two ranks saves to the bucket through its staging folder, in each kind; as if it
+    had stopped after batch 8 (both pointers set back to the batch-8 checkpoint, the local batch-12
+    one gone), a byte is flipped in the local copy of a file a rank reads (the single file under
+    DDP, rank 1's shard under FSDP sharded, rank 1's own file under FSDP local, rank 1's optimizer
+    partition under DeepSpeed ZeRO-2). Autoresume sets that copy aside, downloads the bucket's,
+    resumes from batch 8 (not from the local batch-4 one) and ends with the uninterrupted run's
+    parameters, saying so once on rank 0. One launch trains every kind in turn (``--layouts``)."""
+    kinds, store, cwd = _kinds(*DAMAGED), S3ObjectStore(bucket), tmp_path / "node"
+    stopped = {kind: _stopped_after_batch_8(saved, kind, store, cwd) for kind in kinds}
+    for kind, (staged, name) in stopped.items():
+        if kind == "local":  # rank 1's own file
+            _flip_a_byte(staged / name.replace("-rank0.pt", "-rank1.pt"))
+        else:
+            _flip_a_byte(staged / name / DAMAGED[kind] if DAMAGED[kind] else staged / name)
+
+    again = job(cwd, f"s3://{bucket}/runs/job", tmp_path / "second.pt", "--layouts", ",".join(kinds), timeout=360)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "attempt 0 resumed at batch 8" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"][kind])
-    said = re.findall(r"autoresume found the local copy of the newest checkpoint damaged \(.*\); set it aside as "
-                      rf"\S+/{re.escape(name)}\.damaged(, \S+\.damaged)*, downloaded the bucket's copy "
-                      rf"s3://{bucket}/runs/job/{re.escape(name)}( \(each rank its own file\))? again and "
-                      r"resumed from it", again.stderr)
-    assert len(said) == 1, again.stderr[-3000:]
+    _resumed_each_at(again.stdout, 8, kinds)
     assert "skipped the newest checkpoint" not in again.stderr
-    assert (staged / f"{name}.damaged").exists()
-    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
+    for kind, (staged, name) in stopped.items():
+        assert_bitwise(torch.load(tmp_path / f"second.pt.{kind}", weights_only=True), saved["params"][kind])
+        folder = f"s3://{bucket}/runs/job/{kind}"
+        said = re.findall(r"autoresume found the local copy of the newest checkpoint damaged \(.*\); set it aside "
+                          rf"as \S+/runs/job/{kind}/{re.escape(name)}\.damaged(, \S+\.damaged)*, downloaded the "
+                          rf"bucket's copy {folder}/{re.escape(name)}( \(each rank its own file\))? again and "
+                          r"resumed from it", again.stderr)
+        assert len(said) == 1, (kind, again.stderr[-3000:])
+        assert (staged / f"{name}.damaged").exists()
+        assert store.read_bytes(f"runs/job/{kind}/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
 
 
 @pytest.mark.timeout(300)
-def test_when_the_bucket_copy_is_damaged_too_autoresume_falls_back_to_an_older_local_one(
+def test_when_the_bucket_cannot_serve_the_newest_either_autoresume_falls_back_to_an_older_local_one(
         saved: dict[str, Any], bucket: str, tmp_path: Path) -> None:
-    """As above (DDP), with the same byte flipped in the bucket's copy too: the download does not
-    load either, so autoresume falls back to the local batch-4 checkpoint, saying both, and still
-    ends with the uninterrupted run's parameters."""
-    folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
-    cwd = tmp_path / "node"
-    staged, name = _stopped_after_batch_8(saved, "ddp", store, cwd)
-    store.upload_bytes(f"runs/job/{name}", _flip_a_byte(staged / name))
-
-    again = job(cwd, folder, tmp_path / "second.pt")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "attempt 0 resumed at batch 4" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"]["ddp"])
-    assert len(re.findall(rf"the copy downloaded again from s3://{bucket}/runs/job/{re.escape(name)} does not "
-                          r"load either", again.stderr)) == 1, again.stderr[-3000:]
-    assert len(re.findall(r"autoresume skipped the newest checkpoint, which does not load .*; resumed from "
-                          r"\S+-ba4-rank0\.pt instead", again.stderr)) == 1, again.stderr[-3000:]
-
-
-@pytest.mark.timeout(300)
-def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(saved: dict[str, Any], bucket: str,
-                                                                           tmp_path: Path) -> None:
-    """FSDP sharded, as above: rank 1's local shard of the batch-8 checkpoint is damaged, and the
-    bucket has lost that shard, so downloading the checkpoint again fails after rank 0 fetched its
-    own. Autoresume says so once, leaves no folder of that download behind, keeps the damaged copy
-    it set aside, falls back to the local batch-4 checkpoint and still ends with the uninterrupted
-    run's parameters."""
-    folder, store = f"s3://{bucket}/runs/job", S3ObjectStore(bucket)
-    cwd = tmp_path / "node"
+    """As above, in two ways the download again cannot help, in one launch (``--layouts``):
+    - DDP: the same byte is flipped in the bucket's copy too. The download does not load either, so
+      autoresume falls back to the local batch-4 checkpoint, saying both.
+    - FSDP sharded: rank 1's local shard is damaged, and the bucket has lost that shard, so the
+      download again fails after rank 0 fetched its own. Autoresume says so once, leaves no folder
+      of that download behind, keeps the damaged copy it set aside and falls back to the local
+      batch-4 checkpoint.
+    Both still end with the uninterrupted run's parameters."""
+    store, cwd = S3ObjectStore(bucket), tmp_path / "node"
+    ddp_staged, ddp_name = _stopped_after_batch_8(saved, "ddp", store, cwd)
+    store.upload_bytes(f"runs/job/ddp/{ddp_name}", _flip_a_byte(ddp_staged / ddp_name))
     staged, name = _stopped_after_batch_8(saved, "sharded", store, cwd)
     flipped = _flip_a_byte(staged / name / "__1_0.distcp")
-    store.delete_object(f"runs/job/{name}/__1_0.distcp")
-    again = job(cwd, folder, tmp_path / "second.pt", *KINDS["sharded"])
+    store.delete_object(f"runs/job/sharded/{name}/__1_0.distcp")
+
+    again = job(cwd, f"s3://{bucket}/runs/job", tmp_path / "second.pt", "--layouts", "ddp,sharded", timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "attempt 0 resumed at batch 4" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"]["sharded"])
-    said = re.findall(rf"could not download it again from s3://{bucket}/runs/job \(.*__1_0\.distcp.*\); trying older "
-                      r"local checkpoints", again.stderr)
+    _resumed_each_at(again.stdout, 4, ["ddp", "sharded"])
+    for kind in ("ddp", "sharded"):
+        assert_bitwise(torch.load(tmp_path / f"second.pt.{kind}", weights_only=True), saved["params"][kind])
+        skipped = re.findall(r"autoresume skipped the newest checkpoint, which does not load .*; resumed from "
+                             rf"\S+/runs/job/{kind}/\S+-ba4-rank0\.pt instead", again.stderr)
+        assert len(skipped) == 1, (kind, again.stderr[-3000:])
+    assert len(re.findall(rf"the copy downloaded again from s3://{bucket}/runs/job/ddp/{re.escape(ddp_name)} does "
+                          r"not load either", again.stderr)) == 1, again.stderr[-3000:]
+    said = re.findall(rf"could not download it again from s3://{bucket}/runs/job/sharded \(.*__1_0\.distcp.*\); "
+                      r"trying older local checkpoints", again.stderr)
     assert len(said) == 1, again.stderr[-3000:]
-    assert len(re.findall(r"autoresume skipped the newest checkpoint", again.stderr)) == 1, again.stderr[-3000:]
     assert not [p.name for p in staged.iterdir() if ".tmp." in p.name]
     # the part-filled download never had the checkpoint's name, so the fallback did not set it aside
     # over the damaged copy
@@ -465,21 +474,22 @@ def test_a_download_again_that_fails_midway_leaves_no_folder_and_falls_back(save
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["ddp", "sharded", "local"])
 def test_an_older_local_copy_gives_way_to_a_newer_checkpoint_in_the_bucket(saved: dict[str, Any], bucket: str,
-                                                                           tmp_path: Path, kind: str) -> None:
+                                                                           tmp_path: Path) -> None:
     """The job saved at batches 4, 8 and 12, and this disk's staging folder holds its checkpoints only
     up to batch 8 (the job went on elsewhere): autoresume takes the bucket's batch-12 checkpoint,
-    not the older local one that serves every rank."""
-    folder, store, extra = f"s3://{bucket}/runs/job", S3ObjectStore(bucket), KINDS[kind]
-    cwd = tmp_path / "node"
-    staged, _ = _stopped_after_batch_8(saved, kind, store, cwd, bucket_too=False)
-    assert store.read_bytes("runs/job/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
-    again = job(cwd, folder, tmp_path / "second.pt", *extra)
+    not the older local one that serves every rank. Under DDP, FSDP sharded and FSDP local, in one
+    launch (``--layouts``)."""
+    kinds, store, cwd = ["ddp", "sharded", "local"], S3ObjectStore(bucket), tmp_path / "node"
+    stopped = {kind: _stopped_after_batch_8(saved, kind, store, cwd, bucket_too=False)[0] for kind in kinds}
+    for kind in kinds:
+        assert store.read_bytes(f"runs/job/{kind}/latest-rank0.pt.symlink").decode().endswith("-ba12-rank0.pt")
+    again = job(cwd, f"s3://{bucket}/runs/job", tmp_path / "second.pt", "--layouts", ",".join(kinds), timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "attempt 0 resumed at batch 12" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert_bitwise(torch.load(tmp_path / "second.pt", weights_only=True), saved["params"][kind])
-    assert os.readlink(staged / "latest-rank0.pt").endswith("-ba12-rank0.pt")
+    _resumed_each_at(again.stdout, 12, kinds)
+    for kind, staged in stopped.items():
+        assert_bitwise(torch.load(tmp_path / f"second.pt.{kind}", weights_only=True), saved["params"][kind])
+        assert os.readlink(staged / "latest-rank0.pt").endswith("-ba12-rank0.pt")
 
 
 @pytest.mark.timeout(300)
