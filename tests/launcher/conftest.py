@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -19,10 +20,14 @@ def launch(args: list[str], cwd: Path, timeout: float = 90, env: dict[str, str] 
 
 
 def pid_alive(pid: int) -> bool:
-    """True unless the process is gone or a zombie (a zombie has already been killed)."""
+    """True unless the process is gone or a zombie whose every thread has ended. A killed process
+    whose main thread is a zombie while another thread still ends (one in uninterruptible sleep,
+    say) is alive: it holds its files, and so its locks, until that thread is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
     except (FileNotFoundError, ProcessLookupError):
         return False
 

@@ -76,7 +76,7 @@ def below_me(mark: str) -> str | None:
 
 
 def _table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, state letter) of every process now."""
+    """pid -> (parent pid, state letter) of every process now (``z``: a zombie whose threads still exit)."""
     table: dict[int, tuple[int, str]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -87,8 +87,18 @@ def _table() -> dict[int, tuple[int, str]]:
                 state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
         except (OSError, ValueError):
             continue  # gone meanwhile
-        table[int(name)] = (int(ppid), state.decode())
+        table[int(name)] = (int(ppid), "z" if state == b"Z" and _threads_left(name) else state.decode())
     return table
+
+
+def _threads_left(pid: str) -> bool:
+    """Whether a zombie's other threads still run (a thread in uninterruptible sleep, say, after
+    SIGKILL): its main thread shows ``Z`` already, but the process keeps its files, and so its
+    locks, until the last thread is gone. Such a process counts as live (state ``z``)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
 
 
 def _carries(pid: int, mark: bytes) -> bool:
