@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lockstep.launcher.tree import alive
 from tests.helpers import launcher_env
 
 
@@ -20,16 +20,9 @@ def launch(args: list[str], cwd: Path, timeout: float = 90, env: dict[str, str] 
 
 
 def pid_alive(pid: int) -> bool:
-    """True unless the process is gone or a zombie whose every thread has ended. A killed process
-    whose main thread is a zombie while another thread still ends (one in uninterruptible sleep,
-    say) is alive: it holds its files, and so its locks, until that thread is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                return True
-        return len(os.listdir(f"/proc/{pid}/task")) > 1
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+    """True unless the process is gone or a zombie whose every thread has ended (the launcher's own
+    rule, :func:`lockstep.launcher.tree.alive`)."""
+    return alive(pid)
 
 
 def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:

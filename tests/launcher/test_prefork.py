@@ -250,7 +250,6 @@ def test_plus_deepspeed_forks_ranks_that_find_it_imported_as_the_trainer_imports
     assert [json.loads((tmp_path / f"found{r}").read_text()) for r in range(2)] == [[True, False]] * 2
 
 
-
 RACE = textwrap.dedent("""
     import ctypes, os, socket, sys, time
     from lockstep.launcher import prefork

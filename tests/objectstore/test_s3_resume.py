@@ -66,7 +66,7 @@ def saved(s3_server, s3_env: dict[str, str], tmp_path_factory: pytest.TempPathFa
     launch once for every worker (``shared_run``), it is what the tests set a bucket and a staging
     folder up from (:func:`_restore`) and the parameters they compare with. Each kind's objects
     (keys under ``runs/job/<kind>/``) are kept as files, since each worker has a server of its own."""
-    kinds = [k for k in KINDS if k != "zero2" or importlib.util.find_spec("deepspeed") is not None]
+    kinds = _kinds(*KINDS)
 
     def every_kind(cwd: Path) -> dict[str, Any]:
         bucket = s3_server.create_bucket(f"saved-{os.getpid()}")

@@ -384,7 +384,7 @@ def _fork_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], f
         os.close(read_end)
         # Read here, not in the rank: the middle may have exited before the rank asks for its
         # parent, which is then the launcher, and the rank would wait for an adoption already done.
-        middle = os.getpid()
+        middle_pid = os.getpid()
         try:
             rank = os.fork()
         except OSError:
@@ -392,7 +392,7 @@ def _fork_rank(sock: socket.socket, watchdog_fd: int, request: dict[str, Any], f
         if rank == 0:
             os.close(write_end)
             try:
-                _become_rank(sock, watchdog_fd, request, fds, middle)
+                _become_rank(sock, watchdog_fd, request, fds, middle_pid)
             except BaseException as e:  # noqa: BLE001 - the rank must not go back into the server's loop
                 os.write(2, f"lockstep: a rank could not start: {e}\n".encode())
                 os._exit(1)

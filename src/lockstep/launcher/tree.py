@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["MARK_ENV", "Reaper", "become_subreaper", "below_me", "job_processes", "kill_job", "marked", "new_mark",
+__all__ = ["MARK_ENV", "Reaper", "alive", "become_subreaper", "below_me", "job_processes", "kill_job", "marked", "new_mark",
            "reap_adopted", "signal_job"]
 
 MARK_ENV = "LOCKSTEP_TREE"
@@ -91,7 +91,7 @@ def _table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def _threads_left(pid: str) -> bool:
+def _threads_left(pid: int | str) -> bool:
     """Whether a zombie's other threads still run (a thread in uninterruptible sleep, say, after
     SIGKILL): its main thread shows ``Z`` already, but the process keeps its files, and so its
     locks, until the last thread is gone. Such a process counts as live (state ``z``)."""
@@ -99,6 +99,16 @@ def _threads_left(pid: str) -> bool:
         return len(os.listdir(f"/proc/{pid}/task")) > 1
     except OSError:
         return False
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: neither gone nor a zombie whose every thread has ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return False
+    return state != b"Z" or _threads_left(pid)
 
 
 def _carries(pid: int, mark: bytes) -> bool:
