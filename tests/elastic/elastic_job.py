@@ -3,7 +3,7 @@
 
 ``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-full B] [--save FOLDER]
 [--fsdp [TYPE]]``: the rank launched as R SIGKILLs itself after batch B (with --save, once the
-checkpoint saved last is published); every rank sleeps S seconds after each batch; with
+checkpoint saved last is published), or raises an error there given ``R:B:raise``; every rank sleeps S seconds after each batch; with
 ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
 joins); with ``--hold-full B``, the full world waits so after batch B (a test kills a node at that
 step, however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3 as it starts; with ``--save``, it saves every 2 batches to FOLDER and
@@ -41,10 +41,11 @@ EVAL_SAMPLES = 37
 
 
 class Record(Callback):
-    def __init__(self, out: Path, kills: dict[int, int], sleep: float, hold: int | None = None,
+    def __init__(self, out: Path, kills: dict[int, tuple[int, bool]], sleep: float, hold: int | None = None,
                  save: str | None = None, hold_full: int | None = None) -> None:
         self.rank = int(os.environ["RANK"])
-        self.out, self.kill_after, self.sleep, self.hold = out, kills.get(self.rank), sleep, hold
+        self.kill_after, self.raises = kills.get(self.rank, (None, False))
+        self.out, self.sleep, self.hold = out, sleep, hold
         self.save, self.hold_full = save, hold_full
         (out / f"pid{self.rank}").write_text(str(os.getpid()))
 
@@ -66,6 +67,8 @@ class Record(Callback):
         if int(state.timestamp.batch) == self.kill_after and int(os.environ["LOCKSTEP_RESTART_COUNT"]) == 0 \
                 and not os.environ.get("LOCKSTEP_ELASTIC_RESPAWN"):
             self._await_saved(self.kill_after - self.kill_after % 2)
+            if self.raises:
+                raise ValueError(f"launch rank {self.rank} fails after batch {self.kill_after} (the test's error)")
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
         membership = elastic.current()
@@ -189,7 +192,7 @@ def main() -> None:
     if args.die_in_save is not None and int(args.die_in_save.split(":")[0]) == int(os.environ["RANK"]):
         _, batch, where = args.die_in_save.split(":")
         die_in_save(int(batch), where)
-    kills = dict(tuple(int(x) for x in spec.split(":")) for spec in args.kills)
+    kills = {int(rank): (int(batch), how == ["raise"]) for rank, batch, *how in (k.split(":") for k in args.kills)}
     model, data = MLP(train_accuracy=args.train_accuracy), Indexed()
     options = {"save_folder": args.save, "save_interval": "2ba", "autoresume": True, "run_name": "elastic"} \
         if args.save else {}

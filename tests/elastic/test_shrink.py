@@ -25,12 +25,16 @@ from tests.trainer.common import MLP, assert_same_params, dataset
 pytestmark = pytest.mark.timeout(150)
 
 
-def test_rank_0_and_then_another_lost_between_steps_leave_two_ranks_that_finish_as_four_would(
+def test_rank_0_killed_and_then_another_failing_between_steps_leave_two_ranks_that_finish_as_four_would(
         tmp_path: Path, reference) -> None:
     out = tmp_path / "out"
-    err = finish(launch(out, "0:2", "3:5", "--train-accuracy"))
+    err = finish(launch(out, "0:2", "3:5:raise", "--train-accuracy"))  # rank 3 raises an error after batch 5
     assert "rank 0 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
-    assert "rank 3 left (signal SIGKILL): 2 of 4 ranks go on at world size 2 (generation 2" in err, err
+    assert "rank 3 left (exit code 1): 2 of 4 ranks go on at world size 2 (generation 2" in err, err
+    # why it left, from its output, under the rank it had at launch (torch's hook, kept over the re-form)
+    assert "lines of rank 3's output" in err and "\n  | [rank3]: Traceback (most recent call last):" in err, err
+    assert "[rank3]: ValueError: launch rank 3 fails after batch 5 (the test's error)" in err, err
+    assert "[rank2]: [rank3]" not in err, err
     assert_as_uninterrupted(out, reference)
     # each change told to every rank left (callbacks), on the console and in the run folder's metrics
     expected = [(1, 3, 4, [0], 2), (2, 2, 3, [3], 5)]  # generation, world, was, left, at batch
@@ -161,7 +165,7 @@ def test_with_rank_restarts_a_lost_rank_is_started_again_in_place_and_the_four_e
     told = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
     # let in only once the three made the change without it: two changes, never one skipped
     assert [(c["generation"], c["world_size"], c["left"], c["joined"]) for c in told] == \
-        [(1, 3, [2], []), (2, 4, [], [2])], told
+        [(1, 3, [2], []), (2, 4, [], [2])], (told, err)
     # under FSDP a join that comes while some of the three took the step in flight and others not
     # goes back to the newest checkpoint (launcher.md), so a step may be trained again there
     assert told[-1]["batch"] >= told[0]["batch"] and told[-1]["trained_again"] <= (2 if fsdp else 0), told

@@ -26,6 +26,13 @@ def test_a_chained_traceback_is_shown_with_the_one_it_came_from() -> None:
     assert shown_part(output) == output[1:]
 
 
+def test_a_traceback_that_torch_prefixed_with_the_rank_is_shown_from_its_first_line() -> None:
+    # torch's excepthook puts "[rankN]: " in front of each line of a rank's traceback
+    output = [f"step {i}\n" for i in range(50)] + [f"[rank3]: {line}" for line in _traceback(20, "ValueError: bad")]
+    shown = shown_part(output)
+    assert shown[0] == "[rank3]: Traceback (most recent call last):\n" and len(shown) == 42
+
+
 def test_output_without_a_traceback_is_its_last_lines() -> None:
     output = [f"line {i}\n" for i in range(100)]
     assert shown_part(output) == output[-TAIL_LINES:]

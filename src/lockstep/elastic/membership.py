@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -153,8 +154,12 @@ class Membership:
         if regroup.newest(self._store, self.prefix) == self.generation:
             return
         _abandon_groups()
-        self.generation, self.ranks = regroup.form(self._store, self.prefix, self.launch_rank, self.timeout,
-                                                   lambda: self._newest)  # the watcher reads the counter
+        hook = sys.excepthook  # torch wraps it in each init_process_group: one "[rankN]: " in front, N at launch
+        try:
+            self.generation, self.ranks = regroup.form(self._store, self.prefix, self.launch_rank, self.timeout,
+                                                       lambda: self._newest)  # the watcher reads the counter
+        finally:
+            sys.excepthook = hook
         self._tell_local_world()
 
 

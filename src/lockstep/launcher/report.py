@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -74,6 +75,16 @@ def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, 
         say(f"error: {configuration}")
         return True
     say(f"rank {spec.rank} (local rank {spec.local_rank}, pid {pid}) failed first with {describe_exit(code)}")
+    show_cause(spec)
+    stopped = [f"{rank} ({describe_exit(c)})" for rank, c in others if c not in (0, None)]
+    if stopped:
+        say("other ranks ended: " + ", ".join(stopped))
+    return False
+
+
+def show_cause(spec: RankSpec) -> None:
+    """Why the rank failed, as far as its output tells: its traceback (``@record``), where its
+    output is, or its output's last lines."""
     error = read_error_file(spec.error_file)
     if error is not None:
         say(f"rank {spec.rank} raised {error[0]}")
@@ -86,10 +97,6 @@ def report_failure(spec: RankSpec, pid: int, code: int, others: list[tuple[int, 
             + (f" and {spec.stdout_path}" if spec.stdout_path not in (None, spec.stderr_path) else ""))
     else:
         _show_tail(spec)
-    stopped = [f"{rank} ({describe_exit(c)})" for rank, c in others if c not in (0, None)]
-    if stopped:
-        say("other ranks ended: " + ", ".join(stopped))
-    return False
 
 
 def _output_tail(spec: RankSpec) -> tuple[Path | None, list[str]]:
@@ -104,17 +111,23 @@ def _output_tail(spec: RankSpec) -> tuple[Path | None, list[str]]:
 
 
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+_PREFIX = re.compile(r"^[ |]*(\[rank\d+\]: )*")
+"""What comes before a line of a traceback: the report's ``  | `` and torch's ``[rankN]: ``."""
+
+
+def _bare(line: str) -> str:
+    return _PREFIX.sub("", line, count=1)
 
 
 def shown_part(lines: list[str]) -> list[str]:
     """The part of a failed rank's last :data:`TRACEBACK_LINES` lines of output to show: its last
     traceback whole (with the ones chained to it) when it starts among them, else the last
     :data:`TAIL_LINES` lines."""
-    starts = [i for i, line in enumerate(lines) if line.lstrip(" |").startswith("Traceback (most recent call last)")]
+    starts = [i for i, line in enumerate(lines) if _bare(line).startswith("Traceback (most recent call last)")]
     if not starts:
         return lines[-TAIL_LINES:]
     first = starts.pop()
-    while starts and any(line.lstrip(" |").startswith(_CHAINED) for line in lines[max(first - 3, 0):first]):
+    while starts and any(_bare(line).startswith(_CHAINED) for line in lines[max(first - 3, 0):first]):
         first = starts.pop()
     return lines[first:]
 

@@ -44,6 +44,7 @@ from lockstep.launcher.report import (
     report_verdict,
     say,
     shell_code,
+    show_cause,
 )
 from lockstep.launcher.stacks import Stacks, collect, format_stacks, stacks_path
 from lockstep.launcher.stall import STALL_EXIT_CODE, ProgressBoard, diagnose, stall_failures
@@ -731,6 +732,8 @@ class Supervisor:
         for r in exited:
             elastic = self.plan.min_ranks and not self._signals_seen
             if r.returncode != 0 and elastic and self._goes_on_without(r, channel):
+                if r.returncode > 0:  # an error of its own, not a kill: why it left
+                    show_cause(r.spec)
                 self._start_again(r, channel)
                 continue
             if r.returncode != 0:
