@@ -170,6 +170,22 @@ def test_with_rank_restarts_a_lost_rank_is_started_again_in_place_and_the_four_e
     assert told[-1]["batch"] >= told[0]["batch"] and told[-1]["trained_again"] <= (2 if sharded else 0), told
 
 
+def test_a_rank_started_again_that_dies_before_it_is_let_in_is_started_again_and_never_waited_for(
+        tmp_path: Path, reference) -> None:
+    # rank 2 is killed after batch 3; each time it is started again it exits 3 as it starts, before
+    # the master's launcher let it in: its request is taken back, its second start is its last, and
+    # the three left never wait for it and end as the uninterrupted run
+    out = tmp_path / "out"
+    err = finish(launch(out, "2:3", "--fail-to-join", "--sleep", "0.6",  # the job outlasts both starts
+                        launcher=("-n", "4", "--min_ranks", "2", "--rank_restarts", "2")))
+    for nth in (1, 2):
+        assert f"rank 2 (local rank 2) started again in place ({nth} of --rank_restarts 2)" in err, err
+    assert err.count("rank 2, started again in place, exited before the job let it in (exit code 3)") == 2, err
+    assert f"rank 2 wrote nothing to {out / 'run' / 'rank2.stderr.log'} or " in err, err
+    assert "rank 2 is not started again (--rank_restarts 2 used" in err and "joined" not in err, err
+    assert_as_uninterrupted(out, reference)
+
+
 def test_below_min_ranks_the_job_stops_as_without_it(tmp_path: Path) -> None:
     proc = launch(tmp_path / "out", "1:2", launcher=("-n", "2", "--min_ranks", "2"))
     _, err = proc.communicate(timeout=120)

@@ -137,7 +137,7 @@ def _show_tail(spec: RankSpec) -> None:
     if lines:
         _show(f"last {len(lines)} lines of rank {spec.rank}'s output ({shown}):", lines)
     else:
-        say(f"rank {spec.rank} wrote nothing to {shown}")
+        say(f"rank {spec.rank} wrote nothing to {' or '.join(_files(spec))}")
 
 
 def _show(title: str, lines: list[str]) -> None:
@@ -157,10 +157,15 @@ def failure_tail(spec: RankSpec, kept: dict[Stream, list[str]] | None = None) ->
         lines = kept.get(stream) or (tail(path, TRACEBACK_LINES) if path is not None else [])
         if lines:
             return [line.rstrip("\n") for line in shown_part(lines)]
-    files = [str(p) for p in dict.fromkeys((spec.stderr_path, spec.stdout_path)) if p is not None]
+    files = _files(spec)
     if files:
         return [f"(it wrote nothing to {' or '.join(files)})"]
     return ["(its output is on its node's console, above that node's report)"]
+
+
+def _files(spec: RankSpec) -> list[str]:
+    """The rank's output files: stderr's, then stdout's where it is another."""
+    return [str(p) for p in dict.fromkeys((spec.stderr_path, spec.stdout_path)) if p is not None]
 
 
 def report_verdict(failure: Failure, this_node: int) -> None:

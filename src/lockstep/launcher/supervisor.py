@@ -777,8 +777,11 @@ class Supervisor:
         """An elastic job's rank exited with an error: whether the job goes on without it (the
         master's launcher decides, for every node)."""
         token = self._in_place.tokens.pop(r.spec.rank, None)
-        if token is not None:  # started again in place: not let in after it died (if let in, lost again)
-            withdraw(self._store_call(channel), self._in_place.attempt, token, f"rank {r.spec.rank} exited first")
+        # started again in place: not let in after it died (if it was let in, it is lost again)
+        if token is not None and withdraw(self._store_call(channel), self._in_place.attempt, token,
+                                          f"rank {r.spec.rank} exited first"):
+            say(f"rank {r.spec.rank}, started again in place, exited before the job let it in "
+                f"({describe_exit(r.returncode)})")
         if self._members is not None:
             return self._members.lose(r.spec.rank, r.returncode)
         if channel is None:
