@@ -154,7 +154,9 @@ class Membership:
         if regroup.newest(self._store, self.prefix) == self.generation:
             return
         _abandon_groups()
-        hook = sys.excepthook  # torch wraps it in each init_process_group: one "[rankN]: " in front, N at launch
+        # torch wraps the hook at each init_process_group ("[rankN]: " before each line of a traceback):
+        # keep the first, whose N names the rank's log file when it started with the job
+        hook = sys.excepthook
         try:
             self.generation, self.ranks = regroup.form(self._store, self.prefix, self.launch_rank, self.timeout,
                                                        lambda: self._newest)  # the watcher reads the counter
