@@ -236,6 +236,11 @@ class CheckpointWriter:
         if buffers:
             rank_entry = {**rank_entry, "buffers": buffers}
         ranks, pid = self._agree(path, name, rank_entry)
+        membership = elastic.current()
+        if membership is not None and (layout.collective or is_folder(layout)):
+            # every rank on to the collectives that follow, or none (another may have given up the
+            # gather just done, seeing a change of the job's ranks, after its part reached the others)
+            membership.all_or_none("the collectives of the checkpoint's write")
         with _agreement.long_io():  # every rank is here (it took part in the agreement)
             model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
         if self.writes and not self._swept:  # temporary files of a writer that died mid-save

@@ -56,6 +56,7 @@ class Membership:
         self._tell_local_world()
         """Whether this rank joined the running job and has yet to take a peer's state (``catch_up``)."""
         self._newest = self.generation
+        self._points: dict[int, int] = {}  # per generation, how many times its ranks met in all_or_none
         self._store.add(joined_key(prefix), 1)  # the launcher shrinks only a job whose every rank follows
         self._done = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="lockstep-membership", daemon=True)
@@ -143,6 +144,28 @@ class Membership:
         while not self.changed() and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         return self.changed()
+
+    def all_or_none(self, what: str) -> None:
+        """Return once every rank of this generation got here; :class:`MembershipChanged` on every
+        one of them if the membership changes first, decided once for all (a compare-and-set in
+        the store). For what comes after a waited collective that some ranks may have completed
+        while another gave it up, having seen a change first (its part was sent already): torch's
+        own collectives after it, such as making a process group or FSDP's gathers, would wait for
+        that rank for their whole timeout, unpolled. ``what``: what comes next, for the error."""
+        point = self._points[self.generation] = self._points.get(self.generation, 0) + 1
+        key = f"{self.prefix}g{self.generation}/point{point}/"
+        if int(self._store.add(key + "arrived", 1)) >= len(self.ranks):
+            self._store.compare_set(key + "decided", "", "go")
+        pause = 0.0005
+        while not self._store.check([key + "decided"]):
+            if self.changed():
+                self._store.compare_set(key + "decided", "", "stop")
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S)
+        if self._store.get(key + "decided") != b"go":
+            raise MembershipChanged(f"the job's ranks changed (generation {self._newest}) before every rank "
+                                    f"reached {what}")
 
     def reform(self) -> None:
         """A process group of the newest generation's ranks in place of the default one (this

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from lockstep.launcher import tree
 from lockstep.launcher.output import ConsolePump, Pump, RankLogs, kept_streams, start_pumps
 from lockstep.launcher.plan import LaunchPlan, RankSpec, Stream
 from lockstep.launcher.prefork import ForkedRank, PreforkServer, command_forkable
@@ -54,12 +55,14 @@ class Rank:
         return self.proc.pid  # process_group=0 makes each rank the leader of its own group
 
     def signal_group(self, signum: int) -> None:
-        try:
-            os.killpg(self.pgid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """``signum`` to the rank's process group: its leftovers too once the rank exited, but never
+        a group that another process leads with the rank's pid, free again once the rank was reaped
+        and its group emptied (:func:`tree.still_ours`)."""
+        tree.signal_group(self.pgid, signum, None if self.proc.returncode is not None else tree.start_time(self.pgid))
 
     def signal_leader(self, signum: int) -> None:
+        if self.proc.returncode is not None:
+            return  # reaped: its pid may be another process's now
         try:
             os.kill(self.proc.pid, signum)
         except (ProcessLookupError, PermissionError):

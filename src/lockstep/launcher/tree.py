@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 __all__ = ["MARK_ENV", "Reaper", "alive", "become_subreaper", "below_me", "job_processes", "kill_job", "marked", "new_mark",
-           "reap_adopted", "signal_job"]
+           "reap_adopted", "signal_group", "signal_job", "start_time", "still_ours"]
 
 MARK_ENV = "LOCKSTEP_TREE"
 """Marks of the launchers a process runs under, ``:``-separated (a launcher inside a rank adds its own)."""
@@ -109,6 +109,33 @@ def alive(pid: int) -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return state != b"Z" or _threads_left(pid)
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None where there is none: with
+    the pid, what tells one process from a later one that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def still_ours(pgid: int, started: int | None) -> bool:
+    """Whether process group ``pgid``, whose leader started at ``started`` (None: it was gone, or
+    reaped), may still be signalled as the job's. A pid is free for a new process once its process
+    and every member of its group are gone; a process there now that is not the leader is another
+    one, which may lead a group of its own (every rank does), so that group is not the job's. A
+    group whose leader is gone and whose pid nobody holds is the job's leftovers, or empty."""
+    now = start_time(pgid)
+    return now is None or now == started
+
+
+def signal_group(pgid: int, signum: int, started: int | None) -> None:
+    """``signum`` to process group ``pgid`` if it is :func:`still_ours`."""
+    if still_ours(pgid, started):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signum)
 
 
 def _carries(pid: int, mark: bytes) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import signal
 
-from lockstep.launcher.tree import kill_job
+from lockstep.launcher.tree import kill_job, signal_group, start_time, still_ours
 
 
 class Watchdog:
@@ -77,20 +77,23 @@ def _watch(read_fd: int, mark: str) -> None:
             os.dup2(devnull, fd)
         os.closerange(3, read_fd)
         os.closerange(read_fd + 1, 65536)
-        groups: set[int] = set()
+        groups: dict[int, int | None] = {}  # each guarded group, and when its leader started
         buffer = b""
         while chunk := os.read(read_fd, 4096):
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 pgid = int(line[1:])
-                (groups.add if line[:1] == b"+" else groups.discard)(pgid)
+                if line[:1] == b"+":
+                    groups[pgid] = start_time(pgid)
+                else:
+                    groups.pop(pgid, None)
+        # A rank that exited long before the launcher (lost in an elastic job, say) left its pid free:
+        # a process that took it since is another's, and so is what descends from it.
+        ours = {pgid: started for pgid, started in groups.items() if still_ours(pgid, started)}
         # Walk down from the ranks before killing any: a child without the mark is found through them.
-        kill_job(mark, roots=groups)
-        for pgid in groups:  # a rank killed between fork and exec does not carry the mark yet
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_job(mark, roots=ours)
+        for pgid, started in ours.items():  # a rank killed between fork and exec does not carry the mark yet
+            signal_group(pgid, signal.SIGKILL, started)
     finally:
         os._exit(0)
