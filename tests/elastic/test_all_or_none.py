@@ -1,7 +1,7 @@
 """Membership.all_or_none on a real c10d store (issue 51): after a waited collective that some ranks
 completed while another gave it up, every rank of the generation goes on, or none does, decided
-once. The process test that needs it is test_shrink.py's rank_restarts case under ZeRO-2, whose
-save hung in torch's own collectives before it (3 launches of 12)."""
+once. Without it, 3 of 12 launches of test_shrink.py's rank_restarts job under ZeRO-2 hung in the
+save's own collectives (that job still ends off the uninterrupted run at times: CHANGELOG)."""
 
 from __future__ import annotations
 
