@@ -58,7 +58,12 @@ class Rank:
         """``signum`` to the rank's process group: its leftovers too once the rank exited, but never
         a group that another process leads with the rank's pid, free again once the rank was reaped
         and its group emptied (:func:`tree.still_ours`)."""
-        tree.signal_group(self.pgid, signum, None if self.proc.returncode is not None else tree.start_time(self.pgid))
+        if self.proc.returncode is not None and not tree.still_ours(self.pgid, None):
+            return
+        try:
+            os.killpg(self.pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def signal_leader(self, signum: int) -> None:
         if self.proc.returncode is not None:
