@@ -1,11 +1,11 @@
 """The job of the elastic tests, run under the launcher: DDP over 44 indexed samples, 3 per rank,
 2 epochs (8 global batches of a 4-rank world).
 
-``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-full B] [--save FOLDER]
+``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-in-step B] [--hold-full B] [--save FOLDER]
 [--fsdp [TYPE]]``: the rank launched as R SIGKILLs itself after batch B (with --save, once the
 checkpoint saved last is published), or raises an error there given ``R:B:raise``; every rank sleeps S seconds after each batch; with
 ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
-joins); with ``--hold-full B``, the full world waits so after batch B (a test kills a node at that
+joins), or with ``--hold-in-step B`` in batch B's optimizer step, after its update; with ``--hold-full B``, the full world waits so after batch B (a test kills a node at that
 step, however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3 as it starts; with ``--save``, it saves every 2 batches to FOLDER and
 autoresumes from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead,
 saving checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at
@@ -94,6 +94,27 @@ class Record(Callback):
             time.sleep(0.01)
 
 
+class HoldInStep(Callback):
+    """``--hold-in-step B``: fewer ranks than the full world, in the optimizer step of batch B,
+    wait until the ranks change once this rank's optimizer updated its state and before the step
+    ends (under ZeRO: before the gather of the updated weights of every rank)."""
+
+    def __init__(self, batch: int, optimizer: torch.optim.Optimizer) -> None:
+        self.batch, self.armed = batch, False
+        optimizer.register_step_post_hook(self._updated)
+
+    def after_train_batch(self, state, logger) -> None:  # the step comes next
+        membership = elastic.current()
+        self.armed = int(state.timestamp.batch) + 1 == self.batch and membership is not None \
+            and len(membership.ranks) < int(os.environ["LOCKSTEP_FULL_WORLD_SIZE"])
+
+    def _updated(self, *_) -> None:
+        if self.armed:
+            self.armed, membership, deadline = False, elastic.current(), time.monotonic() + 150
+            while not membership.changed() and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+
 class RecordEvals(Callback):
     """At the end of each evaluation, the rank that is rank 0 now writes the batch, the world size
     and the metrics to OUT/evals, and the parameters evaluated to OUT/eval<batch>.params; with
@@ -173,6 +194,8 @@ def main() -> None:
                         help="after this batch, fewer ranks than the full world wait until the ranks change")
     parser.add_argument("--hold-full", type=int, default=None,
                         help="after this batch, the full world waits until the ranks change")
+    parser.add_argument("--hold-in-step", type=int, default=None,
+                        help="in this batch's optimizer step, fewer ranks than the full world wait for a change")
     parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader for training")
     parser.add_argument("--eval", action="store_true", help="evaluate on EVAL_SAMPLES samples every 2 batches")
     parser.add_argument("--train-accuracy", action="store_true",
@@ -203,7 +226,10 @@ def main() -> None:
                                                                       sampler=dist.get_sampler(held_out)))
         die_in = tuple(int(x) for x in args.die_in_eval.split(":")) if args.die_in_eval else None
         callbacks.append(RecordEvals(args.out, die_in))
-    trainer = Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), max_duration="2ep",
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if args.hold_in_step is not None:
+        callbacks.append(HoldInStep(args.hold_in_step, optimizer))
+    trainer = Trainer(model=model, optimizers=optimizer, max_duration="2ep",
                       train_dataloader=(StatefulDataLoader if args.stateful else DataLoader)(
                           data, batch_size=PER_RANK_BATCH, sampler=dist.get_sampler(data, shuffle=True)),
                       seed=7, progress_bar=False, callbacks=callbacks,

@@ -142,11 +142,11 @@ def test_a_rank_killed_from_outside_at_a_random_moment_costs_no_sample_and_no_ex
     assert evaluated == expected, (rank, delay, err[-3000:])
 
 
-@pytest.mark.parametrize("backend", [(), ("--fsdp",)], ids=["ddp", "fsdp"])  # ZeRO-2: off in 1 of 4 (CHANGELOG)
+@pytest.mark.parametrize("backend", [(), ("--fsdp",), ("--zero", "2")], ids=["ddp", "fsdp", "zero2"])
 def test_with_rank_restarts_a_lost_rank_is_started_again_in_place_and_the_four_end_as_four_would(
         tmp_path: Path, reference, backend: tuple[str, ...]) -> None:
     """``--rank_restarts 1``: rank 2, killed after batch 3, is started again by its launcher; the
-    three left go on (under FSDP from the batch-2 checkpoint, resharded), and wait after batch 5
+    three left go on (under FSDP and ZeRO-2 from the batch-2 checkpoint, resharded), and wait after batch 5
     (``--hold``) until it joins, back in its place; it takes the state from its peers (under FSDP
     their shards), and the four end within 1e-5 of the uninterrupted run, on the same global
     batches (under DDP no step trained again at the join)."""
@@ -168,6 +168,24 @@ def test_with_rank_restarts_a_lost_rank_is_started_again_in_place_and_the_four_e
     # under FSDP a join that comes while some of the three took the step in flight and
     # others not goes back to the newest checkpoint (launcher.md), so a step may be trained again there
     assert told[-1]["batch"] >= told[0]["batch"] and told[-1]["trained_again"] <= (2 if sharded else 0), told
+
+
+def test_under_zero2_a_join_that_ends_the_gather_of_the_updated_weights_counts_that_step_as_taken(
+        tmp_path: Path, reference) -> None:
+    # rank 2 is killed after batch 3; the three left go back to the batch-2 checkpoint and train
+    # batch 3 again, where each waits, its partition updated, until rank 2 (started again) joins:
+    # the change ends the step's gather of the updated weights (in some ranks at least). The step
+    # counts as taken, the state comes from the three, and nothing is trained again at the join
+    out = tmp_path / "out"
+    err = finish(launch(out, "2:3", "--hold-in-step", "3", "--zero", "2", "--save", str(tmp_path / "ck"),
+                        launcher=("-n", "4", "--min_ranks", "2", "--rank_restarts", "1")))
+    assert "rank 2 joined: 4 of 4 ranks go on at world size 4 (generation 2" in err, err
+    told = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
+    assert [(c["generation"], c["left"], c["joined"], c["batch"], c["trained_again"]) for c in told] == \
+        [(1, [2], [], 2, 1), (2, [], [2], 3, 0)], (told, err)
+    params, batches = reference
+    assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
+    assert global_batches(out) == batches
 
 
 def test_a_rank_started_again_that_dies_before_it_is_let_in_is_started_again_and_never_waited_for(

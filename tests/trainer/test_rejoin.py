@@ -15,6 +15,7 @@ CASES = {
     "one took the step in flight, one not": [(None, False, True), (5, True, True), (5, False, True)],
     "a rank that held a shard was lost": [(None, False, True), (5, False, False), (5, False, False)],
     "one a batch behind": [(5, False, True), (4, False, True), (5, False, True)],
+    "one took the step in flight, one ended it too": [(None, False, True), (5, True, True), (6, False, True)],
 }
 
 
@@ -31,9 +32,9 @@ def _decide(_: int) -> dict[str, bool]:
     return out
 
 
-def test_the_ranks_that_trained_give_the_state_only_when_none_was_lost_and_all_got_equally_far() -> None:
+def test_the_ranks_that_trained_give_the_state_only_when_none_was_lost_and_all_took_the_same_steps() -> None:
     results = run_distributed(_decide, world_size=3, args=(0,), timeout=120)
     assert all(r == results[0] for r in results)  # one decision for every rank
     assert results[0] == {"joined, the others equally far": True, "joined, both took the step in flight": True,
                           "one took the step in flight, one not": False, "a rank that held a shard was lost": False,
-                          "one a batch behind": False}
+                          "one a batch behind": False, "one took the step in flight, one ended it too": True}

@@ -391,6 +391,9 @@ class DeepSpeedStrategy(Strategy):
         self._names: list[list[list[str]]] = []
         self._place = 0
         """This rank's place in the engine's partitioning."""
+        self._stepping = self._updated = False
+        """Whether a step is in flight, and whether it updated the partitions (:meth:`updated_before_failing`)."""
+        self._watched: Any = None
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Build the engine (a collective). A rank that joins a running elastic job builds it
@@ -427,6 +430,20 @@ class DeepSpeedStrategy(Strategy):
         self._place = dist.get_global_rank()  # in the engine's partitioning (its process group is the world)
         if self._params is not None:
             _wait_through_lockstep()
+            self._watch_updates()
+
+    def _watch_updates(self) -> None:
+        """Note each update of the engine's partitions: ZeRO's step updates this rank's partition,
+        then gathers every rank's (a collective that a change of an elastic job's ranks may end),
+        and a rank that updated must not train that batch again on the state it sends."""
+        base = getattr(self.engine.optimizer, "optimizer", None)  # ZeRO's: the optimizer of the partitions
+        if isinstance(base, torch.optim.Optimizer) and base is not self._watched:
+            base.register_step_post_hook(self._note_update)
+            self._watched = base
+
+    def _note_update(self, *_: Any) -> None:
+        # DeepSpeed also steps it with no gradients to make its state, as it builds an engine
+        self._updated = self._updated or self._stepping
 
     def reshard(self) -> nn.Module:
         """After an elastic job's ranks changed, on the new process group: the engine taken off
@@ -534,7 +551,16 @@ class DeepSpeedStrategy(Strategy):
                          "adaptive clipping is not available under deepspeed_config")
 
     def optimizer_step(self) -> None:
-        self.engine.step()  # the optimizer step and zero_grad
+        self._stepping = True
+        try:
+            self.engine.step()  # the optimizer step and zero_grad
+        finally:
+            self._stepping = False
+        self._updated = False  # the whole step: nothing of it left in flight
+
+    def updated_before_failing(self) -> bool:
+        updated, self._updated = self._updated, False
+        return updated
 
     def layout(self) -> Layout:
         from lockstep.checkpoint.deepspeed import DeepSpeedLayout

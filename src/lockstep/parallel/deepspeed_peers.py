@@ -68,5 +68,7 @@ def load(engine: Any, stage: int, held_by_rank: list[dict[str, Any] | None]) -> 
     if stage == 3:
         deepspeed_reshard.cut_stage3(engine, states, saved, PEERS, strict=True)
         return
-    engine.module.load_state_dict(states["module"])
+    engine.module.load_state_dict(states["module"])  # the buffers; the weights follow from the masters
     deepspeed_reshard.cut_stage12(engine, saved)
+    # a change that ended the step's gather of the updated weights left some of place 0's as they were
+    engine.optimizer.update_lp_params()

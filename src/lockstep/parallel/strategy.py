@@ -165,6 +165,13 @@ class Strategy:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
+    def updated_before_failing(self) -> bool:
+        """Whether the optimizer step that raised had already updated this rank's weights or
+        optimizer state (a collective after the update failed, such as ZeRO's gather of the updated
+        weights ended by a change of an elastic job's ranks): the step then counts as taken. Asked
+        once per failure. Here the step has no collective after its update: False."""
+        return False
+
     @property
     def eval_module(self) -> nn.Module:
         """The module evaluation calls: the bare model, with no DDP hooks to wait in."""

@@ -27,14 +27,15 @@ def _progress(state: State, unended: tuple | None, fresh: bool) -> int:
 def peers_hold_the_state(state: State, unended: tuple | None, can: bool, *, fresh: bool = False) -> bool:
     """Whether the ranks of a backend that shards its state take it from the ranks that trained
     rather than from the last checkpoint (a collective of the new process group): only if every
-    rank ``can`` (no rank that held a shard was lost) and every rank that trained got equally far,
-    so that its shards belong to one step. Widens every rank's room for small objects
+    rank ``can`` (no rank that held a shard was lost) and every rank that trained took the same
+    optimizer steps, so that its shards belong to one step (whether a rank also ended the last
+    one is :func:`catch_up`'s to settle). Widens every rank's room for small objects
     (:mod:`lockstep._agreement`) to the widest too, so that their gathers match on the new group."""
     gathered = dist.all_gather(torch.tensor([_progress(state, unended, fresh), int(can),
                                              _agreement.small_object_room()], dtype=torch.int64))
     _agreement.widen_small_object_room(max(int(t[2]) for t in gathered))
-    reached = {int(t[0]) for t in gathered if int(t[0]) >= 0}
-    return all(int(t[1]) for t in gathered) and len(reached) == 1
+    steps = {(int(t[0]) + 1) // 2 for t in gathered if int(t[0]) >= 0}
+    return all(int(t[1]) for t in gathered) and len(steps) == 1
 
 
 def end_pending(taken: int, ends_epoch: bool, batch: int) -> bool:

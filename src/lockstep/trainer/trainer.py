@@ -766,7 +766,12 @@ class Trainer:
             if loud:
                 run(Event.AFTER_DATALOADER)
                 run(Event.BATCH_START)
-            s.loss_tensor = self._train_batch(s.batch, samples, tokens, loud)
+            try:
+                self._train_batch(s.batch, samples, tokens, loud)
+            except BaseException:
+                if self.strategy.updated_before_failing():  # the step counts as taken: only its end is left
+                    self._unended = (samples, tokens, is_last)
+                raise
             self._unended = (samples, tokens, is_last)  # until the timestamp moves (an elastic job's rejoin)
             self._end_batch(samples, tokens, is_last, stop, loud)
             if is_last or is_reached(s.timestamp, s.max_duration):
@@ -837,9 +842,10 @@ class Trainer:
         steps.append(functools.partial(self._run_event, Event.EPOCH_CHECKPOINT))
         return steps
 
-    def _train_batch(self, batch: Any, global_samples: int, global_tokens: SupportsInt, loud: bool) -> torch.Tensor:
-        """One optimizer step on this rank's batch; returns its mean loss (a tensor: no device sync).
-        Without ``loud``, no callback or algorithm acts at the events of the step before BATCH_END."""
+    def _train_batch(self, batch: Any, global_samples: int, global_tokens: SupportsInt, loud: bool) -> None:
+        """One optimizer step on this rank's batch; its mean loss in ``state.loss_tensor`` (a tensor:
+        no device sync), before the step. Without ``loud``, no callback or algorithm acts at the
+        events of the step before BATCH_END."""
         s, strategy, run = self.state, self.strategy, self._run_event
         if loud:
             run(Event.BEFORE_TRAIN_BATCH)
@@ -855,8 +861,8 @@ class Trainer:
         if loud:
             run(Event.AFTER_TRAIN_BATCH)
         self._before_weights_change()
+        s.loss_tensor = loss
         strategy.optimizer_step()
-        return loss
 
     def _log_batch(self, trained: dict[str, Any] | None) -> None:
         """Rank 0's loss of this batch (a tensor: destinations read it off the training thread), and
