@@ -6,7 +6,8 @@
 checkpoint saved last is published), or raises an error there given ``R:B:raise``; every rank sleeps S seconds after each batch; with
 ``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
 joins), or with ``--hold-in-step B`` in batch B's optimizer step, after its update; with ``--hold-full B``, the full world waits so after batch B (a test kills a node at that
-step, however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3 as it starts; with ``--save``, it saves every 2 batches to FOLDER and
+step, however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3 as it starts, and
+``--join-after B`` wait until launch rank 0 ended batch B; with ``--save``, it saves every 2 batches to FOLDER and
 autoresumes from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead,
 saving checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at
 that ZeRO stage; ``--train-accuracy`` gives the model a training metric (torchmetrics, ~3 s of
@@ -182,6 +183,15 @@ def die_in_save(batch: int, where: str) -> None:
     DeepSpeedLayout.write_parts = ShardedLayout.write_parts = doomed_write
 
 
+def await_ended(ends: Path, batch: int) -> None:
+    """Until ``ends`` (a rank's OUT/ends file) says that rank ended ``batch``."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if ends.exists() and any(line.split()[0] == str(batch) for line in ends.read_text().splitlines()):
+            return
+        time.sleep(0.02)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -202,6 +212,8 @@ def main() -> None:
                         help="training metrics too, which each change of the ranks must gather anew")
     parser.add_argument("--die-in-eval", default=None,
                         help="R:B: launch rank R is killed after its first batch of the evaluation at batch B")
+    parser.add_argument("--join-after", type=int, default=None,
+                        help="a rank that joins a running job waits until launch rank 0 ended this batch")
     parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
@@ -210,6 +222,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.fail_to_join and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
         sys.exit(3)
+    if args.join_after is not None and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
+        await_ended(args.out / "ends0", args.join_after)
     if args.die_in_reform == int(os.environ["RANK"]):
         die_in_reform()
     if args.die_in_save is not None and int(args.die_in_save.split(":")[0]) == int(os.environ["RANK"]):

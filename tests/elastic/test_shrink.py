@@ -188,6 +188,27 @@ def test_under_zero2_a_join_that_ends_the_gather_of_the_updated_weights_counts_t
     assert global_batches(out) == batches
 
 
+@pytest.mark.parametrize("backend", [(), ("--fsdp",)], ids=["ddp", "fsdp"])
+def test_a_rank_that_joins_during_the_end_of_an_epoch_takes_it_up_with_the_others_and_its_checkpoint_is_saved(
+        tmp_path: Path, reference, backend: tuple[str, ...]) -> None:
+    # rank 2 is killed after batch 3 and started again; it joins once the three left ended batch 4,
+    # the epoch's last, where they wait (--hold 4): the change ends its checkpoint's save. The
+    # rank that joined takes the rest of that end up with them: the epoch is counted once, the
+    # batch-4 checkpoint is saved (under FSDP too, whose state comes from the three's shards), and
+    # the four end as the uninterrupted run
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    err = finish(launch(out, "2:3", "--hold", "4", "--join-after", "4", "--save", str(ck), *backend,
+                        launcher=("-n", "4", "--min_ranks", "2", "--rank_restarts", "1")))
+    told = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
+    assert [(c["generation"], c["joined"], c["batch"], c["trained_again"]) for c in told][1:] == \
+        [(2, [2], 4, 0)], (told, err)
+    assert sorted(p.name for p in ck.glob("ep*")) == \
+        ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"], err
+    params, batches = reference
+    assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
+    assert global_batches(out) == batches
+
+
 def test_a_rank_started_again_that_dies_before_it_is_let_in_is_started_again_and_never_waited_for(
         tmp_path: Path, reference) -> None:
     # rank 2 is killed after batch 3; each time it is started again it exits 3 as it starts, before

@@ -392,7 +392,8 @@ class DeepSpeedStrategy(Strategy):
         self._place = 0
         """This rank's place in the engine's partitioning."""
         self._stepping = self._updated = False
-        """Whether a step is in flight, and whether it updated the partitions (:meth:`updated_before_failing`)."""
+        """Whether a step is in flight, and whether it updated the partitions
+        (:meth:`updated_before_failing`)."""
         self._watched: Any = None
 
     def setup(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:

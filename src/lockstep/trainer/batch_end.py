@@ -5,13 +5,27 @@ never one already taken (an epoch counted twice, an evaluation logged twice)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+from lockstep.time import Timestamp
 
 
 class BatchEnd:
-    """The steps of one batch's end, and how many of them were taken."""
+    """The steps of one batch's end, and how many of them were taken; the timestamps before and
+    after the batch they were made from, for a rank that joins a running job while the others are
+    in it (:meth:`described`)."""
 
-    def __init__(self, steps: list[Callable[[], object]], ends_epoch: bool) -> None:
+    def __init__(self, steps: list[Callable[[], object]], ends_epoch: bool, before: Timestamp | None = None,
+                 after: Timestamp | None = None) -> None:
         self.steps, self.taken, self.ends_epoch = steps, 0, ends_epoch
+        self.before, self.after = before, after
+
+    def described(self) -> tuple[dict[str, Any], dict[str, Any], bool] | None:
+        """What another rank makes the same steps from: the timestamps (state dicts) and whether the
+        batch ends an epoch; None without the timestamps."""
+        if self.before is None or self.after is None:
+            return None
+        return self.before.state_dict(), self.after.state_dict(), self.ends_epoch
 
     def run(self) -> None:
         """Take the steps not taken yet, in turn."""

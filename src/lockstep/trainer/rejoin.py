@@ -15,6 +15,7 @@ import torch
 
 from lockstep import _agreement, dist
 from lockstep.state import State
+from lockstep.trainer.batch_end import BatchEnd
 from lockstep.time import Timestamp
 
 
@@ -27,33 +28,36 @@ def _progress(state: State, unended: tuple | None, fresh: bool) -> int:
 def peers_hold_the_state(state: State, unended: tuple | None, can: bool, *, fresh: bool = False) -> bool:
     """Whether the ranks of a backend that shards its state take it from the ranks that trained
     rather than from the last checkpoint (a collective of the new process group): only if every
-    rank ``can`` (no rank that held a shard was lost) and every rank that trained took the same
-    optimizer steps, so that its shards belong to one step (whether a rank also ended the last
-    one is :func:`catch_up`'s to settle). Widens every rank's room for small objects
+    rank ``can`` (no rank that held a shard was lost) and every rank that trained got equally far,
+    so that its shards belong to one step. Widens every rank's room for small objects
     (:mod:`lockstep._agreement`) to the widest too, so that their gathers match on the new group."""
     gathered = dist.all_gather(torch.tensor([_progress(state, unended, fresh), int(can),
                                              _agreement.small_object_room()], dtype=torch.int64))
     _agreement.widen_small_object_room(max(int(t[2]) for t in gathered))
-    steps = {(int(t[0]) + 1) // 2 for t in gathered if int(t[0]) >= 0}
-    return all(int(t[1]) for t in gathered) and len(steps) == 1
+    reached = {int(t[0]) for t in gathered if int(t[0]) >= 0}
+    return all(int(t[1]) for t in gathered) and len(reached) == 1
 
 
-def end_pending(taken: int, ends_epoch: bool, batch: int) -> bool:
-    """Whether the ranks take up the end of ``batch`` that the change interrupted after its
-    BATCH_END (a collective of the new process group): ``taken`` is how many of its steps this
-    rank took (:class:`~lockstep.trainer.batch_end.BatchEnd`; -1: none to take up). Where the
-    ranks differ (a rank that took the batch's optimizer step alone, whose peers catch up
-    without its end), none takes it up, as before; unless it ends an epoch, which must then be
-    counted on every rank: a RuntimeError instead of training that epoch twice."""
-    flags = torch.tensor([taken, -taken, int(ends_epoch)], dtype=torch.int64)
-    most, minus_least, epoch = (int(v) for v in dist.all_reduce(flags, "MAX").tolist())
-    if most == -minus_least:
-        return most >= 0
-    if epoch:
+def end_pending(tail: BatchEnd | None, joined: bool, batch: int) -> tuple[int, tuple | None]:
+    """How many steps of the end of ``batch`` that the change interrupted after its BATCH_END
+    the ranks took, where they take it up (a collective of the new process group); -1 where none
+    is taken up. ``tail`` is this rank's end of its last batch (None: none in flight). Where the
+    ranks that trained differ (a rank that took the batch's optimizer step alone, whose peers
+    catch up without its end), none takes it up, as before; unless it ends an epoch, which must
+    then be counted on every rank: a RuntimeError instead of training that epoch twice. A rank
+    that ``joined`` the running job has none of its own: it follows the others, and gets what
+    theirs was made from (:meth:`BatchEnd.described`) to make its own."""
+    own = None if joined else (-1 if tail is None else tail.taken, tail is not None and tail.ends_epoch,
+                               None if tail is None else tail.described())
+    told = [t for t in dist.all_gather_object(own) if t is not None]
+    takens = {t[0] for t in told}
+    if len(takens) == 1:
+        return told[0][0], told[0][2]
+    if any(t[1] for t in told):
         raise RuntimeError(f"the ranks left are at different steps of the end of batch {batch}, the last of its "
                            f"epoch, after a change of the job's ranks: the job cannot go on exactly; run it "
                            f"again with autoresume")
-    return False
+    return -1, None
 
 
 def catch_up(state: State, unended: tuple | None, *, fresh: bool = False,

@@ -304,6 +304,8 @@ class Trainer:
         """The end of a batch after its BATCH_END, while under way."""
         self._ended_at_change = False
         """Whether the latest change of an elastic job's ranks ended such a batch on the new group."""
+        self._went_back = False
+        """Whether the latest change of an elastic job's ranks took the job back to a checkpoint's step."""
         self.fit_count = 0
         """How many times ``fit`` ran (a second one that would train nothing is refused, as in Composer)."""
         self._events.index()
@@ -620,12 +622,16 @@ class Trainer:
         BATCH_END (its evaluations, saves, its epoch's end), on the new process group, where every
         rank left had it to do; again after each change meanwhile. Where the epoch goes on."""
         while True:
+            membership = elastic.current()
+            joined = membership is not None and membership.fresh
             resume = self._rejoin(stop)
-            tail = None if self.strategy.shards_state else self._tail  # FSDP: back at the checkpoint's step
-            if not rejoin.end_pending(-1 if tail is None else tail.taken, tail is not None and tail.ends_epoch,
-                                      self.state.timestamp.batch.value):
+            tail = None if self._went_back else self._tail  # back at a checkpoint's step: no batch to end
+            taken, made_from = rejoin.end_pending(tail, joined, self.state.timestamp.batch.value)
+            if taken < 0:
                 self._tail = None
                 return resume
+            if joined:  # the others' end of the batch, from the step they are at
+                self._tail = self._batch_end_of_others(made_from, taken)
             try:
                 self._tail.run()  # type: ignore[union-attr]
             except (elastic.MembershipChanged, RuntimeError) as error:
@@ -634,6 +640,18 @@ class Trainer:
                 continue
             self._tail = None
             return self._where_the_epoch_goes_on()
+
+    def _batch_end_of_others(self, made_from: tuple | None, taken: int) -> BatchEnd:
+        """A rank that joined while the others were in a batch's end: the same end (its steps made
+        from what theirs were, :meth:`BatchEnd.described`), with the steps they took taken. It
+        ends the batch at the change, as they do (an epoch it ends starts again on every rank)."""
+        assert made_from is not None, "the ranks in a batch's end describe it"
+        before, after = (Timestamp.from_state_dict(made) for made in made_from[:2])
+        is_last = made_from[2]
+        tail = BatchEnd(self._tail_steps(before, after, is_last, self._events.step_heard or bool(self.algorithms)),
+                        is_last, before, after)
+        tail.taken, self._ended_at_change = taken, True
+        return tail
 
     def _after_change(self, unended: tuple | None, stop: StopSignal | None) -> None:
         """On the new process group: the data split over its ranks, and the end of the batch the
@@ -672,7 +690,7 @@ class Trainer:
                 membership.reform()
                 for optimizer in s.optimizers:  # the abandoned step's partial gradients
                     optimizer.zero_grad(set_to_none=True)
-                reloaded = None
+                reloaded, self._went_back = None, False
                 if self.strategy.shards_state:  # a try that another change ends may leave a new model
                     first, peers = False, first
                     behind, unended, reloaded = self._reshard_after_change(trained, peers)
@@ -728,7 +746,7 @@ class Trainer:
         of ``save_folder`` loaded into it, resharded; where the data goes on. Under FSDP the model
         object is a new one (``state.model``): FSDP cannot move the old one's shards onto another
         group."""
-        s = self.state
+        s, self._went_back = self.state, True
         s.model = self.layout.model = self.strategy.reshard()
         if self.parallel.compile_config is not None:
             self.strategy.compile(self.parallel.compile_config)
@@ -801,7 +819,7 @@ class Trainer:
         if self._logging:
             self._log_batch(trained)
         self._run_event(Event.BATCH_END)
-        self._tail = BatchEnd(self._tail_steps(before, after, is_last, loud), is_last)
+        self._tail = BatchEnd(self._tail_steps(before, after, is_last, loud), is_last, before, after)
         self._tail.run()
         self._tail = None
         if stop and stop.agreed():
