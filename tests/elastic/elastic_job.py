@@ -1,21 +1,24 @@
 """The job of the elastic tests, run under the launcher: DDP over 44 indexed samples, 3 per rank,
 2 epochs (8 global batches of a 4-rank world).
 
-``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-in-step B] [--hold-full B] [--save FOLDER]
-[--fsdp [TYPE]]``: the rank launched as R SIGKILLs itself after batch B (with --save, once the
-checkpoint saved last is published), or raises an error there given ``R:B:raise``; every rank sleeps S seconds after each batch; with
-``--hold B``, ranks fewer than the full world wait after batch B until the ranks change (a node
-joins), or with ``--hold-in-step B`` in batch B's optimizer step, after its update; with ``--hold-full B``, the full world waits so after batch B (a test kills a node at that
-step, however loaded the machine); ``--fail-to-join`` makes a rank that joins a running job exit 3 as it starts, and
-``--join-after B`` wait until launch rank 0 ended batch B; with ``--save``, it saves every 2 batches to FOLDER and
-autoresumes from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead,
-saving checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at
-that ZeRO stage; ``--train-accuracy`` gives the model a training metric (torchmetrics, ~3 s of
-CPU to import, so only the tests that change the ranks under it ask). Each rank writes its pid to OUT/pid<launch rank>; appends for each batch it
-reads a JSON line ``[generation, batch, samples]`` to OUT/samples<launch rank>, for each batch it
-ends ``batch wall-time`` to OUT/ends<launch rank>, and for each change of the ranks it is told of
-a JSON line to OUT/changes<launch rank>; the last rank 0 saves the parameters of
-``trainer.state.model`` (under FSDP a change of the ranks makes a new model) to OUT/params.pt."""
+``python elastic_job.py OUT [R:B ...] [--sleep S] [--hold B] [--hold-in-step B] [--hold-full B]
+[--join-after B] [--save FOLDER] [--fsdp [TYPE]]``: the rank launched as R SIGKILLs itself after
+batch B (with --save, once the checkpoint saved last is published), or raises an error there given
+``R:B:raise``; every rank sleeps S seconds after each batch. With ``--hold B``, ranks fewer than
+the full world wait after batch B until the ranks change (a node joins), or with ``--hold-in-step
+B`` in batch B's optimizer step, after its update; with ``--hold-full B``, the full world waits so
+after batch B (a test kills a node at that step, however loaded the machine). ``--fail-to-join``
+makes a rank that joins a running job exit 3 as it starts, and ``--join-after B`` wait until
+launch rank 0 ended batch B. With ``--save``, it saves every 2 batches to FOLDER and autoresumes
+from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead, saving
+checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at that
+ZeRO stage; ``--train-accuracy`` gives the model a training metric (torchmetrics, ~3 s of CPU to
+import, so only the tests that change the ranks under it ask). Each rank writes its pid to
+OUT/pid<launch rank>; appends for each batch it reads a JSON line ``[generation, batch, samples]``
+to OUT/samples<launch rank>, for each batch it ends ``batch wall-time`` to OUT/ends<launch rank>,
+and for each change of the ranks it is told of a JSON line to OUT/changes<launch rank>; the last
+rank 0 saves the parameters of ``trainer.state.model`` (under FSDP a change of the ranks makes a
+new model) to OUT/params.pt."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,10 +102,11 @@ class Record(Callback):
 class HoldInStep(Callback):
     """``--hold-in-step B``: fewer ranks than the full world, in the optimizer step of batch B,
     wait until the ranks change once this rank's optimizer updated its state and before the step
-    ends (under ZeRO: before the gather of the updated weights of every rank)."""
+    ends (under ZeRO: before the gather of the updated weights of every rank); each says so in
+    OUT/in-step<launch rank>, and a rank that joins the running job waits for rank 0's."""
 
-    def __init__(self, batch: int, optimizer: torch.optim.Optimizer) -> None:
-        self.batch, self.armed = batch, False
+    def __init__(self, batch: int, optimizer: torch.optim.Optimizer, out: Path) -> None:
+        self.batch, self.armed, self.out = batch, False, out
         optimizer.register_step_post_hook(self._updated)
 
     def after_train_batch(self, state, logger) -> None:  # the step comes next
@@ -112,6 +117,7 @@ class HoldInStep(Callback):
     def _updated(self, *_) -> None:
         if self.armed:
             self.armed, membership, deadline = False, elastic.current(), time.monotonic() + 150
+            (self.out / f"in-step{os.environ['RANK']}").touch()
             while not membership.changed() and time.monotonic() < deadline:
                 time.sleep(0.02)
 
@@ -183,11 +189,11 @@ def die_in_save(batch: int, where: str) -> None:
     DeepSpeedLayout.write_parts = ShardedLayout.write_parts = doomed_write
 
 
-def await_ended(ends: Path, batch: int) -> None:
-    """Until ``ends`` (a rank's OUT/ends file) says that rank ended ``batch``."""
+def await_said(path: Path, said: Callable[[str], bool] = lambda text: True) -> None:
+    """Until the file at ``path`` exists and ``said`` of its text holds."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if ends.exists() and any(line.split()[0] == str(batch) for line in ends.read_text().splitlines()):
+        if path.exists() and said(path.read_text()):
             return
         time.sleep(0.02)
 
@@ -223,7 +229,10 @@ def main() -> None:
     if args.fail_to_join and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
         sys.exit(3)
     if args.join_after is not None and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
-        await_ended(args.out / "ends0", args.join_after)
+        batch = str(args.join_after)
+        await_said(args.out / "ends0", lambda text: batch in (line.split()[0] for line in text.splitlines()))
+    if args.hold_in_step is not None and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
+        await_said(args.out / "in-step0")  # once launch rank 0 waits in that step
     if args.die_in_reform == int(os.environ["RANK"]):
         die_in_reform()
     if args.die_in_save is not None and int(args.die_in_save.split(":")[0]) == int(os.environ["RANK"]):
@@ -242,7 +251,7 @@ def main() -> None:
         callbacks.append(RecordEvals(args.out, die_in))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     if args.hold_in_step is not None:
-        callbacks.append(HoldInStep(args.hold_in_step, optimizer))
+        callbacks.append(HoldInStep(args.hold_in_step, optimizer, args.out))
     trainer = Trainer(model=model, optimizers=optimizer, max_duration="2ep",
                       train_dataloader=(StatefulDataLoader if args.stateful else DataLoader)(
                           data, batch_size=PER_RANK_BATCH, sampler=dist.get_sampler(data, shuffle=True)),

@@ -237,10 +237,12 @@ class CheckpointWriter:
             rank_entry = {**rank_entry, "buffers": buffers}
         ranks, pid = self._agree(path, name, rank_entry)
         membership = elastic.current()
-        if membership is not None and (layout.collective or is_folder(layout)):
-            # every rank on to the collectives that follow, or none (another may have given up the
-            # gather just done, seeing a change of the job's ranks, after its part reached the others)
-            membership.all_or_none("the collectives of the checkpoint's write")
+        if membership is not None:
+            # every rank on to the save, or none (another may have given up the gather just done,
+            # seeing a change of the job's ranks, after its part reached the others): on to the
+            # collectives that follow, where they would wait for it, and so that every rank counts
+            # the save as done, or none (a rank that saved alone is at another step of the batch's end)
+            membership.all_or_none("the checkpoint's write")
         with _agreement.long_io():  # every rank is here (it took part in the agreement)
             model, optimizers = layout.gather() if self.writes or layout.collective else ({}, [])
         if self.writes and not self._swept:  # temporary files of a writer that died mid-save
