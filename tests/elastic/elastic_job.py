@@ -9,8 +9,9 @@ the full world wait after batch B until the ranks change (a node joins), or with
 B`` in batch B's optimizer step, after its update; with ``--hold-full B``, the full world waits so
 after batch B (a test kills a node at that step, however loaded the machine). ``--fail-to-join``
 makes a rank that joins a running job exit 3 as it starts, and ``--join-after B`` wait until
-launch rank 0 ended batch B. With ``--save``, it saves every 2 batches to FOLDER and autoresumes
-from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead, saving
+launch rank 0 ended batch B; with ``--change-in-end-pending`` the ranks wait for a second change
+as they agree on the end of the batch the first interrupted. With ``--save``, it saves every 2
+batches to FOLDER and autoresumes from it (a run under --max_restarts); ``--fsdp [TYPE]`` trains under FSDP instead, saving
 checkpoints of that ``state_dict_type`` (full); ``--zero STAGE`` trains with DeepSpeed at that
 ZeRO stage; ``--train-accuracy`` gives the model a training metric (torchmetrics, ~3 s of CPU to
 import, so only the tests that change the ranks under it ask). Each rank writes its pid to
@@ -189,6 +190,23 @@ def die_in_save(batch: int, where: str) -> None:
     DeepSpeedLayout.write_parts = ShardedLayout.write_parts = doomed_write
 
 
+def change_in_end_pending() -> None:
+    """The first time the ranks that trained agree on the end of the batch a change interrupted,
+    each waits until the ranks change again (a rank started again joins) before it agrees."""
+    from lockstep.trainer import rejoin
+
+    agree, waited = rejoin.end_pending, []
+
+    def held(tail, joined, batch):
+        if not waited and not joined:
+            waited.append(True)
+            membership, deadline = elastic.current(), time.monotonic() + 60
+            while not membership.changed() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return agree(tail, joined, batch)
+    rejoin.end_pending = held
+
+
 def await_said(path: Path, said: Callable[[str], bool] = lambda text: True) -> None:
     """Until the file at ``path`` exists and ``said`` of its text holds."""
     deadline = time.monotonic() + 120
@@ -220,6 +238,8 @@ def main() -> None:
                         help="R:B: launch rank R is killed after its first batch of the evaluation at batch B")
     parser.add_argument("--join-after", type=int, default=None,
                         help="a rank that joins a running job waits until launch rank 0 ended this batch")
+    parser.add_argument("--change-in-end-pending", action="store_true",
+                        help="the ranks wait for a second change as they agree on the end of the interrupted batch")
     parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
@@ -233,6 +253,8 @@ def main() -> None:
         await_said(args.out / "ends0", lambda text: batch in (line.split()[0] for line in text.splitlines()))
     if args.hold_in_step is not None and os.environ.get("LOCKSTEP_ELASTIC_JOIN"):
         await_said(args.out / "in-step0")  # once launch rank 0 waits in that step
+    if args.change_in_end_pending:
+        change_in_end_pending()
     if args.die_in_reform == int(os.environ["RANK"]):
         die_in_reform()
     if args.die_in_save is not None and int(args.die_in_save.split(":")[0]) == int(os.environ["RANK"]):

@@ -1,7 +1,8 @@
 """Membership.all_or_none on a real c10d store (issue 51): after a waited collective that some ranks
 completed while another gave it up, every rank of the generation goes on, or none does, decided
 once. Without it, 3 of 12 launches of test_shrink.py's rank_restarts job under ZeRO-2 hung in the
-save's own collectives (that job still ends off the uninterrupted run at times: CHANGELOG)."""
+save's own collectives, and under DDP a join during an epoch's last save could stop the job (rank 0
+wrote the checkpoint alone)."""
 
 from __future__ import annotations
 

@@ -184,6 +184,20 @@ def test_with_rank_restarts_a_lost_rank_is_started_again_in_place_and_the_four_e
         ["ep0-ba2-rank0.pt", "ep1-ba4-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"], err
 
 
+def test_a_change_while_the_ranks_agree_on_the_end_of_the_interrupted_batch_is_taken_as_any_other(
+        tmp_path: Path, reference) -> None:
+    # rank 2 is killed after batch 3; the three left agree on the end of the batch the loss
+    # interrupted only once rank 2, started again, joined (--change-in-end-pending): that change
+    # ends their agreement, and they take it as any other (before, each of them left the job)
+    out = tmp_path / "out"
+    err = finish(launch(out, "2:3", "--change-in-end-pending",
+                        launcher=("-n", "4", "--min_ranks", "2", "--rank_restarts", "1")))
+    assert "rank 2 joined: 4 of 4 ranks go on at world size 4 (generation 2" in err and "rank 0 left" not in err, err
+    told = [json.loads(line) for line in (out / "changes0").read_text().splitlines()]
+    assert [(c["generation"], c["left"], c["joined"]) for c in told] == [(1, [2], []), (2, [], [2])], (told, err)
+    assert_as_uninterrupted(out, reference)
+
+
 def test_a_rank_started_again_that_dies_before_it_is_let_in_is_started_again_and_never_waited_for(
         tmp_path: Path, reference) -> None:
     # rank 2 is killed after batch 3; each time it is started again it exits 3 as it starts, before

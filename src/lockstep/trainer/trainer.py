@@ -621,17 +621,22 @@ class Trainer:
         """:meth:`_rejoin`, and then the end of the batch the change interrupted after its
         BATCH_END (its evaluations, saves, its epoch's end), on the new process group, where every
         rank left had it to do; again after each change meanwhile. Where the epoch goes on."""
+        membership = elastic.current()
+        joined = membership is not None and membership.fresh  # no end of a batch of its own, until it takes theirs
         while True:
-            membership = elastic.current()
-            joined = membership is not None and membership.fresh
             resume = self._rejoin(stop)
             tail = None if self._went_back else self._tail  # back at a checkpoint's step: no batch to end
-            taken, made_from = rejoin.end_pending(tail, joined, self.state.timestamp.batch.value)
+            try:
+                taken, made_from = rejoin.end_pending(tail, joined, self.state.timestamp.batch.value)
+            except (elastic.MembershipChanged, RuntimeError) as error:
+                if not self._after_a_change(error):
+                    raise
+                continue
             if taken < 0:
                 self._tail = None
                 return resume
             if joined:  # the others' end of the batch, from the step they are at
-                self._tail = self._batch_end_of_others(made_from, taken)
+                self._tail, joined = self._batch_end_of_others(made_from, taken), False
             try:
                 self._tail.run()  # type: ignore[union-attr]
             except (elastic.MembershipChanged, RuntimeError) as error:
