@@ -85,10 +85,7 @@ class Record(Callback):
         # know; fewer ranks until a node joins (long enough for two launchers to start one after
         # the other on a loaded machine: the first may fail to join).
         if int(state.timestamp.batch) == (self.hold_full if full else self.hold):
-            deadline = time.monotonic() + 150
-            while not membership.changed() and time.monotonic() < deadline:
-                time.sleep(0.02)
-
+            await_change(150)
 
     def _await_saved(self, batch: int) -> None:
         """With --save, until the checkpoint of ``batch`` (saved every 2 batches) is published: a
@@ -117,10 +114,9 @@ class HoldInStep(Callback):
 
     def _updated(self, *_) -> None:
         if self.armed:
-            self.armed, membership, deadline = False, elastic.current(), time.monotonic() + 150
+            self.armed = False
             (self.out / f"in-step{os.environ['RANK']}").touch()
-            while not membership.changed() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            await_change(150)
 
 
 class RecordEvals(Callback):
@@ -200,11 +196,16 @@ def change_in_end_pending() -> None:
     def held(tail, joined, batch):
         if not waited and not joined:
             waited.append(True)
-            membership, deadline = elastic.current(), time.monotonic() + 60
-            while not membership.changed() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            await_change(60)
         return agree(tail, joined, batch)
     rejoin.end_pending = held
+
+
+def await_change(seconds: float) -> None:
+    """Until the job's ranks change (at most ``seconds``)."""
+    membership, deadline = elastic.current(), time.monotonic() + seconds
+    while not membership.changed() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def await_said(path: Path, said: Callable[[str], bool] = lambda text: True) -> None:

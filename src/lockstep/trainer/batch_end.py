@@ -15,16 +15,14 @@ class BatchEnd:
     after the batch they were made from, for a rank that joins a running job while the others are
     in it (:meth:`described`)."""
 
-    def __init__(self, steps: list[Callable[[], object]], ends_epoch: bool, before: Timestamp | None = None,
-                 after: Timestamp | None = None) -> None:
+    def __init__(self, steps: list[Callable[[], object]], ends_epoch: bool, before: Timestamp,
+                 after: Timestamp) -> None:
         self.steps, self.taken, self.ends_epoch = steps, 0, ends_epoch
         self.before, self.after = before, after
 
-    def described(self) -> tuple[dict[str, Any], dict[str, Any], bool] | None:
+    def described(self) -> tuple[dict[str, Any], dict[str, Any], bool]:
         """What another rank makes the same steps from: the timestamps (state dicts) and whether the
-        batch ends an epoch; None without the timestamps."""
-        if self.before is None or self.after is None:
-            return None
+        batch ends an epoch."""
         return self.before.state_dict(), self.after.state_dict(), self.ends_epoch
 
     def run(self) -> None:

@@ -653,10 +653,15 @@ class Trainer:
         assert made_from is not None, "the ranks in a batch's end describe it"
         before, after = (Timestamp.from_state_dict(made) for made in made_from[:2])
         is_last = made_from[2]
-        tail = BatchEnd(self._tail_steps(before, after, is_last, self._events.step_heard or bool(self.algorithms)),
-                        is_last, before, after)
+        tail = BatchEnd(self._tail_steps(before, after, is_last, self._loud), is_last, before, after)
         tail.taken, self._ended_at_change = taken, True
         return tail
+
+    @property
+    def _loud(self) -> bool:
+        """Whether a callback or an algorithm acts at the events of a step before BATCH_END and
+        between BATCH_END and the next (otherwise they are not dispatched at all)."""
+        return self._events.step_heard or bool(self.algorithms)
 
     def _after_change(self, unended: tuple | None, stop: StopSignal | None) -> None:
         """On the new process group: the data split over its ranks, and the end of the batch the
@@ -670,7 +675,7 @@ class Trainer:
         self._set_train_dataloader()
         if unended is not None:
             samples, tokens, is_last = unended
-            self._end_batch(samples, tokens, is_last, stop, self._events.step_heard or bool(self.algorithms))
+            self._end_batch(samples, tokens, is_last, stop, self._loud)
 
     @staticmethod
     def _after_a_change(error: BaseException) -> bool:
@@ -777,7 +782,7 @@ class Trainer:
             # Most steps have no callback at the events between BATCH_END and the next BATCH_END;
             # then they are not dispatched at all (callbacks and algorithms are what add one, and
             # none of them runs in between).
-            loud = self._events.step_heard or bool(self.algorithms)
+            loud = self._loud
             if loud:
                 run(Event.BEFORE_DATALOADER)
             item = next(batches, None)
