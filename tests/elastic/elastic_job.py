@@ -201,6 +201,29 @@ def change_in_end_pending() -> None:
     rejoin.end_pending = held
 
 
+def give_up_in_rejoin(gives_up: bool) -> None:
+    """The race of a polled collective that some ranks complete while another gives it up, having
+    seen a change first, made certain: once the ranks left after a loss have agreed where their
+    state comes from (under FSDP or ZeRO), this rank is killed (``gives_up`` False), or waits until
+    the ranks change (that death) and then leaves the agreement it completed, as a rank whose wait
+    saw the change before the collective's end (``gives_up``)."""
+    from lockstep.elastic.membership import MembershipChanged
+    from lockstep.trainer import rejoin
+
+    agree, done = rejoin.peers_hold_the_state, []
+
+    def racing(*args, **kwargs):
+        held = agree(*args, **kwargs)
+        if done:
+            return held
+        done.append(True)
+        if not gives_up:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await_change(60)
+        raise MembershipChanged("the job's ranks changed (the test's rank gave the agreement up)")
+    rejoin.peers_hold_the_state = racing
+
+
 def await_change(seconds: float) -> None:
     """Until the job's ranks change (at most ``seconds``)."""
     membership, deadline = elastic.current(), time.monotonic() + seconds
@@ -241,6 +264,9 @@ def main() -> None:
                         help="a rank that joins a running job waits until launch rank 0 ended this batch")
     parser.add_argument("--change-in-end-pending", action="store_true",
                         help="the ranks wait for a second change as they agree on the end of the interrupted batch")
+    parser.add_argument("--give-up-in-rejoin", default=None,
+                        help="G:K: after a loss, launch rank G gives the ranks' agreement on where their state "
+                             "comes from up once launch rank K is killed after completing it")
     parser.add_argument("--fail-to-join", action="store_true", help="a rank that joins a running job exits 3")
     parser.add_argument("--die-in-reform", type=int, default=None,
                         help="this launch rank is killed as it starts to form the first new process group")
@@ -256,6 +282,10 @@ def main() -> None:
         await_said(args.out / "in-step0")  # once launch rank 0 waits in that step
     if args.change_in_end_pending:
         change_in_end_pending()
+    if args.give_up_in_rejoin is not None:
+        gives_up, killed = (int(r) for r in args.give_up_in_rejoin.split(":"))
+        if int(os.environ["RANK"]) in (gives_up, killed):
+            give_up_in_rejoin(int(os.environ["RANK"]) == gives_up)
     if args.die_in_reform == int(os.environ["RANK"]):
         die_in_reform()
     if args.die_in_save is not None and int(args.die_in_save.split(":")[0]) == int(os.environ["RANK"]):

@@ -312,6 +312,24 @@ def _trained_again(err: str, kill: list[str], expected: int) -> int:
     return int(said[1])
 
 
+def test_a_rank_that_gives_up_the_agreement_after_a_loss_that_the_others_completed_costs_seconds_not_the_dist_timeout(
+        tmp_path: Path, reference) -> None:
+    # rank 2 is killed after batch 3; the three left agree that their state comes from the batch-2
+    # checkpoint; rank 1 is then killed, and rank 3 gives that agreement up on seeing it, as a rank
+    # whose polled wait saw the change before the gather's end. Rank 0 completed it: before, it went
+    # on into the model's resharding, whose process groups (DeepSpeed's) wait for rank 3 inside torch
+    # until dist_timeout (300 s); the two now decide all or none first, and form generation 2
+    out, saves = tmp_path / "out", tmp_path / "ck"
+    start = time.monotonic()
+    err = finish(launch(out, "2:3", "--zero", "2", "--save", str(saves), "--give-up-in-rejoin", "3:1"))
+    assert time.monotonic() - start < 90, err
+    assert "rank 2 left (signal SIGKILL): 3 of 4 ranks go on at world size 3 (generation 1" in err, err
+    assert "rank 1 left (signal SIGKILL): 2 of 4 ranks go on at world size 2 (generation 2" in err, err
+    params, batches = reference
+    assert_same_params(torch.load(out / "params.pt", weights_only=True), params, atol=1e-5)
+    assert global_batches(out) == batches
+
+
 @pytest.mark.parametrize("stage,kill,again", [(2, ["2:3"], 1), (2, ["--die-in-save", "2:4:write"], 2),
                                               (3, ["2:3"], 1)],
                          ids=["zero2-after-batch-3", "zero2-in-the-batch-4-write", "zero3-after-batch-3"])

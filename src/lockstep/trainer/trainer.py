@@ -739,12 +739,17 @@ class Trainer:
         membership = elastic.current()
         assert membership is not None
         can = first and self.strategy.whole_from_peers and set(trained) <= set(membership.ranks)
+        # Each agreement below is a polled gather, which a rank may give up on seeing a change that
+        # the others completed; the resharding after it meets in torch's own waits (DeepSpeed makes
+        # process groups), where they would wait for that rank until dist_timeout: all or none first.
         if not rejoin.peers_hold_the_state(self.state, self._unended, can, fresh=membership.fresh):
+            membership.all_or_none("the model's resharding for the last checkpoint")
             return 0, None, self._reshard_from_checkpoint()
         s = self.state
         own = None if membership.fresh else self.strategy.held_state()
         held = dist.all_gather_object(own)
         behind, unended = rejoin.catch_up(s, self._unended, fresh=membership.fresh, weights=False)
+        membership.all_or_none("the model's resharding from its peers' state")
         s.model = self.layout.model = self.strategy.reshard_from(held, own)
         if self.parallel.compile_config is not None:
             self.strategy.compile(self.parallel.compile_config)
