@@ -318,6 +318,48 @@ def test_a_dataset_made_on_its_first_read_resumes_mid_epoch_exactly(tmp_path: Pa
     assert_bitwise(resumed, reference)
 
 
+class KeepsItsPlace(torch.utils.data.IterableDataset):
+    """A dataset that keeps its own place in an epoch, as mosaicml-streaming's StreamingDataset
+    does, through the protocol Composer's checkpoints use: ``state_dict(num_samples,
+    from_beginning)`` and ``load_state_dict``. Each pass over it is its next epoch, in an order of
+    its own; ``read`` lists every sample it yielded."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(28, 6, generator=g), torch.randint(0, 3, (28,), generator=g)
+        self.next_epoch, self.resume_at, self.read = 0, 0, []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __iter__(self):
+        epoch, start = self.next_epoch, self.resume_at
+        self.next_epoch, self.resume_at = epoch + 1, 0
+        for i in torch.randperm(28, generator=torch.Generator().manual_seed(epoch)).tolist()[start:]:
+            self.read.append(i)
+            yield self.x[i], self.y[i]
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, int]:
+        return {"epoch": self.next_epoch - 1, "sample_in_epoch": num_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next_epoch, self.resume_at = state["epoch"], state["sample_in_epoch"]
+
+
+def test_a_dataset_that_keeps_its_own_place_resumes_mid_epoch_without_being_spun_or_passed_over(
+        tmp_path: Path) -> None:
+    # as in Composer (dataset_resumption['train']): before, the resumed run spun it through epoch 0
+    # (a pass of its own) and passed over the batch it had already put itself after
+    first = KeepsItsPlace()
+    reference = fit("12ba", tmp_path / "a", data=DataLoader(first, batch_size=4), save_interval="9ba")
+    again = KeepsItsPlace()
+    trainer = make("12ba", None, data=DataLoader(again, batch_size=4), load_path=str(tmp_path / "a/ep1-ba9-rank0.pt"))
+    assert trainer.state.dataset_resumption == {"train": True}
+    trainer.fit()
+    assert again.read == first.read[9 * 4:]  # epoch 1 from its third batch on, as the run that saved read it
+    assert_bitwise(params(trainer.state.model), reference)
+
+
 def test_a_run_without_a_seed_resumes_exactly_in_a_process_that_draws_otherwise(tmp_path: Path) -> None:
     """Without ``seed=``, the Trainer seeds every generator at the end of its construction with
     the seed the run started from (a resumed run: the checkpoint's), so the dataloader spin at

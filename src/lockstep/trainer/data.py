@@ -195,6 +195,10 @@ class DataPosition:
     """On resume: the state to restore once the data is back in place (the state at the save)."""
     loader_state: dict[str, Any] | None = None
     """A stateful loader's ``state_dict()`` after the newest batch it yielded for training."""
+    by_dataset: bool = False
+    """On resume: the train dataset put itself back in place (its ``load_state_dict`` took the
+    checkpoint's ``dataset_state``, as mosaicml-streaming's ``StreamingDataset`` does), so nothing is
+    passed over (Composer's ``dataset_resumption['train']``)."""
 
 
 def rank_entry(position: DataPosition, at_epoch_end: bool) -> dict[str, Any]:
@@ -206,11 +210,13 @@ def rank_entry(position: DataPosition, at_epoch_end: bool) -> dict[str, Any]:
             "loader_state": position.loader_state if mid_epoch else None}
 
 
-def resume_position(entry: dict[str, Any] | None, batch_in_epoch: int, position: DataPosition) -> DataPosition | None:
+def resume_position(entry: dict[str, Any] | None, batch_in_epoch: int, position: DataPosition, *,
+                    by_dataset: bool = False) -> DataPosition | None:
     """Where ``fit`` starts this rank's data: None at an epoch's start (after restoring a loaded
     checkpoint's RNG state), else the position to resume mid-epoch from. ``entry`` is this rank's
     part of a loaded checkpoint; without one, ``fit`` runs again after an earlier ``fit`` ended
-    mid-epoch (from ``position``)."""
+    mid-epoch (from ``position``). ``by_dataset``: the checkpoint put the train dataset back in
+    place itself (:attr:`DataPosition.by_dataset`)."""
     if entry is None:
         if batch_in_epoch == 0:
             return None
@@ -223,7 +229,7 @@ def resume_position(entry: dict[str, Any] | None, batch_in_epoch: int, position:
             rng.restore(entry["rng"])
         return None
     return DataPosition(epoch_rng=entry.get("epoch_rng"), fetch_rng=entry.get("fetch_rng"), skip=batch_in_epoch,
-                        rng_after=entry.get("rng"), loader_state=entry.get("loader_state"))
+                        rng_after=entry.get("rng"), loader_state=entry.get("loader_state"), by_dataset=by_dataset)
 
 
 def is_stateful(loader: Any) -> bool:
@@ -275,6 +281,7 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, 
     restored = resume is not None and resume.loader_state is not None and is_stateful(loader)
     if restored:
         loader.load_state_dict(resume.loader_state)  # type: ignore[union-attr]
+    restored = restored or (resume is not None and resume.by_dataset)
     # the state after each batch, when a checkpoint may need it
     state_of = loader.state_dict if track is not None and is_stateful(loader) else None
     # A plain loader reads the batches already trained on again and drops them, as an

@@ -554,10 +554,14 @@ class Trainer:
         s.model.train()
         self._events.index()  # callbacks added since the Trainer was built
         entry, self._resume_entry = self._resume_entry, None
+        # as in Composer, a train dataset that the checkpoint put back in place itself is neither
+        # spun through the epochs before (each pass would be one of its epochs) nor passed over
+        by_dataset = bool(s.dataset_resumption.get("train"))
         if self.options.spin_dataloaders:
-            spun = self.train_dataloader if entry is not None and not data.is_stateful(self.train_dataloader) else None
+            spun = self.train_dataloader if entry is not None and not data.is_stateful(self.train_dataloader) \
+                and not by_dataset else None
             data.spin(spun, s.timestamp.epoch.value, [e.dataloader.dataloader for e in self.evaluators])
-        resume = data.resume_position(entry, s.timestamp.batch_in_epoch.value, self._position)
+        resume = data.resume_position(entry, s.timestamp.batch_in_epoch.value, self._position, by_dataset=by_dataset)
         self._follow_schedules(s)
         self._logging = bool(self.logger.active)
         if self._logging:
