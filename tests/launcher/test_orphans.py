@@ -44,6 +44,7 @@ RANK = textwrap.dedent("""
         daemon("orphan", bare)
     while not all(os.path.exists(path(k)) for k in kinds if k != "rank"):
         time.sleep(0.02)
+    open(os.path.join(folder, "control"), "w").write(os.environ["LOCKSTEP_CONTROL_DIR"])
     open(path("rank") + ".tmp", "w").write(str(os.getpid()))
     os.rename(path("rank") + ".tmp", path("rank"))
     time.sleep(120)
@@ -127,6 +128,12 @@ def test_sigkill_of_the_launcher_leaves_none_of_the_ranks_descendants(job: Job) 
     job.wait(timeout=30)
     # the watchdog's work; an orphan without the mark is out of its reach (docs/launcher.md)
     assert _alive(job.pids, timeout=10) == []
+    control = Path((job.err.parent / "control").read_text())  # the ranks' progress files, in /dev/shm
+    assert control.name.startswith("lockstep-"), control
+    deadline = time.monotonic() + 10
+    while control.exists() and time.monotonic() < deadline:  # the watchdog removes it once it killed the job
+        time.sleep(0.05)
+    assert not control.exists(), sorted(p.name for p in control.iterdir())
 
 
 

@@ -173,6 +173,7 @@ class Supervisor:
             shm = Path("/dev/shm")
             self._control_dir = Path(tempfile.mkdtemp(
                 prefix="lockstep-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+            watchdog.remove_at_death(str(self._control_dir))
             try:
                 launcher_store = self._launchers_store(listener)
                 if self.plan.is_multinode:
@@ -200,6 +201,7 @@ class Supervisor:
         for held in (self._channel, self._board, self._attempt_store, self._launcher_store):
             if held is not None:
                 held.close()
+        watchdog.remove_at_death(None)  # before the folder's name is free for another launcher's
         shutil.rmtree(self._control_dir, ignore_errors=True)
         if self._prefork is not None:
             self._prefork.close()

@@ -6,7 +6,9 @@ closes that end, the watchdog reads EOF and SIGKILLs every process of the job (:
 rank it was told about and all that descends from it, however it groups itself, and every process
 that carries the launcher's mark in its environment, also one whose parent died before the
 launcher did (the launcher had adopted it as their subreaper; at its death init takes it). It runs
-in its own session so that killing the launcher's process group does not take it along.
+in its own session so that killing the launcher's process group does not take it along. Then it
+removes the launcher's control folder (in ``/dev/shm``, memory), which the launcher, killed, could
+not.
 
 Each rank registers *itself*, between fork and exec (Popen's ``preexec_fn``), so no instant exists
 in which a rank runs unguarded: had the launcher registered the pid after Popen returned, a SIGKILL
@@ -18,6 +20,7 @@ before it sees EOF.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 from lockstep.launcher.tree import kill_job, signal_group, start_time, still_ours
@@ -55,6 +58,11 @@ class Watchdog:
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}\n")
 
+    def remove_at_death(self, folder: str | None) -> None:
+        """Have the watchdog remove ``folder`` after it killed the job (None: no longer; the
+        launcher removed it itself)."""
+        self._send(f"d{folder or ''}\n")
+
     def close(self) -> None:
         """Normal shutdown: the watchdog sees EOF with nothing left to kill and exits."""
         if self._write_fd >= 0:
@@ -78,16 +86,17 @@ def _watch(read_fd: int, mark: str) -> None:
         os.closerange(3, read_fd)
         os.closerange(read_fd + 1, 65536)
         groups: dict[int, int | None] = {}  # each guarded group, and when its leader started
-        buffer = b""
+        folder, buffer = "", b""
         while chunk := os.read(read_fd, 4096):
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
-                pgid = int(line[1:])
-                if line[:1] == b"+":
-                    groups[pgid] = start_time(pgid)
+                if line[:1] == b"d":
+                    folder = line[1:].decode()
+                elif line[:1] == b"+":
+                    groups[int(line[1:])] = start_time(int(line[1:]))
                 else:
-                    groups.pop(pgid, None)
+                    groups.pop(int(line[1:]), None)
         # A rank that exited long before the launcher (lost in an elastic job, say) left its pid free:
         # a process that took it since is another's, and so is what descends from it.
         ours = {pgid: started for pgid, started in groups.items() if still_ours(pgid, started)}
@@ -95,5 +104,7 @@ def _watch(read_fd: int, mark: str) -> None:
         kill_job(mark, roots=ours)
         for pgid, started in ours.items():  # a rank killed between fork and exec does not carry the mark yet
             signal_group(pgid, signal.SIGKILL, started)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
     finally:
         os._exit(0)
