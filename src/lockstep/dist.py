@@ -349,14 +349,27 @@ def _rendezvous(device: Any, backend: str, world_size: int, rank: int, timeout: 
             )
         torch.cuda.set_device(get_local_rank())
     try:
-        torch_dist.init_process_group(
-            backend, init_method="env://", world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout)
-        )
+        store, rank, world_size = next(torch_dist.rendezvous("env://", rank, world_size,
+                                                             timeout=timedelta(seconds=timeout)))
+        torch_dist.init_process_group(backend, store=_fresh_keys(store, rank), world_size=world_size, rank=rank,
+                                      timeout=timedelta(seconds=timeout))
     except torch_dist.DistStoreError as e:
         missing = ranks_waited_for(str(e))
         if not missing:
             raise
         raise torch_dist.DistStoreError(_not_joined(missing, timeout)) from None
+
+
+def _fresh_keys(store: Any, rank: int) -> Any:
+    """``store`` under a prefix of its own for this rank's n-th default group of this attempt. The
+    launcher's store outlives a group destroyed before (mosaicml-streaming's ``StreamingDataset``
+    makes one and destroys it when no group exists yet), and torch names a new default group's keys
+    as it named that one's: ranks would read each other's old addresses and fail to connect
+    ("connectFullMesh failed ... Connection refused"; under torchrun too). Every rank of a job makes
+    the same groups, so each counts the same n."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    made = store.add(f"lockstep/default_groups/{attempt}/{rank}", 1)
+    return torch_dist.PrefixStore(f"lockstep/default_group/{attempt}/{made}/", store)
 
 
 def ranks_waited_for(error: str) -> list[int]:
