@@ -15,6 +15,8 @@ $(VENV)/.installed: $(VENV)/.demo
 	$(VENV)/bin/pip install --quiet -e '.[test,examples,deepspeed]'
 	# Azurite, the Azure Blob server the tests start (node and npm come with the machine)
 	npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3.35.0
+	# mosaicml-streaming beside the venv, for tests/trainer/test_streaming.py (the script says why)
+	bash scripts/install_streaming.sh $(VENV)
 	touch $@
 
 setup: $(VENV)/.installed
