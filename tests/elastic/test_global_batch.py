@@ -66,9 +66,10 @@ class _Stream(IterableDataset):
 def test_loaders_that_cannot_be_shared_and_bad_settings_are_one_line_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     data = list(range(SAMPLES))
     for loader in (DataLoader(data, batch_size=3), DataLoader(_Stream(), batch_size=3)):
-        said = error_of(share_loader, loader, "train_dataloader", 4, 2, 0)
-        assert "cannot be split into shares of the global batch of 4 ranks" in said and "get_sampler" in said
-        assert "\n" not in said
+        for world in (2, 4):  # with the full world there too: before the first step, not at a change
+            said = error_of(share_loader, loader, "train_dataloader", 4, world, 0)
+            assert "cannot be split into shares of the global batch of 4 ranks" in said and "get_sampler" in said
+            assert "\n" not in said
     loader = DataLoader(data, batch_size=3, sampler=DistributedSampler(data, num_replicas=2, rank=0))
     assert "more than the full world of 2" in error_of(share_loader, loader, "train_dataloader", 2, 3, 0)
     monkeypatch.setenv(FULL_WORLD_ENV, "four")

@@ -34,20 +34,23 @@ def share_loader(loader: Any, name: str, full_world: int, world: int, rank: int,
     A loader made by this function is re-split in place; with the full world there, and a loader
     never split, the loader is returned as it is: its batches are the global batch's shares. Not
     once the ranks ``regrouped`` (a rank joined the running job): the others' loaders split the
-    global batch in contiguous shares, which the DistributedSampler's interleaved ones are not."""
+    global batch in contiguous shares, which the DistributedSampler's interleaved ones are not.
+    A loader that could not be split is refused even then (ValueError), before the first step."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, GlobalBatchSampler):
         batch_sampler.split(world, rank)
         return loader
-    if world == full_world and not regrouped:
-        return loader
     sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else None
+    # refused before the first step too, not hours later at the first change of the ranks
     if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
             or not isinstance(sampler, DistributedSampler) or loader.batch_size is None):
         raise ValueError(
             f"{name} cannot be split into shares of the global batch of {full_world} ranks ({FULL_WORLD_ENV}) "
-            f"over the {world} that train: build it as DataLoader(dataset, batch_size=..., "
+            f"over however many train, as an elastic job does when its ranks change: build it as "
+            f"DataLoader(dataset, batch_size=..., "
             f"sampler=lockstep.dist.get_sampler(dataset, shuffle=...)) over a map-style dataset")
+    if world == full_world and not regrouped:
+        return loader
     shares = GlobalBatchSampler(loader.dataset, full_world=full_world, per_rank_batch=loader.batch_size,  # type: ignore[arg-type]
                                 world=world, rank=rank, shuffle=sampler.shuffle, seed=sampler.seed,
                                 drop_last=sampler.drop_last, drop_last_batch=loader.drop_last)
