@@ -1,7 +1,7 @@
 """A job on mosaicml-streaming's StreamingDataset, built before the Trainer as its users build it,
 for ``test_streaming.py``: ``write DATA`` writes 64 samples as MDS shards; ``train DATA OUT
-[LOAD_PATH]`` trains 2 epochs over them (8 per rank per batch, saving every 3 batches into OUT/ck,
-resuming from LOAD_PATH), writing each rank's samples of each batch to OUT/samples<rank> and the
+PER_RANK [LOAD_PATH]`` trains 2 epochs over them (PER_RANK samples a rank per batch, saving every
+3 batches into OUT/ck, resuming from LOAD_PATH), writing each rank's samples of each batch to OUT/samples<rank> and the
 parameters to OUT/params.pt. Runs with the streaming folder that ``make setup`` installs on the
 PYTHONPATH (``scripts/install_streaming.sh``)."""
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lockstep import Callback, Trainer, dist  # noqa: E402
 from tests.trainer.common import MLP  # noqa: E402
 
-SAMPLES, PER_RANK = 64, 4
+SAMPLES = 64
 
 
 def write(folder: str) -> None:
@@ -45,11 +45,11 @@ class Samples(Callback):
             f.write(json.dumps([int(state.timestamp.batch), state.batch[2].tolist()]) + "\n")
 
 
-def train(data: str, out: Path, load_path: str | None) -> None:
-    rows = Rows(local=data, batch_size=PER_RANK, shuffle=True, shuffle_seed=3, num_canonical_nodes=1)
+def train(data: str, out: Path, per_rank: int, load_path: str | None) -> None:
+    rows = Rows(local=data, batch_size=per_rank, shuffle=True, shuffle_seed=3, num_canonical_nodes=1)
     torch.manual_seed(0)
     model = MLP()
-    trainer = Trainer(model=model, train_dataloader=DataLoader(rows, batch_size=PER_RANK), max_duration="2ep",
+    trainer = Trainer(model=model, train_dataloader=DataLoader(rows, batch_size=per_rank), max_duration="2ep",
                       optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), progress_bar=False, seed=1,
                       save_folder=str(out / "ck"), save_interval="3ba", load_path=load_path, callbacks=[Samples(out)])
     trainer.fit()
@@ -61,4 +61,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2])
     else:
-        train(sys.argv[2], Path(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+        train(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else None)

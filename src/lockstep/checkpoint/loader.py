@@ -417,7 +417,7 @@ def _open(path: Path, state: State, layout: Layout, *, run_name: str, weights_on
                               f"(e.g. save_folder='checkpoints/{{run_name}}')")
     _check_layout(opened, layout, weights_only)
     if not weights_only:
-        payload.check_world_size(content, target, dist.get_world_size())
+        payload.check_world_size(content, target, dist.get_world_size(), state)
         payload.check_complete(content, target, layout, state)
     return opened
 

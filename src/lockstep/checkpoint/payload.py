@@ -52,7 +52,7 @@ import torch
 
 from lockstep import elastic
 from lockstep.checkpoint import composer, ignore, stateful
-from lockstep.core.state_dict import integrations
+from lockstep.core.state_dict import dataset_of, integrations
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.core import eval_metrics
 from lockstep.checkpoint.layout import DEEPSPEED, INDEX, NAME, SHARDED, SINGLE, Layout
@@ -235,20 +235,32 @@ def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None
                                   f"match the saved one: {e}") from None
 
 
-def check_world_size(payload: dict[str, Any], path: Path, world_size: int) -> None:
+def check_world_size(payload: dict[str, Any], path: Path, world_size: int, state: State | None = None) -> None:
     """Only a sharded (DCP) checkpoint reshards to another world size; in an elastic job
     (``LOCKSTEP_FULL_WORLD_SIZE``), whose data follows the global batch whatever the world size,
     a DDP one, in which every rank holds the whole state, loads at any world size too, and so does
-    a DeepSpeed one (:mod:`lockstep.checkpoint.deepspeed_reshard`)."""
+    a DeepSpeed one (:mod:`lockstep.checkpoint.deepspeed_reshard`). So does a DDP one whose train
+    dataset puts itself back in place (mosaicml-streaming's ``StreamingDataset``, by ``state``'s and
+    the checkpoint's ``dataset_state``), which splits the rest of its epoch over the ranks there
+    are by its own rules (for streaming: the same ``num_canonical_nodes``)."""
     meta = payload["lockstep"]
     saved, layout = meta.get("world_size"), layout_of(meta)
     if saved == world_size or layout == SHARDED:
         return
     if elastic.full_world_size() and layout in (SINGLE, DEEPSPEED):
         return
+    if layout == SINGLE and state is not None and _dataset_resumes_itself(payload, state):
+        return
     raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
                           f"{world_size}: an exact resume needs the same world size; pass "
                           f"load_weights_only=True to start a new run from its weights")
+
+
+def _dataset_resumes_itself(payload: dict[str, Any], state: State) -> bool:
+    """Whether the checkpoint holds the train dataset's own position and the live one takes it."""
+    saved = payload.get("dataset_state") or {}
+    return saved.get("train") is not None and callable(getattr(dataset_of(state.train_dataloader),
+                                                               "load_state_dict", None))
 
 
 def _plain(timestamp: dict[str, Any]) -> dict[str, Any]:
