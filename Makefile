@@ -11,12 +11,14 @@ $(VENV)/.demo: pyproject.toml constraints.txt
 	touch $@
 
 # Everything the tests use, DeepSpeed included.
+# Azurite, the Azure Blob server the tests start (node and npm come with the machine), installs
+# beside pip (~9 s); then mosaicml-streaming beside the venv, for tests/trainer/test_streaming.py
+# (the script says why).
 $(VENV)/.installed: $(VENV)/.demo
-	$(VENV)/bin/pip install --quiet -e '.[test,examples,deepspeed]'
-	# Azurite, the Azure Blob server the tests start (node and npm come with the machine)
-	npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3.35.0
-	# mosaicml-streaming beside the venv, for tests/trainer/test_streaming.py (the script says why)
-	bash scripts/install_streaming.sh $(VENV)
+	npm install --prefix $(VENV)/node --no-audit --no-fund --silent azurite@3.35.0 > $(VENV)/npm.log 2>&1 & \
+	npm=$$!; \
+	$(VENV)/bin/pip install --quiet -e '.[test,examples,deepspeed]' && bash scripts/install_streaming.sh $(VENV); \
+	rc=$$?; wait $$npm || { cat $(VENV)/npm.log; exit 1; }; exit $$rc
 	touch $@
 
 setup: $(VENV)/.installed
