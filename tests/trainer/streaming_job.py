@@ -1,9 +1,9 @@
 """A job on mosaicml-streaming's StreamingDataset, built before the Trainer as its users build it,
 for ``test_streaming.py``: ``write DATA`` writes 64 samples as MDS shards; ``train DATA OUT
 PER_RANK [LOAD_PATH]`` trains 2 epochs over them (PER_RANK samples a rank per batch, saving every
-3 batches into OUT/ck, resuming from LOAD_PATH), writing each rank's samples of each batch to OUT/samples<rank> and the
-parameters to OUT/params.pt. Runs with the streaming folder that ``make setup`` installs on the
-PYTHONPATH (``scripts/install_streaming.sh``)."""
+3 batches into OUT/ck, resuming from LOAD_PATH), writing each rank's samples of each batch to
+OUT/samples<rank> and the parameters to OUT/params.pt. Runs with the streaming folder that ``make
+setup`` installs on the PYTHONPATH (``scripts/install_streaming.sh``)."""
 
 from __future__ import annotations
 

@@ -50,8 +50,8 @@ def _global_batches(out: Path) -> dict[int, list[int]]:
     return {batch: sorted(samples) for batch, samples in sorted(read.items())}
 
 
-def test_a_streaming_dataset_resumes_mid_epoch_on_as_many_ranks_or_more_as_the_uninterrupted_run_read_it(env: dict[str, str],
-                                                                                 tmp_path: Path) -> None:
+def test_a_streaming_dataset_resumes_mid_epoch_on_as_many_ranks_or_more_as_the_uninterrupted_run_read_it(
+        env: dict[str, str], tmp_path: Path) -> None:
     data, first, resumed, wider = (tmp_path / name for name in ("mds", "first", "resumed", "wider"))
     done = subprocess.run([sys.executable, str(JOB), "write", str(data)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
