@@ -235,7 +235,7 @@ def _load_list(name: str, live: list[Any], saved: list[Any], path: Path) -> None
                                   f"match the saved one: {e}") from None
 
 
-def check_world_size(payload: dict[str, Any], path: Path, world_size: int, state: State | None = None) -> None:
+def check_world_size(payload: dict[str, Any], path: Path, world_size: int, state: State) -> None:
     """Only a sharded (DCP) checkpoint reshards to another world size; in an elastic job
     (``LOCKSTEP_FULL_WORLD_SIZE``), whose data follows the global batch whatever the world size,
     a DDP one, in which every rank holds the whole state, loads at any world size too, and so does
@@ -249,7 +249,7 @@ def check_world_size(payload: dict[str, Any], path: Path, world_size: int, state
         return
     if elastic.full_world_size() and layout in (SINGLE, DEEPSPEED):
         return
-    if layout == SINGLE and state is not None and _dataset_resumes_itself(payload, state):
+    if layout == SINGLE and _dataset_resumes_itself(payload, state):
         return
     raise CheckpointError(f"checkpoint {path} was saved by {saved} rank(s) and this run has "
                           f"{world_size}: an exact resume needs the same world size; pass "

@@ -47,13 +47,11 @@ def end_pending(tail: BatchEnd | None, joined: bool, batch: int) -> tuple[int, t
     then be counted on every rank: a RuntimeError instead of training that epoch twice. A rank
     that ``joined`` the running job has none of its own: it follows the others, and gets what
     theirs was made from (:meth:`BatchEnd.described`) to make its own."""
-    own = None if joined else (-1 if tail is None else tail.taken, tail is not None and tail.ends_epoch,
-                               None if tail is None else tail.described())
+    own = None if joined else (-1, None) if tail is None else (tail.taken, tail.described())
     told = [t for t in dist.all_gather_object(own) if t is not None]
-    takens = {t[0] for t in told}
-    if len(takens) == 1:
-        return told[0][0], told[0][2]
-    if any(t[1] for t in told):
+    if len({taken for taken, _ in told}) == 1:
+        return told[0]
+    if any(made_from is not None and made_from[2] for _, made_from in told):  # it ends an epoch
         raise RuntimeError(f"the ranks left are at different steps of the end of batch {batch}, the last of its "
                            f"epoch, after a change of the job's ranks: the job cannot go on exactly; run it "
                            f"again with autoresume")

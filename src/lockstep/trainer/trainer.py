@@ -554,14 +554,7 @@ class Trainer:
         s.model.train()
         self._events.index()  # callbacks added since the Trainer was built
         entry, self._resume_entry = self._resume_entry, None
-        # as in Composer, a train dataset that the checkpoint put back in place itself is neither
-        # spun through the epochs before (each pass would be one of its epochs) nor passed over
-        by_dataset = bool(s.dataset_resumption.get("train"))
-        if self.options.spin_dataloaders:
-            spun = self.train_dataloader if entry is not None and not data.is_stateful(self.train_dataloader) \
-                and not by_dataset else None
-            data.spin(spun, s.timestamp.epoch.value, [e.dataloader.dataloader for e in self.evaluators])
-        resume = data.resume_position(entry, s.timestamp.batch_in_epoch.value, self._position, by_dataset=by_dataset)
+        resume = self._data_resumed(entry)
         self._follow_schedules(s)
         self._logging = bool(self.logger.active)
         if self._logging:
@@ -594,6 +587,19 @@ class Trainer:
             self._evaluate([e for e in self.evaluators
                             if evaluation.is_due_at_fit_end(e.eval_interval, s, self._evaluated_at.get(e.label))])
         self._end_fit()
+
+    def _data_resumed(self, entry: dict[str, Any] | None) -> data.DataPosition | None:
+        """The dataloaders spun to the epoch a loaded checkpoint (``entry``: this rank's part)
+        was saved in, and where ``fit`` starts the train data (:func:`data.resume_position`)."""
+        s = self.state
+        # as in Composer, a train dataset that the checkpoint put back in place itself is neither
+        # spun through the epochs before (each pass would be one of its epochs) nor passed over
+        by_dataset = bool(s.dataset_resumption.get("train"))
+        if self.options.spin_dataloaders:
+            spun = self.train_dataloader if entry is not None and not data.is_stateful(self.train_dataloader) \
+                and not by_dataset else None
+            data.spin(spun, s.timestamp.epoch.value, [e.dataloader.dataloader for e in self.evaluators])
+        return data.resume_position(entry, s.timestamp.batch_in_epoch.value, self._position, by_dataset=by_dataset)
 
     def _end_fit(self) -> None:
         """FIT_END, once every batch, evaluation and save of this fit is over."""
