@@ -278,20 +278,9 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, 
     if track is not None:
         track.epoch_rng, track.fetch_rng, track.loader_state = rng.capture(), None, None
     done = resume.skip if resume else 0
-    restored = resume is not None and resume.loader_state is not None and is_stateful(loader)
-    if restored:
-        loader.load_state_dict(resume.loader_state)  # type: ignore[union-attr]
-    restored = restored or (resume is not None and resume.by_dataset)
     # the state after each batch, when a checkpoint may need it
     state_of = loader.state_dict if track is not None and is_stateful(loader) else None
-    # A plain loader reads the batches already trained on again and drops them, as an
-    # uninterrupted run read them: whatever fetching does (a dataset made lazily at random on its
-    # first read, a cache, workers advancing their RNGs per sample) then happens as it did there.
-    it = iter(loader)
-    for _ in range(0 if restored else done):
-        if next(it, None) is None:
-            raise ValueError(f"cannot resume: train_dataloader ended within the {done} batches "
-                             f"this epoch had already trained on")
+    it = _iter_from(loader, resume)
     if limit is not None:
         it = itertools.islice(it, max(limit - done, 0))
     if transform is not None:
@@ -300,6 +289,25 @@ def epoch_batches(loader: Any, count: Any, sync: bool, device: torch.device, *, 
         yield from _counted(it, length, done, count, track, state_of, resume, sum_tokens)
     else:
         yield from _read_ahead(it, count, sync, device, track, state_of, resume)
+
+
+def _iter_from(loader: Any, resume: DataPosition | None) -> Iterator[Any]:
+    """An iterator over ``loader`` from where ``resume`` puts it: a stateful loader given its
+    saved state, a dataset that put itself back in place as it is, a plain loader past the
+    batches already trained. A plain loader reads them again and drops them, as an uninterrupted
+    run read them: whatever fetching does (a dataset made lazily at random on its first read, a
+    cache, workers advancing their RNGs per sample) then happens as it did there."""
+    restored = resume is not None and resume.loader_state is not None and is_stateful(loader)
+    if restored:
+        loader.load_state_dict(resume.loader_state)  # type: ignore[union-attr]
+    it = iter(loader)
+    if resume is None or restored or resume.by_dataset:
+        return it
+    for _ in range(resume.skip):
+        if next(it, None) is None:
+            raise ValueError(f"cannot resume: train_dataloader ended within the {resume.skip} batches "
+                             f"this epoch had already trained on")
+    return it
 
 
 def _counted(it: Iterator[Any], length: int, done: int, count: Any, track: DataPosition | None,
